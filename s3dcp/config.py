@@ -1,0 +1,275 @@
+"""S3Config: every knob of s3dcp in one frozen, validated dataclass.
+
+Unset fields are filled by :meth:`S3Config.resolved` from the same places, in the same order,
+as botocore: explicit argument, then ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``, then the shared config file of ``AWS_PROFILE``
+(``region``, ``endpoint_url``, ``s3.addressing_style``). Credentials are not resolved here:
+explicit keys, when given, are used as they are; otherwise the CRT's default credential
+chain (environment, profile, web identity, ECS, IMDS) is asked at request time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from .errors import ConfigError
+
+__all__ = ["S3Config", "MiB", "GiB"]
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+MIN_PART_SIZE_BYTES = 5 * MiB  # S3's minimum for every part but the last
+MAX_PART_SIZE_BYTES = 5 * GiB  # S3's maximum part size
+CHECKSUMS = ("crc32c", "crc64nvme", None)
+ADDRESSING_STYLES = ("auto", "path", "virtual")
+SSE_MODES = (None, "AES256", "aws:kms")
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """How s3dcp reaches S3 and how it moves bytes.
+
+    All sizes are in bytes and all times in seconds; the unit is part of each name.
+    ``None`` means "resolve from the environment" (see :meth:`resolved`) or "no limit".
+    """
+
+    region: str | None = None
+    endpoint_url: str | None = None
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    # Transfer shape.
+    part_size_bytes: int = 64 * MiB
+    multipart_threshold_bytes: int | None = None  # None: same as part_size_bytes
+    throughput_target_gbps: float = 10.0
+    max_concurrency: int = 16  # requests s3dcp keeps in flight per process (objects / ranges)
+    object_size_target_bytes: int = 512 * MiB  # how much one rank packs into one data object
+    coalesce_gap_bytes: int = 1 * MiB  # read ranges closer than this are fetched as one GET
+
+    # Integrity.
+    checksum: str | None = "crc32c"
+
+    # Reliability.
+    max_retries: int = 5
+    retry_backoff_base_ms: int = 200
+    retry_max_backoff_s: int = 10
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float | None = 600.0  # bound on one whole object transfer; None: unbounded
+
+    # Addressing and transport.
+    addressing_style: str | None = None  # "auto" | "path" | "virtual"; None: from profile, else auto
+    verify_tls: bool = True
+    ca_bundle: str | None = None
+
+    # Server-side encryption and ownership checks, passed through as headers.
+    sse: str | None = None  # None | "AES256" | "aws:kms"
+    sse_kms_key_id: str | None = None
+    expected_bucket_owner: str | None = None
+
+    # Staging (async_save).
+    staging_budget_bytes: int | None = None  # None: stage the whole state at once
+    max_inflight_checkpoints: int = 1
+
+    def __post_init__(self) -> None:
+        problems = _validate(self)
+        if problems:
+            raise ConfigError("invalid S3Config: " + "; ".join(problems))
+
+    def replace(self, **changes) -> "S3Config":
+        """Return a copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------------------------- resolution
+    def resolved(self, environ: os._Environ | dict | None = None) -> "S3Config":
+        """Return a copy with region, endpoint and addressing style filled in.
+
+        ``environ`` defaults to ``os.environ``; tests pass a dict.
+        """
+        env = os.environ if environ is None else environ
+        profile = self.profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
+        file_cfg = _profile_config(profile, env)
+        s3_section = file_cfg.get("s3") if isinstance(file_cfg.get("s3"), dict) else {}
+
+        region = (
+            self.region
+            or env.get("AWS_REGION")
+            or env.get("AWS_DEFAULT_REGION")
+            or file_cfg.get("region")
+            or "us-east-1"
+        )
+        endpoint = (
+            self.endpoint_url
+            or env.get("AWS_ENDPOINT_URL_S3")
+            or env.get("AWS_ENDPOINT_URL")
+            or s3_section.get("endpoint_url")
+            or file_cfg.get("endpoint_url")
+            or f"https://s3.{region}.amazonaws.com"
+        )
+        endpoint = normalize_endpoint(endpoint)
+        style = self.addressing_style or s3_section.get("addressing_style") or "auto"
+        return dataclasses.replace(
+            self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style
+        )
+
+    @property
+    def use_path_style(self) -> bool:
+        """Path-style (``/bucket/key``) unless virtual-hosted was asked for on an AWS endpoint."""
+        style = self.addressing_style or "auto"
+        if style == "path":
+            return True
+        if style == "virtual":
+            return False
+        host = urlsplit(self.endpoint_url or "").hostname or ""
+        return not host.endswith("amazonaws.com")
+
+    @property
+    def effective_multipart_threshold_bytes(self) -> int:
+        return self.multipart_threshold_bytes or self.part_size_bytes
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """Give an endpoint a scheme (https unless it is a loopback address) and drop a trailing '/'."""
+    endpoint = endpoint.strip().rstrip("/")
+    if "://" not in endpoint:
+        host = endpoint.split("/")[0].rsplit(":", 1)[0].strip("[]")
+        endpoint = ("http://" if _is_loopback(host) else "https://") + endpoint
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"endpoint_url={endpoint!r} is not an http(s) URL with a host")
+    if parts.path not in ("", "/"):
+        raise ConfigError(f"endpoint_url={endpoint!r} must not have a path; put the bucket in the s3:// URI")
+    return endpoint
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _profile_config(profile: str | None, env) -> dict:
+    """The profile's section of the shared config file, via botocore (which knows the format)."""
+    if not profile and not env.get("AWS_CONFIG_FILE") and not os.path.exists(
+        os.path.expanduser("~/.aws/config")
+    ):
+        return {}
+    try:
+        from botocore.configloader import load_config
+    except ImportError:  # pragma: no cover - botocore is a dependency
+        return {}
+    path = os.path.expanduser(env.get("AWS_CONFIG_FILE", "~/.aws/config"))
+    if not os.path.exists(path):
+        if profile and profile != "default":
+            raise ConfigError(f"AWS profile {profile!r} requested but config file {path} does not exist")
+        return {}
+    profiles = load_config(path).get("profiles", {})
+    name = profile or "default"
+    if name not in profiles:
+        if profile and profile != "default":
+            raise ConfigError(f"AWS profile {profile!r} not found in {path}")
+        return {}
+    return profiles[name]
+
+
+def _validate(c: S3Config) -> list[str]:
+    problems: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            problems.append(msg)
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(c.part_size_bytes):
+        problems.append(f"part_size_bytes={c.part_size_bytes!r} must be an int")
+    else:
+        need(
+            c.part_size_bytes >= MIN_PART_SIZE_BYTES,
+            f"part_size_bytes={c.part_size_bytes} is below S3's 5 MiB minimum ({MIN_PART_SIZE_BYTES})",
+        )
+        need(
+            c.part_size_bytes <= MAX_PART_SIZE_BYTES,
+            f"part_size_bytes={c.part_size_bytes} is above S3's 5 GiB maximum ({MAX_PART_SIZE_BYTES})",
+        )
+    if c.multipart_threshold_bytes is not None:
+        need(
+            is_int(c.multipart_threshold_bytes) and c.multipart_threshold_bytes >= MIN_PART_SIZE_BYTES,
+            f"multipart_threshold_bytes={c.multipart_threshold_bytes!r} must be an int >= 5 MiB",
+        )
+    need(
+        isinstance(c.throughput_target_gbps, (int, float)) and 0 < c.throughput_target_gbps <= 800,
+        f"throughput_target_gbps={c.throughput_target_gbps!r} must be in (0, 800]",
+    )
+    need(
+        is_int(c.max_concurrency) and 1 <= c.max_concurrency <= 1024,
+        f"max_concurrency={c.max_concurrency!r} must be an int in [1, 1024]",
+    )
+    need(
+        is_int(c.object_size_target_bytes) and c.object_size_target_bytes >= 1 * MiB,
+        f"object_size_target_bytes={c.object_size_target_bytes!r} must be an int >= 1 MiB",
+    )
+    need(
+        is_int(c.coalesce_gap_bytes) and c.coalesce_gap_bytes >= 0,
+        f"coalesce_gap_bytes={c.coalesce_gap_bytes!r} must be an int >= 0",
+    )
+    need(c.checksum in CHECKSUMS, f"checksum={c.checksum!r} must be one of {CHECKSUMS}")
+    need(
+        is_int(c.max_retries) and 0 <= c.max_retries <= 100,
+        f"max_retries={c.max_retries!r} must be an int in [0, 100]",
+    )
+    need(
+        is_int(c.retry_backoff_base_ms) and c.retry_backoff_base_ms >= 1,
+        f"retry_backoff_base_ms={c.retry_backoff_base_ms!r} must be an int >= 1",
+    )
+    need(
+        is_int(c.retry_max_backoff_s) and c.retry_max_backoff_s >= 1,
+        f"retry_max_backoff_s={c.retry_max_backoff_s!r} must be an int >= 1",
+    )
+    need(
+        isinstance(c.connect_timeout_s, (int, float)) and c.connect_timeout_s > 0,
+        f"connect_timeout_s={c.connect_timeout_s!r} must be > 0",
+    )
+    need(
+        c.request_timeout_s is None
+        or (isinstance(c.request_timeout_s, (int, float)) and c.request_timeout_s > 0),
+        f"request_timeout_s={c.request_timeout_s!r} must be > 0 or None",
+    )
+    need(
+        c.addressing_style is None or c.addressing_style in ADDRESSING_STYLES,
+        f"addressing_style={c.addressing_style!r} must be one of {ADDRESSING_STYLES}",
+    )
+    need(c.sse in SSE_MODES, f"sse={c.sse!r} must be one of {SSE_MODES}")
+    need(
+        c.sse_kms_key_id is None or c.sse == "aws:kms",
+        "sse_kms_key_id is set but sse is not 'aws:kms'",
+    )
+    need(
+        c.staging_budget_bytes is None
+        or (is_int(c.staging_budget_bytes) and c.staging_budget_bytes >= 1 * MiB),
+        f"staging_budget_bytes={c.staging_budget_bytes!r} must be None or an int >= 1 MiB",
+    )
+    need(
+        is_int(c.max_inflight_checkpoints) and 1 <= c.max_inflight_checkpoints <= 8,
+        f"max_inflight_checkpoints={c.max_inflight_checkpoints!r} must be an int in [1, 8]",
+    )
+    need(
+        (c.access_key_id is None) == (c.secret_access_key is None),
+        "access_key_id and secret_access_key must be given together",
+    )
+    if c.endpoint_url is not None:
+        try:
+            normalize_endpoint(c.endpoint_url)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems

@@ -1,0 +1,158 @@
+"""The s3dcp exception hierarchy.
+
+Every error that crosses the library boundary is an :class:`S3DCPError`. Errors that come
+from an S3 response carry the bucket, key, HTTP status, S3 error code and request id, and are
+classified once, in :func:`s3dcp.client.translate_error`, by status and error code, never by
+message text.
+
+    S3DCPError
+    ├── ConfigError                 bad S3Config value or unusable environment
+    ├── CheckpointError             checkpoint-level problems
+    │   ├── CheckpointNotFoundError     nothing at that path
+    │   ├── IncompleteCheckpointError   data objects but no metadata (commit marker)
+    │   ├── CheckpointExistsError       saving onto a committed checkpoint without overwrite=True
+    │   ├── MetadataFormatError         metadata that is not ours, garbage, or of an unknown version
+    │   └── IntegrityError              checksum mismatch or truncated object
+    └── S3Error                     a failed S3 request
+        ├── AccessDeniedError           403: wrong or missing credentials, no permission
+        ├── NoSuchBucketError           the bucket does not exist
+        ├── NoSuchKeyError              the key does not exist
+        ├── PreconditionFailedError     a conditional request lost (If-None-Match: *)
+        ├── ThrottlingError             503 SlowDown and friends, after retries
+        ├── S3ServerError               5xx after retries
+        └── S3ConnectionError           no HTTP answer: refused, reset, timed out
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "S3DCPError",
+    "ConfigError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CheckpointExistsError",
+    "MetadataFormatError",
+    "IntegrityError",
+    "S3Error",
+    "AccessDeniedError",
+    "NoSuchBucketError",
+    "NoSuchKeyError",
+    "PreconditionFailedError",
+    "ThrottlingError",
+    "S3ServerError",
+    "S3ConnectionError",
+]
+
+
+class S3DCPError(Exception):
+    """Base class of every error raised by s3dcp."""
+
+
+class ConfigError(S3DCPError, ValueError):
+    """An S3Config field, a URI or the environment has a value s3dcp cannot use."""
+
+
+class CheckpointError(S3DCPError):
+    """A checkpoint-level problem (missing, incomplete, already there, corrupt)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (neither metadata nor data objects) exists at the path."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """Data objects exist but the metadata object, written last as the commit marker, does not."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already exists at the path and overwrite was not requested."""
+
+
+class MetadataFormatError(CheckpointError):
+    """The metadata object is not s3dcp metadata, is corrupt, or has an unsupported format version."""
+
+
+class IntegrityError(CheckpointError):
+    """Stored bytes do not match their recorded checksum or length."""
+
+
+class S3Error(S3DCPError):
+    """A failed S3 request.
+
+    Attributes name what failed so that a user can act on it; any of them may be ``None``
+    when the failure happened before an HTTP response (see :class:`S3ConnectionError`).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str | None = None,
+        bucket: str | None = None,
+        key: str | None = None,
+        status: int | None = None,
+        code: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        self.operation = operation
+        self.bucket = bucket
+        self.key = key
+        self.status = status
+        self.code = code
+        self.request_id = request_id
+        super().__init__(self._format(message))
+
+    def _format(self, message: str) -> str:
+        where = f"s3://{self.bucket}/{self.key or ''}" if self.bucket else None
+        details = [
+            f"{name}={value}"
+            for name, value in (
+                ("operation", self.operation),
+                ("object", where),
+                ("status", self.status),
+                ("code", self.code),
+                ("request_id", self.request_id),
+            )
+            if value is not None
+        ]
+        return f"{message} ({', '.join(details)})" if details else message
+
+    def __reduce__(self):
+        # Keep the attributes when the error crosses a process boundary (DCP's process executor).
+        return (_rebuild_s3_error, (type(self), self.args[0], self.__dict__.copy()))
+
+
+def _rebuild_s3_error(cls, text, attrs):
+    err = cls.__new__(cls)
+    Exception.__init__(err, text)
+    err.__dict__.update(attrs)
+    return err
+
+
+class AccessDeniedError(S3Error, PermissionError):
+    """HTTP 403: the credentials are wrong, missing, or lack permission."""
+
+
+class NoSuchBucketError(S3Error):
+    """The bucket does not exist (or is not visible to these credentials)."""
+
+
+class NoSuchKeyError(S3Error, FileNotFoundError):
+    """The key does not exist."""
+
+
+class PreconditionFailedError(S3Error, FileExistsError):
+    """A conditional request failed: an ``If-None-Match: *`` PUT found the key already there."""
+
+
+class ThrottlingError(S3Error):
+    """The server kept asking us to slow down (503 SlowDown) after all retries."""
+
+
+class S3ServerError(S3Error):
+    """The server kept failing (HTTP 5xx) after all retries."""
+
+
+class S3ConnectionError(S3Error, ConnectionError):
+    """No usable HTTP answer: connection refused or reset, DNS failure, or a timeout."""

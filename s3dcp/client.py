@@ -1,0 +1,735 @@
+"""The one module that talks to S3: a small surface over awscrt's S3Client.
+
+    caller buffers ──put()──► CRT meta request (multipart above the threshold, checksummed parts)
+    caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
+    head / list / delete / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
+
+Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, in
+:func:`translate_error`, from HTTP status and S3 error code (never message text) into the
+:mod:`s3dcp.errors` hierarchy, keeping the original as ``__cause__``.
+
+The CRT client is created lazily, so an :class:`S3Client` pickles (DCP's process executor
+sends the writer to a child process) and each process builds its own native client.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import heapq
+import io
+import itertools
+import logging
+import threading
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+from urllib.parse import quote, urlencode, urlsplit
+
+from .config import S3Config
+from .errors import (
+    AccessDeniedError,
+    IntegrityError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    PreconditionFailedError,
+    S3ConnectionError,
+    S3Error,
+    S3ServerError,
+    ThrottlingError,
+)
+
+__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error"]
+
+log = logging.getLogger("s3dcp")
+
+_DELETE_BATCH = 1000  # S3's DeleteObjects limit
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+     "RequestThrottled", "503 SlowDown"}
+)
+_STATUS_TEXT = {403: "access denied (HTTP 403)", 404: "not found (HTTP 404)", 412: "precondition failed (HTTP 412)"}
+_AUTH_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+     "TokenRefreshRequired", "AllAccessDisabled"}
+)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str | None = None
+    last_modified: float | None = None  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """An unfinished multipart upload."""
+
+    key: str
+    upload_id: str
+    initiated: float | None = None  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class PutResult:
+    etag: str | None
+    size: int
+
+
+class S3Client:
+    """Futures-returning S3 operations over one lazily created awscrt ``S3Client``.
+
+    ``put`` and ``get_range_into`` move data through the CRT's parallel multipart machinery;
+    the rest are single small requests. At most ``config.max_concurrency`` calls are in flight
+    per instance: a call made beyond that blocks until one finishes (back-pressure, not queues
+    of unbounded memory).
+    """
+
+    def __init__(self, config: S3Config | None = None) -> None:
+        self.config = (config or S3Config()).resolved()
+        self._lock = threading.Lock()
+        self._crt = None
+        self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
+        self._deadlines = _Deadlines()
+        parts = urlsplit(self.config.endpoint_url)
+        self._tls = parts.scheme == "https"
+        self._host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+        if ":" in (parts.hostname or "") and parts.port is not None:  # IPv6 literal
+            self._host = f"[{parts.hostname}]:{parts.port}"
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self):
+        return {"config": self.config}
+
+    def __setstate__(self, state):
+        self.__init__(state["config"])
+
+    def __repr__(self) -> str:
+        return f"S3Client(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
+
+    # ------------------------------------------------------------------ data plane
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        data: Sequence | bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool = False,
+        content_type: str = "application/octet-stream",
+    ) -> "Future[PutResult]":
+        """Upload ``data`` (one buffer, or a sequence of buffers sent back to back, no copy
+        into a staging area) as ``key``. Multipart above the threshold, with the configured
+        checksum on every part. ``if_none_match=True`` fails with
+        :class:`PreconditionFailedError` if the key exists (a single-PUT-only condition: the
+        data must be below the multipart threshold)."""
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.s3 import S3RequestType
+
+        buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        stream = _BufferStream(buffers)
+        if if_none_match and stream.size > self.config.effective_multipart_threshold_bytes:
+            raise ValueError("if_none_match needs a single PUT: data is above the multipart threshold")
+        headers = [("Host", self._host_for(bucket)), ("Content-Length", str(stream.size)),
+                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
+        if if_none_match:
+            headers.append(("If-None-Match", "*"))
+        etag: list[str | None] = [None]
+
+        def on_headers(status_code, headers, **_):
+            for name, value in headers:
+                if name.lower() == "etag":
+                    etag[0] = value
+
+        request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers), stream)
+        return self._submit(
+            "PutObject", bucket, key,
+            lambda crt, on_done: crt.make_request(
+                type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._put_checksum(),
+                on_headers=on_headers, on_done=on_done),
+            result=lambda: PutResult(etag[0], stream.size),
+        )
+
+    def get_range_into(self, bucket: str, key: str, offset: int, dest) -> "Future[int]":
+        """Read ``len(dest)`` bytes of ``key`` starting at ``offset`` into the writable buffer
+        ``dest`` (bytearray, memoryview, tensor memory). Large ranges are split into parts
+        fetched in parallel. Fails with :class:`IntegrityError` if the object is shorter."""
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.s3 import S3RequestType
+
+        view = memoryview(dest).cast("B")
+        length = view.nbytes
+        if length == 0:
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        received = [0]
+
+        def on_body(chunk, offset: int, **_):
+            start = offset - base
+            view[start:start + len(chunk)] = chunk
+            received[0] += len(chunk)
+
+        base = offset
+        headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={offset}-{offset + length - 1}"),
+                   *self._owner_headers()]
+        request = HttpRequest("GET", self._path(bucket, key), HttpHeaders(headers))
+
+        def result() -> int:
+            if received[0] != length:
+                raise IntegrityError(
+                    f"s3://{bucket}/{key}: asked for {length} bytes at offset {offset}, got {received[0]}"
+                    " — the object is shorter than its metadata says (truncated or replaced)"
+                )
+            return length
+
+        return self._submit(
+            "GetObject", bucket, key,
+            lambda crt, on_done: crt.make_request(
+                type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done),
+            result=result,
+        )
+
+    def get(self, bucket: str, key: str) -> "Future[bytes]":
+        """Read a whole (small) object, e.g. the metadata object, in one request."""
+        return self._default("GetObject", "GET", bucket, key, result=lambda status, headers, body: body,
+                             extra_headers=self._owner_headers())
+
+    # ------------------------------------------------------------------ control plane
+    def head(self, bucket: str, key: str) -> "Future[ObjectInfo]":
+        """Size, ETag and modification time of ``key``. A missing key and a missing bucket give
+        distinct errors (a 404 to HEAD has no body, so the bucket is checked on a 404)."""
+        outer: Future = Future()
+
+        def result(status, headers, body) -> ObjectInfo:
+            h = {name.lower(): value for name, value in headers}
+            return ObjectInfo(key=key, size=int(h.get("content-length", 0)), etag=h.get("etag"),
+                              last_modified=_parse_http_date(h.get("last-modified")))
+
+        inner = self._default("HeadObject", "HEAD", bucket, key, result=result,
+                              extra_headers=self._owner_headers())
+
+        def done(f: Future) -> None:
+            err = f.exception()
+            if err is None:
+                outer.set_result(f.result())
+            elif isinstance(err, NoSuchKeyError) and err.code is None:
+                self.head_bucket(bucket).add_done_callback(
+                    lambda b: outer.set_exception(b.exception() or err))
+            else:
+                outer.set_exception(err)
+
+        inner.add_done_callback(done)
+        return outer
+
+    def head_bucket(self, bucket: str) -> "Future[None]":
+        return self._default("HeadBucket", "HEAD", bucket, "", result=lambda status, headers, body: None,
+                             extra_headers=self._owner_headers())
+
+    def list(self, bucket: str, prefix: str = "", *, delimiter: str | None = None,
+             page_size: int = 1000) -> "Future[tuple[list[ObjectInfo], list[str]]]":
+        """All objects under ``prefix`` (every page), and the common prefixes when a
+        ``delimiter`` is given."""
+        return self._paginate(bucket, prefix, delimiter, page_size)
+
+    def delete(self, bucket: str, keys: Iterable[str]) -> "Future[None]":
+        """Delete ``keys`` in batches of 1,000 (DeleteObjects). Missing keys are not errors."""
+        keys = list(keys)
+        futures = [self._delete_batch(bucket, keys[i:i + _DELETE_BATCH])
+                   for i in range(0, len(keys), _DELETE_BATCH)]
+        return _gather(futures, lambda results: None)
+
+    def list_uploads(self, bucket: str, prefix: str = "") -> "Future[list[UploadInfo]]":
+        """Unfinished multipart uploads under ``prefix`` (every page)."""
+        uploads: list[UploadInfo] = []
+        outer: Future = Future()
+
+        def page(key_marker: str, upload_marker: str) -> None:
+            query = {"uploads": "", "prefix": prefix}
+            if key_marker:
+                query["key-marker"] = key_marker
+            if upload_marker:
+                query["upload-id-marker"] = upload_marker
+            f = self._default("ListMultipartUploads", "GET", bucket, "", query=query,
+                              result=_xml_result, extra_headers=self._owner_headers())
+            f.add_done_callback(lambda f: _chain(f, outer, handle))
+
+        def handle(root) -> None:
+            for u in _children(root, "Upload"):
+                uploads.append(UploadInfo(key=_text(u, "Key"), upload_id=_text(u, "UploadId"),
+                                          initiated=_parse_iso(_text(u, "Initiated"))))
+            if _text(root, "IsTruncated") == "true":
+                page(_text(root, "NextKeyMarker"), _text(root, "NextUploadIdMarker"))
+            else:
+                outer.set_result(uploads)
+
+        page("", "")
+        return outer
+
+    def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":
+        """Abort a multipart upload; an upload that is already gone is not an error."""
+        outer: Future = Future()
+        f = self._default("AbortMultipartUpload", "DELETE", bucket, key, query={"uploadId": upload_id},
+                          result=lambda status, headers, body: None, extra_headers=self._owner_headers())
+
+        def done(f: Future) -> None:
+            err = f.exception()
+            if err is None or (isinstance(err, S3Error) and err.status == 404):
+                outer.set_result(None)
+            else:
+                outer.set_exception(err)
+
+        f.add_done_callback(done)
+        return outer
+
+    def close(self) -> None:
+        """Drop the native client (it shuts down when the last request releases it)."""
+        with self._lock:
+            self._crt = None
+
+    # ------------------------------------------------------------------ internals
+    def _crt_client(self):
+        with self._lock:
+            if self._crt is None:
+                self._crt = _make_crt_client(self.config, self._tls)
+            return self._crt
+
+    def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable) -> Future:
+        """Start one CRT meta request; return a future with its translated outcome.
+
+        ``start(crt_client, on_done)`` makes the request. The slot taken here is given back
+        when the request ends, success or not; a request past ``request_timeout_s`` is
+        cancelled and fails with :class:`S3ConnectionError`.
+        """
+        crt = self._crt_client()
+        outer: Future = Future()
+        timed_out = threading.Event()
+        self._slots.acquire()
+        finished = threading.Event()
+
+        def on_done(error=None, status_code=None, **_):
+            # Runs on a CRT thread once; must not block.
+            if finished.is_set():
+                return
+            finished.set()
+            self._slots.release()
+            try:
+                if error is not None:
+                    if timed_out.is_set():
+                        raise S3ConnectionError(
+                            f"{operation} timed out after request_timeout_s={self.config.request_timeout_s}",
+                            operation=operation, bucket=bucket, key=key) from error
+                    raise translate_error(error, operation=operation, bucket=bucket, key=key)
+                outer.set_result(result())
+            except BaseException as e:  # noqa: BLE001 - every error must reach the future
+                outer.set_exception(e)
+
+        try:
+            request = start(crt, on_done)
+        except BaseException:
+            finished.set()
+            self._slots.release()
+            raise
+        if self.config.request_timeout_s is not None:
+            def expire() -> None:
+                if not finished.is_set():
+                    timed_out.set()
+                    request.cancel()
+            self._deadlines.add(self.config.request_timeout_s, expire)
+        # Keep the request (and its Python callbacks) alive until it completes.
+        outer.add_done_callback(lambda _f, r=request: None)
+        return outer
+
+    def _default(self, operation: str, method: str, bucket: str, key: str, *, result: Callable,
+                 query: dict | None = None, body: bytes | None = None, extra_headers=()) -> Future:
+        """One small request of ``operation``; ``result(status, headers, body)`` makes its value."""
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.s3 import S3RequestType
+
+        status_headers: list = [None, []]
+        chunks: list[bytes] = []
+
+        def on_headers(status_code, headers, **_):
+            status_headers[0], status_headers[1] = status_code, headers
+
+        def collect(chunk, **_):
+            chunks.append(bytes(chunk))
+
+        path = self._path(bucket, key) if key else self._bucket_path(bucket)
+        if query:
+            path += "?" + urlencode(query, quote_via=quote, safe="-_.~")
+        headers = [("Host", self._host_for(bucket)), *extra_headers]
+        stream = None
+        if body is not None:
+            headers.append(("Content-Length", str(len(body))))
+            stream = io.BytesIO(body)
+        request = HttpRequest(method, path, HttpHeaders(headers), stream)
+
+        def value():
+            return result(status_headers[0], status_headers[1], b"".join(chunks))
+
+        return self._submit(
+            operation, bucket, key,
+            lambda crt, on_done: crt.make_request(
+                type=S3RequestType.DEFAULT, operation_name=operation, request=request,
+                on_headers=on_headers, on_body=collect, on_done=on_done),
+            result=value,
+        )
+
+    def _paginate(self, bucket, prefix, delimiter, page_size) -> Future:
+        objects: list[ObjectInfo] = []
+        prefixes: list[str] = []
+        outer: Future = Future()
+
+        def page(token: str | None) -> None:
+            query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size)}
+            if delimiter:
+                query["delimiter"] = delimiter
+            if token:
+                query["continuation-token"] = token
+            f = self._default("ListObjectsV2", "GET", bucket, "", query=query, result=_xml_result,
+                              extra_headers=self._owner_headers())
+            f.add_done_callback(lambda f: _chain(f, outer, handle))
+
+        def handle(root) -> None:
+            for c in _children(root, "Contents"):
+                objects.append(ObjectInfo(key=_text(c, "Key"), size=int(_text(c, "Size") or 0),
+                                          etag=_text(c, "ETag"), last_modified=_parse_iso(_text(c, "LastModified"))))
+            for p in _children(root, "CommonPrefixes"):
+                prefixes.append(_text(p, "Prefix"))
+            token = _text(root, "NextContinuationToken")
+            if _text(root, "IsTruncated") == "true" and token:
+                page(token)
+            else:
+                outer.set_result((objects, prefixes))
+
+        page(None)
+        return outer
+
+    def _delete_batch(self, bucket: str, keys: list[str]) -> Future:
+        root = ET.Element("Delete")
+        ET.SubElement(root, "Quiet").text = "true"
+        for k in keys:
+            ET.SubElement(ET.SubElement(root, "Object"), "Key").text = k
+        body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+        md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+        outer: Future = Future()
+        f = self._default("DeleteObjects", "POST", bucket, "", query={"delete": ""}, body=body,
+                          result=_xml_result,
+                          extra_headers=[("Content-MD5", md5), ("Content-Type", "application/xml"),
+                                         *self._owner_headers()])
+
+        def handle(resp) -> None:
+            errors = [(_text(e, "Key"), _text(e, "Code"), _text(e, "Message")) for e in _children(resp, "Error")]
+            if errors:
+                key, code, message = errors[0]
+                raise S3Error(f"DeleteObjects failed for {len(errors)} key(s), first: {message}",
+                              operation="DeleteObjects", bucket=bucket, key=key, code=code)
+            outer.set_result(None)
+
+        f.add_done_callback(lambda f: _chain(f, outer, handle))
+        return outer
+
+    def _path(self, bucket: str, key: str) -> str:
+        quoted = quote(key, safe="/-_.~")
+        return f"/{bucket}/{quoted}" if self.config.use_path_style else f"/{quoted}"
+
+    def _bucket_path(self, bucket: str) -> str:
+        return f"/{bucket}" if self.config.use_path_style else "/"
+
+    def _host_for(self, bucket: str) -> str:
+        return self._host if self.config.use_path_style else f"{bucket}.{self._host}"
+
+    def _put_checksum(self):
+        from awscrt.s3 import S3ChecksumAlgorithm, S3ChecksumConfig, S3ChecksumLocation
+
+        algorithm = {"crc32c": S3ChecksumAlgorithm.CRC32C, "crc64nvme": S3ChecksumAlgorithm.CRC64NVME}.get(
+            self.config.checksum or "")
+        if algorithm is None:
+            return None
+        return S3ChecksumConfig(algorithm=algorithm, location=S3ChecksumLocation.TRAILER)
+
+    def _sse_headers(self) -> list[tuple[str, str]]:
+        c = self.config
+        if c.sse is None:
+            return []
+        headers = [("x-amz-server-side-encryption", c.sse)]
+        if c.sse_kms_key_id:
+            headers.append(("x-amz-server-side-encryption-aws-kms-key-id", c.sse_kms_key_id))
+        return headers
+
+    def _owner_headers(self) -> list[tuple[str, str]]:
+        owner = self.config.expected_bucket_owner
+        return [("x-amz-expected-bucket-owner", owner)] if owner else []
+
+
+# ---------------------------------------------------------------------- CRT construction
+def _make_crt_client(config: S3Config, tls: bool):
+    from awscrt.auth import AwsCredentialsProvider
+    from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
+    from awscrt.s3 import S3Client as CrtS3Client
+    from awscrt.s3 import S3RequestTlsMode, S3RetryConfig, create_default_s3_signing_config
+
+    bootstrap = ClientBootstrap.get_or_create_static_default()
+    if config.access_key_id is not None:
+        credentials = AwsCredentialsProvider.new_static(
+            config.access_key_id, config.secret_access_key, config.session_token)
+    elif config.profile:
+        credentials = AwsCredentialsProvider.new_profile(bootstrap, profile_name=config.profile)
+    else:
+        credentials = AwsCredentialsProvider.new_default_chain(bootstrap)
+    signing = create_default_s3_signing_config(region=config.region, credential_provider=credentials)
+    tls_options = None
+    if tls:
+        ctx_options = TlsContextOptions()
+        ctx_options.verify_peer = config.verify_tls
+        if config.ca_bundle:
+            ctx_options.override_default_trust_store_from_path(ca_filepath=config.ca_bundle)
+        tls_options = TlsConnectionOptions(ClientTlsContext(ctx_options))
+        tls_options.set_server_name(urlsplit(config.endpoint_url).hostname)
+    retry = S3RetryConfig(
+        max_retries=config.max_retries,
+        backoff_scale_factor_ms=config.retry_backoff_base_ms,
+        max_backoff_secs=config.retry_max_backoff_s,
+    )
+    if config.max_retries == 0:
+        from awscrt.s3 import S3RetryMode
+        retry = S3RetryConfig(retry_mode=S3RetryMode.NONE)
+    return CrtS3Client(
+        bootstrap=bootstrap,
+        region=config.region,
+        tls_mode=S3RequestTlsMode.ENABLED if tls else S3RequestTlsMode.DISABLED,
+        signing_config=signing,
+        tls_connection_options=tls_options,
+        part_size=config.part_size_bytes,
+        multipart_upload_threshold=config.effective_multipart_threshold_bytes,
+        throughput_target_gbps=float(config.throughput_target_gbps),
+        retry_config=retry,
+        connect_timeout_ms=int(config.connect_timeout_s * 1000),
+    )
+
+
+# ---------------------------------------------------------------------- error translation
+def translate_error(error: BaseException, *, operation: str, bucket: str | None, key: str | None) -> BaseException:
+    """Map a CRT failure to the s3dcp hierarchy by HTTP status and S3 error code.
+
+    Returns the new exception with ``__cause__`` set; anything that is not a CRT error (an
+    exception raised by our own callbacks) is returned unchanged.
+    """
+    from awscrt.exceptions import AwsCrtError
+    from awscrt.s3 import S3ResponseError
+
+    if isinstance(error, S3ResponseError):
+        status = error.status_code
+        headers = {name.lower(): value for name, value in (error.headers or [])}
+        fields = _error_fields(error.body)
+        code = fields.get("Code")
+        request_id = fields.get("RequestId") or headers.get("x-amz-request-id")
+        message = fields.get("Message") or _STATUS_TEXT.get(status, f"HTTP {status}")
+        op = error.operation_name or operation
+        cls, advice = _classify(status, code, op, key)
+        new = cls(f"{op} failed: {message}{advice}", operation=op, bucket=bucket, key=key or None,
+                  status=status, code=code, request_id=request_id)
+    elif isinstance(error, AwsCrtError):
+        if "CHECKSUM_MISMATCH" in error.name:
+            new = IntegrityError(f"{operation} s3://{bucket}/{key}: the data failed its wire checksum "
+                                 f"({error.name}); the object or the connection corrupted it")
+        else:
+            new = S3ConnectionError(
+                f"{operation} failed without an HTTP answer: {error.name} ({error.message}); "
+                "check that the endpoint is reachable and the server is running",
+                operation=operation, bucket=bucket, key=key or None)
+    else:
+        return error
+    new.__cause__ = error
+    return new
+
+
+def _classify(status: int | None, code: str | None, operation: str, key: str | None):
+    if status == 403 or code in _AUTH_CODES:
+        return AccessDeniedError, " — check the access key, secret and permissions for this bucket"
+    if code == "NoSuchBucket":
+        return NoSuchBucketError, " — create the bucket or fix the bucket name"
+    if code == "NoSuchKey" or (status == 404 and operation in ("HeadObject", "GetObject") and key):
+        return NoSuchKeyError, ""
+    if status == 404 and operation == "HeadBucket":
+        return NoSuchBucketError, " — create the bucket or fix the bucket name"
+    if status == 412 or code == "PreconditionFailed":
+        return PreconditionFailedError, ""
+    if status in (429, 503) or code in _THROTTLE_CODES:
+        return ThrottlingError, " — the server is throttling requests; retries were exhausted"
+    if status is not None and status >= 500:
+        return S3ServerError, " — the server kept failing; retries were exhausted"
+    return S3Error, ""
+
+
+def _error_fields(body: bytes | None) -> dict[str, str]:
+    if not body:
+        return {}
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return {}
+    return {_local(child.tag): (child.text or "") for child in root}
+
+
+# ---------------------------------------------------------------------- small helpers
+class _BufferStream(io.RawIOBase):
+    """A read-only stream over buffers sent back to back; ``readinto`` copies straight from
+    the caller's memory into the CRT's part buffer (the only copy on the upload path)."""
+
+    def __init__(self, buffers: Sequence) -> None:
+        super().__init__()
+        self._views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+        self.size = sum(v.nbytes for v in self._views)
+        self._index = 0
+        self._offset = 0
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.size + offset}[whence]
+        target = max(0, min(target, self.size))
+        self._pos, self._index, self._offset = target, 0, target
+        while self._index < len(self._views) and self._offset >= self._views[self._index].nbytes:
+            self._offset -= self._views[self._index].nbytes
+            self._index += 1
+        return target
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = 0
+        while n < out.nbytes and self._index < len(self._views):
+            view = self._views[self._index]
+            take = min(out.nbytes - n, view.nbytes - self._offset)
+            out[n:n + take] = view[self._offset:self._offset + take]
+            n += take
+            self._offset += take
+            if self._offset == view.nbytes:
+                self._index, self._offset = self._index + 1, 0
+        self._pos += n
+        return n
+
+
+class _Deadlines:
+    """One daemon thread that runs callbacks at deadlines (request timeouts), instead of a
+    timer thread per request."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._cond = threading.Condition()
+        self._counter = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, delay_s: float, callback: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._counter), callback))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="s3dcp-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                when, _, callback = self._heap[0]
+                now = time.monotonic()
+                if when > now:
+                    self._cond.wait(when - now)
+                    continue
+                heapq.heappop(self._heap)
+            try:
+                callback()
+            except Exception:  # pragma: no cover - a cancel racing completion
+                log.debug("deadline callback failed", exc_info=True)
+
+
+def _chain(f: Future, outer: Future, handle: Callable) -> None:
+    """Pass ``f``'s value to ``handle`` (which completes ``outer`` or starts the next page);
+    any error lands on ``outer``."""
+    try:
+        handle(f.result())
+    except BaseException as e:  # noqa: BLE001
+        outer.set_exception(e)
+
+
+def _gather(futures: list[Future], combine: Callable) -> Future:
+    outer: Future = Future()
+    if not futures:
+        outer.set_result(combine([]))
+        return outer
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_f: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                outer.set_exception(errors[0])
+            else:
+                outer.set_result(combine([f.result() for f in futures]))
+
+    for f in futures:
+        f.add_done_callback(done)
+    return outer
+
+
+def _xml_result(status, headers, body: bytes):
+    """A ``_default`` result maker: the response body parsed as XML."""
+    try:
+        return ET.fromstring(body)
+    except ET.ParseError as e:
+        raise S3Error(f"the server sent a response that is not XML ({e})") from e
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _children(root, name: str):
+    return [c for c in root if _local(c.tag) == name]
+
+
+def _text(node, name: str) -> str:
+    for c in node:
+        if _local(c.tag) == name:
+            return c.text or ""
+    return ""
+
+
+def _parse_iso(value: str) -> float | None:
+    if not value:
+        return None
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _parse_http_date(value: str | None) -> float | None:
+    if not value:
+        return None
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,432 @@
+"""DCP checkpoint metadata as versioned, self-describing JSON (never pickle).
+
+torch's own storage plugins pickle :class:`~torch.distributed.checkpoint.metadata.Metadata`, so
+loading a checkpoint can run arbitrary code and ties the file to the Python classes of the
+writer. s3dcp writes JSON instead, and decoding builds only the known DCP classes and plain
+values. The document looks like this::
+
+    {"format": "s3dcp-metadata", "version": 1, "dcp_version": "1.0.0",
+     "state_dict_metadata": {"model.w": {"type": "tensor",
+                                         "properties": {"dtype": "bfloat16", "layout": "strided",
+                                                        "requires_grad": false,
+                                                        "memory_format": "contiguous_format",
+                                                        "pin_memory": false},
+                                         "size": [4, 8],
+                                         "chunks": [{"offsets": [0, 0], "sizes": [4, 8]}]},
+                             "step": {"type": "bytes"}},
+     "storage_data": [{"index": {"fqn": "model.w", "offset": [0, 0], "index": 0},
+                       "location": {"object_name": "__0_0.data", "offset": 0, "length": 64,
+                                    "checksum": "crc32c:1a2b3c4d", "dtype": "bfloat16",
+                                    "shape": [4, 8]}}],
+     "planner_data": <tagged tree>, "storage_meta": {"checkpoint_id": ..., "save_id": ...,
+                                                     "load_id": ..., "modules": [...]}}
+
+``planner_data`` belongs to whichever planner wrote the checkpoint, so it is stored as a
+*tagged tree*: ``None``, bools, ints, strings, finite floats and lists are plain JSON; every
+other value is a one-key object whose key names its type:
+
+    {"__tuple__": [...]}            tuple
+    {"__dict__": [[k, v], ...]}     dict, always tagged, so any key type (and a user key that
+                                    happens to be "__tuple__") survives, in insertion order
+    {"__bytes__": "<base64>"}       bytes
+    {"__float__": "nan"}            nan, "inf" or "-inf" (JSON has no literal for them)
+    {"__size__": [...]}             torch.Size
+    {"__dtype__": "float32"}        torch.dtype
+
+Anything else is refused with a TypeError naming it and where it was; there is no pickle
+fallback. Exact types are required (an IntEnum or a namedtuple is refused) because decoding
+could not give them back.
+
+Readers refuse another ``format``, a newer ``version`` and any missing or ill-typed field with
+:class:`~s3dcp.errors.MetadataFormatError`. Unknown extra top-level fields are ignored, so a
+later writer may add optional fields without bumping the version.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .errors import MetadataFormatError
+from .layout import ItemLocation
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "dtype_to_str", "str_to_dtype"]
+
+FORMAT_NAME = "s3dcp-metadata"
+FORMAT_VERSION = 1
+
+
+def _name_table(kind: type) -> dict[str, Any]:
+    # Keyed by str() without "torch.", so aliases (torch.half, torch.long, ...) collapse onto one
+    # canonical name and new dtypes of future torch releases are picked up without a code change.
+    return {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, kind)}
+
+
+_DTYPES: dict[str, torch.dtype] = _name_table(torch.dtype)
+_LAYOUTS: dict[str, torch.layout] = _name_table(torch.layout)
+_MEMORY_FORMATS: dict[str, torch.memory_format] = _name_table(torch.memory_format)
+
+
+def _to_name(table: dict[str, Any], value: Any, what: str) -> str:
+    name = str(value).removeprefix("torch.")
+    if table.get(name) is not value:
+        raise TypeError(f"cannot encode {what} {value!r}: not a known torch {what}")
+    return name
+
+
+def _from_name(table: dict[str, Any], name: Any, what: str) -> Any:
+    if type(name) is not str or name not in table:
+        raise MetadataFormatError(f"unknown torch {what} {_short(name)} (this torch {torch.__version__} lacks it)")
+    return table[name]
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the canonical name, so ``torch.half`` gives ``"float16"``)."""
+    return _to_name(_DTYPES, dtype, "dtype")
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; an unknown name raises MetadataFormatError."""
+    return _from_name(_DTYPES, name, "dtype")
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_metadata(md: Metadata) -> bytes:
+    """Encode ``md`` as UTF-8 JSON (pure ASCII, in fact); the same object always gives the same bytes."""
+    if not isinstance(md, Metadata):
+        raise TypeError(f"expected torch.distributed.checkpoint.metadata.Metadata, got {_type_name(md)}")
+    if md.version is not None and type(md.version) is not str:
+        raise TypeError(f"Metadata.version must be a str or None, got {_type_name(md.version)}")
+    sdm = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if type(fqn) is not str:  # json.dumps would silently turn an int key into a string
+            raise TypeError(f"state_dict_metadata key {fqn!r} is a {_type_name(fqn)}, not a str")
+        sdm[fqn] = _encode_storage(item, f"state_dict_metadata[{fqn!r}]")
+    doc = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "dcp_version": md.version,
+        "state_dict_metadata": sdm,
+        "storage_data": _encode_storage_data(md.storage_data),
+        "planner_data": _encode_tree(md.planner_data, "planner_data"),
+        "storage_meta": _encode_storage_meta(md.storage_meta),
+    }
+    # ensure_ascii keeps any str (even a lone surrogate) lossless; allow_nan=False proves the
+    # tagged tree left no bare nan/inf behind.
+    return json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _encode_storage(item: Any, where: str) -> dict:
+    if isinstance(item, BytesStorageMetadata):
+        return {"type": "bytes"}
+    if not isinstance(item, TensorStorageMetadata):
+        raise TypeError(f"{where}: cannot encode storage metadata of type {_type_name(item)}")
+    p = item.properties
+    return {
+        "type": "tensor",
+        "properties": {
+            "dtype": dtype_to_str(p.dtype),
+            "layout": _to_name(_LAYOUTS, p.layout, "layout"),
+            "requires_grad": bool(p.requires_grad),
+            "memory_format": _to_name(_MEMORY_FORMATS, p.memory_format, "memory_format"),
+            "pin_memory": bool(p.pin_memory),
+        },
+        "size": list(item.size),
+        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
+    }
+
+
+def _encode_storage_data(sd: Any) -> list | None:
+    if sd is None:
+        return None
+    if not isinstance(sd, dict):
+        raise TypeError(f"storage_data must be dict[MetadataIndex, ItemLocation] or None, got {_type_name(sd)}")
+    out = []
+    for key, loc in sd.items():
+        if not isinstance(key, MetadataIndex) or not isinstance(loc, ItemLocation):
+            raise TypeError(
+                f"storage_data[{key!r}]: expected MetadataIndex -> ItemLocation, "
+                f"got {_type_name(key)} -> {_type_name(loc)}"
+            )
+        out.append({
+            "index": {"fqn": key.fqn, "offset": None if key.offset is None else list(key.offset), "index": key.index},
+            "location": {
+                "object_name": loc.object_name,
+                "offset": loc.offset,
+                "length": loc.length,
+                "checksum": loc.checksum,
+                "dtype": loc.dtype,
+                "shape": None if loc.shape is None else list(loc.shape),
+            },
+        })
+    return out
+
+
+def _encode_storage_meta(sm: StorageMeta | None) -> dict | None:
+    if sm is None:
+        return None
+    return {
+        # A PathLike is stored as its str: the path is what matters, not the Python class.
+        "checkpoint_id": None if sm.checkpoint_id is None else os.fsdecode(sm.checkpoint_id),
+        "save_id": sm.save_id,
+        "load_id": sm.load_id,
+        "modules": list(sm.modules),
+    }
+
+
+def _encode_tree(obj: Any, path: str) -> Any:
+    """Encode a planner_data-like tree with the tags described in the module docstring."""
+    t = type(obj)
+    if obj is None or t is bool or t is int or t is str:
+        return obj
+    if t is float:
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}  # 'nan', 'inf', '-inf'
+    if t is list:
+        return [_encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if t is tuple:
+        return {"__tuple__": [_encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if t is dict:
+        return {"__dict__": [[_encode_tree(k, f"{path} key {k!r}"), _encode_tree(v, f"{path}[{k!r}]")]
+                             for k, v in obj.items()]}
+    if t is bytes:
+        return {"__bytes__": base64.b64encode(obj).decode("ascii")}
+    if t is torch.Size:
+        return {"__size__": list(obj)}
+    if t is torch.dtype:
+        return {"__dtype__": dtype_to_str(obj)}
+    raise TypeError(
+        f"{path}: cannot encode a {_type_name(obj)} in s3dcp metadata; allowed are None, bool, int, "
+        "float, str, bytes, list, tuple, dict, torch.Size and torch.dtype (s3dcp never pickles)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def decode_metadata(data: bytes, *, source: str = "<metadata>") -> Metadata:
+    """Decode bytes written by :func:`encode_metadata`.
+
+    Anything else (garbage, a pickle, another format, a newer version, a missing or ill-typed
+    field) raises MetadataFormatError naming ``source``. Nothing in ``data`` can run code: only
+    the DCP metadata classes and plain values are ever built.
+    """
+    try:
+        return _decode(data)
+    except MetadataFormatError as e:
+        raise MetadataFormatError(f"{source}: {e}") from None
+    except (KeyError, IndexError, TypeError, ValueError, RecursionError) as e:
+        # Safety net: a malformed document must surface as a format error, whatever tripped on it.
+        raise MetadataFormatError(f"{source}: corrupt s3dcp metadata ({type(e).__name__}: {e})") from e
+
+
+def _decode(data: bytes) -> Metadata:
+    data = bytes(data)
+    if not data.strip():
+        raise MetadataFormatError("not s3dcp metadata: the object is empty")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:  # a pickle, for one, starts with byte 0x80
+        raise MetadataFormatError(f"not s3dcp metadata: not UTF-8 JSON text (bad byte at offset {e.start})") from None
+    try:
+        doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:
+        raise MetadataFormatError(f"not s3dcp metadata: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "format" not in doc:
+        raise MetadataFormatError(f"not s3dcp metadata: a JSON {_json_type(doc)} without a 'format' field")
+    if doc["format"] != FORMAT_NAME:
+        raise MetadataFormatError(f"not s3dcp metadata: format is {_short(doc['format'])}, expected {FORMAT_NAME!r}")
+    version = _field(doc, "version", "metadata")
+    if type(version) is not int:
+        raise MetadataFormatError(f"format version {_short(version)} is not an integer")
+    if version > FORMAT_VERSION:
+        raise MetadataFormatError(
+            f"written by a newer s3dcp (format version {version}); "
+            f"this s3dcp reads version {FORMAT_VERSION} — upgrade s3dcp"
+        )
+    if version != FORMAT_VERSION:
+        raise MetadataFormatError(f"unsupported format version {version}; this s3dcp reads version {FORMAT_VERSION}")
+
+    sdm = _typed(_field(doc, "state_dict_metadata", "metadata"), dict, "state_dict_metadata")
+    storage_meta = _field(doc, "storage_meta", "metadata")
+    return Metadata(
+        state_dict_metadata={k: _decode_storage(v, f"state_dict_metadata[{k!r}]") for k, v in sdm.items()},
+        planner_data=_decode_tree(_field(doc, "planner_data", "metadata"), "planner_data"),
+        storage_data=_decode_storage_data(_field(doc, "storage_data", "metadata")),
+        storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
+        version=_opt_str(_field(doc, "dcp_version", "metadata"), "dcp_version"),
+    )
+
+
+def _decode_storage(node: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:
+    kind = _field(node, "type", where)
+    if kind == "bytes":
+        return BytesStorageMetadata()
+    if kind != "tensor":
+        raise MetadataFormatError(f"{where}: unknown storage type {_short(kind)}")
+    p = _field(node, "properties", where)
+    pw = f"{where}.properties"
+    properties = TensorProperties(
+        dtype=_from_name(_DTYPES, _field(p, "dtype", pw), "dtype"),
+        layout=_from_name(_LAYOUTS, _field(p, "layout", pw), "layout"),
+        requires_grad=_typed(_field(p, "requires_grad", pw), bool, f"{pw}.requires_grad"),
+        memory_format=_from_name(_MEMORY_FORMATS, _field(p, "memory_format", pw), "memory_format"),
+        pin_memory=_typed(_field(p, "pin_memory", pw), bool, f"{pw}.pin_memory"),
+    )
+    chunks = _typed(_field(node, "chunks", where), list, f"{where}.chunks")
+    return TensorStorageMetadata(
+        properties=properties,
+        size=torch.Size(_ints(_field(node, "size", where), f"{where}.size")),
+        chunks=[
+            ChunkStorageMetadata(
+                offsets=torch.Size(_ints(_field(c, "offsets", f"{where}.chunks[{i}]"), f"{where}.chunks[{i}].offsets")),
+                sizes=torch.Size(_ints(_field(c, "sizes", f"{where}.chunks[{i}]"), f"{where}.chunks[{i}].sizes")),
+            )
+            for i, c in enumerate(chunks)
+        ],
+    )
+
+
+def _decode_storage_data(node: Any) -> dict[MetadataIndex, ItemLocation] | None:
+    if node is None:
+        return None
+    out: dict[MetadataIndex, ItemLocation] = {}
+    for i, entry in enumerate(_typed(node, list, "storage_data")):
+        w = f"storage_data[{i}]"
+        idx, loc = _field(entry, "index", w), _field(entry, "location", w)
+        offset = _field(idx, "offset", f"{w}.index")
+        key = MetadataIndex(
+            fqn=_typed(_field(idx, "fqn", f"{w}.index"), str, f"{w}.index.fqn"),
+            offset=None if offset is None else _ints(offset, f"{w}.index.offset"),
+            index=_opt_int(_field(idx, "index", f"{w}.index"), f"{w}.index.index"),
+        )
+        if key in out:  # a dict would silently keep only the last one
+            raise MetadataFormatError(f"{w}: duplicate entry for {key.fqn!r} at offset {key.offset}")
+        shape = _field(loc, "shape", f"{w}.location")
+        out[key] = ItemLocation(
+            object_name=_typed(_field(loc, "object_name", f"{w}.location"), str, f"{w}.location.object_name"),
+            offset=_typed(_field(loc, "offset", f"{w}.location"), int, f"{w}.location.offset"),
+            length=_typed(_field(loc, "length", f"{w}.location"), int, f"{w}.location.length"),
+            checksum=_opt_str(_field(loc, "checksum", f"{w}.location"), f"{w}.location.checksum"),
+            dtype=_opt_str(_field(loc, "dtype", f"{w}.location"), f"{w}.location.dtype"),
+            shape=None if shape is None else _ints(shape, f"{w}.location.shape"),
+        )
+    return out
+
+
+def _decode_storage_meta(node: Any) -> StorageMeta:
+    modules = _typed(_field(node, "modules", "storage_meta"), list, "storage_meta.modules")
+    return StorageMeta(
+        checkpoint_id=_opt_str(_field(node, "checkpoint_id", "storage_meta"), "storage_meta.checkpoint_id"),
+        save_id=_opt_str(_field(node, "save_id", "storage_meta"), "storage_meta.save_id"),
+        load_id=_opt_str(_field(node, "load_id", "storage_meta"), "storage_meta.load_id"),
+        modules=[_typed(m, str, f"storage_meta.modules[{i}]") for i, m in enumerate(modules)],
+    )
+
+
+def _decode_tree(node: Any, where: str) -> Any:
+    """Inverse of :func:`_encode_tree`."""
+    t = type(node)
+    if node is None or t is bool or t is int or t is float or t is str:
+        return node
+    if t is list:
+        return [_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
+    if len(node) != 1:
+        raise MetadataFormatError(f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}")
+    ((tag, body),) = node.items()
+    if tag == "__tuple__":
+        return tuple(_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_typed(body, list, where)))
+    if tag == "__dict__":
+        out = {}
+        for i, pair in enumerate(_typed(body, list, where)):
+            if type(pair) is not list or len(pair) != 2:
+                raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
+            out[_decode_tree(pair[0], f"{where} key {i}")] = _decode_tree(pair[1], f"{where}[{i}]")
+        return out
+    if tag == "__bytes__":
+        return base64.b64decode(_typed(body, str, where), validate=True)
+    if tag == "__float__":
+        if body not in ("nan", "inf", "-inf"):
+            raise MetadataFormatError(f"{where}: bad __float__ value {_short(body)}")
+        return float(body)
+    if tag == "__size__":
+        return torch.Size(_ints(body, where))
+    if tag == "__dtype__":
+        return _from_name(_DTYPES, body, "dtype")
+    raise MetadataFormatError(f"{where}: unknown tag {_short(tag)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small checked accessors; exact type checks, so a JSON true is never taken for the integer 1.
+
+
+def _field(obj: Any, key: str, where: str) -> Any:
+    if type(obj) is not dict:
+        raise MetadataFormatError(f"{where}: expected a JSON object, got a JSON {_json_type(obj)}")
+    if key not in obj:
+        raise MetadataFormatError(f"{where}: missing field {key!r}")
+    return obj[key]
+
+
+def _typed(value: Any, t: type, where: str) -> Any:
+    if type(value) is not t:
+        raise MetadataFormatError(f"{where}: expected a JSON {_json_type(t())}, got a JSON {_json_type(value)}")
+    return value
+
+
+def _opt_str(value: Any, where: str) -> str | None:
+    return None if value is None else _typed(value, str, where)
+
+
+def _opt_int(value: Any, where: str) -> int | None:
+    return None if value is None else _typed(value, int, where)
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if type(value) is not list or any(type(v) is not int for v in value):
+        raise MetadataFormatError(f"{where}: expected a list of integers, got {_short(value)}")
+    return tuple(value)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):  # json.loads would otherwise keep the last one silently
+        dup = next(k for i, (k, _) in enumerate(pairs) if any(k == k2 for k2, _ in pairs[:i]))
+        raise MetadataFormatError(f"duplicate key {dup!r} in a JSON object")
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise MetadataFormatError(f"non-standard JSON constant {name}")
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _type_name(value: Any) -> str:
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

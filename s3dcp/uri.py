@@ -1,0 +1,67 @@
+"""``s3://bucket/prefix`` parsing and key building. Pure: no I/O."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["S3Uri", "parse_s3_uri", "is_s3_uri"]
+
+# S3's bucket naming rules (general purpose buckets): 3-63 chars, lowercase letters, digits,
+# dots and hyphens, starting and ending with a letter or digit. Underscores are tolerated
+# because some S3-compatible stores (and legacy us-east-1 buckets) allow them.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    """A bucket and a key prefix (no leading or trailing '/'; may be empty)."""
+
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        """The full key of object ``name`` under this prefix."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def child(self, name: str) -> "S3Uri":
+        return S3Uri(self.bucket, self.key(name.strip("/")))
+
+    @property
+    def dir_prefix(self) -> str:
+        """The listing prefix of everything under this URI (ends with '/' unless empty)."""
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+def is_s3_uri(value: object) -> bool:
+    return isinstance(value, str) and value.startswith("s3://")
+
+
+def parse_s3_uri(uri: object) -> S3Uri:
+    """Parse ``s3://bucket[/prefix]``; raise :class:`ConfigError` saying what is wrong."""
+    if not isinstance(uri, str):
+        raise ConfigError(f"checkpoint path must be an 's3://bucket/prefix' string, got {type(uri).__name__}: {uri!r}")
+    if not uri.startswith("s3://"):
+        raise ConfigError(f"checkpoint path {uri!r} is not an S3 URI: expected 's3://bucket/prefix'")
+    rest = uri[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ConfigError(f"checkpoint path {uri!r} has no bucket: expected 's3://bucket/prefix'")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise ConfigError(
+            f"checkpoint path {uri!r}: {bucket!r} is not a valid bucket name "
+            "(3-63 characters: lowercase letters, digits, '.', '-')"
+        )
+    prefix = prefix.strip("/")
+    if "//" in prefix:
+        raise ConfigError(f"checkpoint path {uri!r} has an empty path segment ('//')")
+    if any(seg in (".", "..") for seg in prefix.split("/")):
+        raise ConfigError(f"checkpoint path {uri!r} has a '.' or '..' segment")
+    if len(prefix.encode()) > 900:
+        raise ConfigError(f"checkpoint path {uri!r} is too long for S3 keys (prefix over 900 bytes)")
+    return S3Uri(bucket, prefix)

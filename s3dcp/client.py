@@ -119,20 +119,21 @@ class S3Client:
         data: Sequence | bytes | bytearray | memoryview,
         *,
         if_none_match: bool = False,
+        single_request: bool = False,
         content_type: str = "application/octet-stream",
     ) -> "Future[PutResult]":
         """Upload ``data`` (one buffer, or a sequence of buffers sent back to back, no copy
         into a staging area) as ``key``. Multipart above the threshold, with the configured
-        checksum on every part. ``if_none_match=True`` fails with
-        :class:`PreconditionFailedError` if the key exists (a single-PUT-only condition: the
-        data must be below the multipart threshold)."""
+        checksum on every part. ``single_request=True`` forces one PUT whatever the size (up
+        to S3's 5 GiB), which makes the write atomic: used for the commit marker.
+        ``if_none_match=True`` (implies ``single_request``) fails with
+        :class:`PreconditionFailedError` if the key already exists."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
 
         buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         stream = _BufferStream(buffers)
-        if if_none_match and stream.size > self.config.effective_multipart_threshold_bytes:
-            raise ValueError("if_none_match needs a single PUT: data is above the multipart threshold")
+        single_request = single_request or if_none_match
         headers = [("Host", self._host_for(bucket)), ("Content-Length", str(stream.size)),
                    ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
         if if_none_match:
@@ -149,6 +150,7 @@ class S3Client:
             "PutObject", bucket, key,
             lambda crt, on_done: crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._put_checksum(),
+                multipart_upload_threshold=stream.size + 1 if single_request else None,
                 on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], stream.size),
         )
@@ -157,31 +159,45 @@ class S3Client:
         """Read ``len(dest)`` bytes of ``key`` starting at ``offset`` into the writable buffer
         ``dest`` (bytearray, memoryview, tensor memory). Large ranges are split into parts
         fetched in parallel. Fails with :class:`IntegrityError` if the object is shorter."""
+        view = memoryview(dest).cast("B")
+        return self.get_scatter(bucket, key, offset, offset + view.nbytes, [(offset, view)])
+
+    def get_scatter(self, bucket: str, key: str, start: int, end: int,
+                    sinks: Sequence[tuple[int, memoryview]]) -> "Future[int]":
+        """One ranged GET of bytes ``[start, end)`` of ``key``, each arriving byte copied into
+        every sink ``(object_offset, writable view)`` that covers it; bytes no sink covers (the
+        small holes between coalesced reads) are dropped. Resolves to the bytes received;
+        a short object fails with :class:`IntegrityError`."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
 
-        view = memoryview(dest).cast("B")
-        length = view.nbytes
-        if length == 0:
+        length = end - start
+        if length <= 0:
             done: Future = Future()
             done.set_result(0)
             return done
+        sinks = sorted(((off, memoryview(v).cast("B")) for off, v in sinks), key=lambda s: s[0])
         received = [0]
 
         def on_body(chunk, offset: int, **_):
-            start = offset - base
-            view[start:start + len(chunk)] = chunk
+            chunk_end = offset + len(chunk)
+            data = memoryview(chunk)
+            for sink_off, view in sinks:
+                if sink_off >= chunk_end:
+                    break
+                lo, hi = max(offset, sink_off), min(chunk_end, sink_off + view.nbytes)
+                if lo < hi:
+                    view[lo - sink_off:hi - sink_off] = data[lo - offset:hi - offset]
             received[0] += len(chunk)
 
-        base = offset
-        headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={offset}-{offset + length - 1}"),
+        headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
                    *self._owner_headers()]
         request = HttpRequest("GET", self._path(bucket, key), HttpHeaders(headers))
 
         def result() -> int:
             if received[0] != length:
                 raise IntegrityError(
-                    f"s3://{bucket}/{key}: asked for {length} bytes at offset {offset}, got {received[0]}"
+                    f"s3://{bucket}/{key}: asked for {length} bytes at offset {start}, got {received[0]}"
                     " — the object is shorter than its metadata says (truncated or replaced)"
                 )
             return length

@@ -8,8 +8,9 @@ checkpoint metadata by :mod:`s3dcp.metadata` and read back to find each item on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
-__all__ = ["ItemLocation"]
+__all__ = ["ItemLocation", "pack", "object_name", "box_byte_range", "is_contiguous_box", "Segment", "coalesce"]
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,97 @@ class ItemLocation:
     checksum: str | None  # e.g. "crc32c:1a2b3c4d" (algorithm:hex) or None
     dtype: str | None = None  # tensor items: torch dtype name without "torch.", e.g. "bfloat16"; None for bytes
     shape: tuple[int, ...] | None = None  # tensor items: the stored chunk's shape (C-contiguous raw bytes)
+    block_size: int = 0  # > 0 when the item also has per-block checksums (large items)
+    block_checksums: tuple[str, ...] = ()  # checksum of each block_size slice, the last one shorter
+
+
+# ---------------------------------------------------------------------------- save side
+def pack(sizes: Sequence[int], target_bytes: int) -> list[list[int]]:
+    """Group item indices, in order, into objects of about ``target_bytes``.
+
+    Consecutive items share an object until adding the next would pass the target; an item
+    larger than the target gets an object of its own. Several objects per rank let uploads
+    run in parallel across objects as well as across the parts of one object.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for i, size in enumerate(sizes):
+        if current and current_bytes + size > target_bytes:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def object_name(rank: int, index: int, token: str) -> str:
+    """Name of a rank's data object. ``token`` is unique per save, so the objects of two
+    saves (a retry, a concurrent job) never collide or mix."""
+    return f"__{rank}_{index}.{token}.distcp"
+
+
+# ---------------------------------------------------------------------------- load side
+def is_contiguous_box(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> bool:
+    """Whether the sub-box ``offsets``/``lengths`` of a C-contiguous array of ``shape`` is one
+    contiguous run of memory: leading dims of length 1, then one partial dim, then full dims."""
+    dims = len(shape)
+    k = 0
+    while k < dims and lengths[k] == 1:
+        k += 1
+    # Every dim after the first one longer than 1 must be whole.
+    return all(lengths[i] == shape[i] for i in range(k + 1, dims))
+
+
+def box_byte_range(
+    shape: Sequence[int], element_size: int, offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int]:
+    """Smallest byte range ``[start, end)`` of a C-contiguous array of ``shape`` that holds
+    the sub-box ``offsets``/``lengths`` (exactly the box when :func:`is_contiguous_box`)."""
+    if any(n == 0 for n in lengths):
+        return (0, 0)
+    strides = _c_strides(shape)
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    return first * element_size, (last + 1) * element_size
+
+
+def _c_strides(shape: Sequence[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A byte range of one object to fetch, and an opaque tag for where it goes."""
+
+    offset: int
+    length: int
+    tag: object = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def coalesce(segments: Iterable[Segment], gap_bytes: int, max_bytes: int) -> list[list[Segment]]:
+    """Group segments of one object into runs fetched by one ranged GET each.
+
+    Segments are sorted by offset; a segment joins the current run when the hole before it is
+    at most ``gap_bytes`` and the run stays within ``max_bytes`` (a single segment may exceed
+    it). Overlapping segments (two reads of the same bytes) stay in one run.
+    """
+    runs: list[list[Segment]] = []
+    run_start = run_end = 0
+    for seg in sorted(segments, key=lambda s: (s.offset, s.length)):
+        if runs and seg.offset - run_end <= gap_bytes and max(run_end, seg.end) - run_start <= max_bytes:
+            runs[-1].append(seg)
+            run_end = max(run_end, seg.end)
+        else:
+            runs.append([seg])
+            run_start, run_end = seg.offset, seg.end
+    return runs

@@ -1,0 +1,288 @@
+"""S3StorageWriter: DCP's StorageWriter (and AsyncStager) over S3.
+
+    write items ──resolve──► raw bytes (tensor memory, no serialisation) ──pack──► a few objects
+        per rank ──client.put (parallel, multipart, checksummed)──► s3://bucket/prefix/__R_I.TOKEN.distcp
+    coordinator, after every rank succeeded ──► s3://bucket/prefix/.metadata  (JSON, written LAST,
+        If-None-Match: *) = the commit marker
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future as TorchFuture
+
+from . import integrity, layout
+from .client import S3Client
+from .config import S3Config
+from .errors import CheckpointExistsError, ConfigError, PreconditionFailedError, S3DCPError
+from .layout import ItemLocation
+from .metadata import dtype_to_str, encode_metadata
+from .staging import StagingMixin
+from .tensors import byte_view, to_host_contiguous
+from .uri import S3Uri, is_s3_uri, parse_s3_uri
+
+__all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
+
+log = logging.getLogger("s3dcp")
+
+METADATA_NAME = ".metadata"  # the commit marker; see docs/architecture.md
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Figures of the last save on this rank (for logs and benchmarks)."""
+
+    stage_s: float = 0.0  # time the caller was blocked copying into the staging pool (async_save)
+    upload_s: float = 0.0  # write_data: resolve + checksum + upload of this rank's objects
+    bytes: int = 0  # bytes this rank uploaded
+    objects: int = 0
+
+    @property
+    def upload_gbps(self) -> float:
+        """Upload throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.upload_s / 1e9 if self.upload_s > 0 else 0.0
+
+
+class S3StorageWriter(StagingMixin, StorageWriter):
+    """Writes a DCP checkpoint under ``s3://bucket/prefix``.
+
+    Call order, as :func:`torch.distributed.checkpoint.save` makes it:
+
+    0. ``reset(checkpoint_id)`` — all ranks, only when ``checkpoint_id=`` is passed to save
+    1. ``storage_meta()`` — all ranks
+    2. ``set_up_storage_writer(is_coordinator, rank=…)`` — all ranks; the coordinator refuses
+       early if a committed checkpoint is already there (and ``overwrite`` is False)
+    3. ``prepare_local_plan`` — all ranks; 4. ``prepare_global_plan`` — coordinator
+    5. ``write_data(plan, planner)`` — all ranks: pack this rank's items into a few objects and
+       upload them in parallel; nothing is visible as a checkpoint yet
+    6. ``finish(metadata, results)`` — coordinator, called only if every rank's writes
+       succeeded: writes the metadata object, which commits the checkpoint
+
+    :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
+    training thread (see :class:`s3dcp.staging.StagingMixin`), then runs 0-6 in the background.
+
+    Args:
+        path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.save``.
+        config: :class:`S3Config`; default: resolved from the environment.
+        client: an :class:`s3dcp.client.S3Client` to use (tests and benchmarks inject one).
+        overwrite: replace a committed checkpoint at ``path`` (its unreferenced data objects
+            are deleted after the new metadata commits). Default: refuse.
+        pool: the staging pool for ``async_save`` (default: the process-wide shared pool).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        config: S3Config | None = None,
+        client: S3Client | None = None,
+        overwrite: bool = False,
+        pool=None,
+    ) -> None:
+        super().__init__()
+        self.config = config or (client.config if client is not None else S3Config())
+        self._client = client
+        self.overwrite = overwrite
+        self._uri: S3Uri | None = parse_s3_uri(str(path)) if path is not None else None
+        self._rank = 0
+        self._is_coordinator = False
+        self._token = _new_token()
+        self.last_stats = SaveStats()
+        self._init_staging(pool)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def checkpoint_id(self) -> str | None:
+        return str(self._uri) if self._uri is not None else None
+
+    @property
+    def client(self) -> S3Client:
+        if self._client is None:
+            self._client = S3Client(self.config)
+        return self._client
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        if not is_s3_uri(checkpoint_id):
+            return False
+        try:
+            parse_s3_uri(checkpoint_id)
+        except ConfigError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"S3StorageWriter({self.checkpoint_id!r}, overwrite={self.overwrite})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process executor pickles the writer: the CRT client and the staging pool stay
+        # behind and are recreated lazily in the child.
+        state = self.__dict__.copy()
+        state["_client"] = None
+        state.update(self._staging_getstate())
+        return state
+
+    # ------------------------------------------------------------------ StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self._uri = parse_s3_uri(str(checkpoint_id))
+        self._token = _new_token()
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._token)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._uri is None:
+            raise ConfigError("S3StorageWriter has no path: pass 's3://bucket/prefix' to the writer "
+                              "or checkpoint_id= to dcp.save")
+        if kwargs.get("use_collectives") is False:
+            raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator writes "
+                              "the one metadata object that commits the checkpoint")
+        self._rank = kwargs.get("rank") or 0
+        self._is_coordinator = is_coordinator
+        if is_coordinator and not self.overwrite and self._committed():
+            raise CheckpointExistsError(
+                f"{self._uri} already holds a committed checkpoint; pass overwrite=True to "
+                "S3StorageWriter to replace it, or save to a new path")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Each rank's index names its objects. Per-save identity (the token) is writer state,
+        # not plan data, because DCP may reuse a cached plan's storage_data on later saves.
+        return [replace(plan, storage_data=i) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        start = time.perf_counter()
+        rank = plan.storage_data if isinstance(plan.storage_data, int) else self._rank
+        uri = self._uri
+        client = self.client
+        algorithm = self.config.checksum
+
+        items = list(plan.items)
+        groups = layout.pack([_planned_bytes(item) for item in items], self.config.object_size_target_bytes)
+        futures: list[Future] = []
+        keys: list[str] = []
+        results: list[WriteResult] = []
+        keep_alive: list[Any] = []  # the resolved data must outlive its upload
+        total = 0
+        try:
+            for index, group in enumerate(groups):
+                name = layout.object_name(rank, index, self._token)
+                views: list[memoryview] = []
+                offset = 0
+                for i in group:
+                    item = items[i]
+                    data, view = _resolve(planner, item)
+                    keep_alive.append(data)
+                    sums = integrity.compute(algorithm, view)
+                    location = ItemLocation(
+                        object_name=name, offset=offset, length=view.nbytes, checksum=sums.whole,
+                        dtype=dtype_to_str(data.dtype) if isinstance(data, torch.Tensor) else None,
+                        shape=tuple(data.shape) if isinstance(data, torch.Tensor) else None,
+                        block_size=integrity.BLOCK_SIZE_BYTES if sums.blocks else 0,
+                        block_checksums=sums.blocks,
+                    )
+                    results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=location))
+                    views.append(view)
+                    offset += view.nbytes
+                key = uri.key(name)
+                keys.append(key)
+                futures.append(client.put(uri.bucket, key, views))
+                total += offset
+            wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                raise errors[0]
+        except BaseException:
+            self._discard(keys, futures)
+            raise
+        elapsed = time.perf_counter() - start
+        self.last_stats = replace(self.last_stats, upload_s=elapsed, bytes=total, objects=len(groups))
+        log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs", rank, total, len(groups), uri, elapsed)
+        fut: TorchFuture = TorchFuture()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        uri = self._uri
+        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        body = encode_metadata(metadata)
+        key = uri.key(METADATA_NAME)
+        try:
+            self.client.put(uri.bucket, key, body, if_none_match=not self.overwrite,
+                            content_type="application/json").result()
+        except PreconditionFailedError as e:
+            raise CheckpointExistsError(
+                f"{uri}: another save committed this checkpoint first; this save's data objects "
+                "are left for `s3dcp gc` (nothing was overwritten)") from e
+        if self.overwrite:
+            self._delete_unreferenced(metadata)
+        total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
+        log.info("committed %s: %d bytes from %d rank(s)", uri, total, len(results))
+
+    # ------------------------------------------------------------------ helpers
+    def _committed(self) -> bool:
+        from .errors import NoSuchKeyError
+
+        try:
+            self.client.head(self._uri.bucket, self._uri.key(METADATA_NAME)).result()
+            return True
+        except NoSuchKeyError:
+            return False
+
+    def _discard(self, keys: list[str], futures: list[Future]) -> None:
+        """After a failed write: wait for what is in flight, then delete what did upload.
+        Failed multipart uploads are aborted by the CRT itself."""
+        wait(futures)
+        done = [k for k, f in zip(keys, futures) if f.exception() is None]
+        if done:
+            try:
+                self.client.delete(self._uri.bucket, done).result()
+            except S3DCPError:
+                log.warning("could not delete %d object(s) of a failed save under %s; `s3dcp gc` will",
+                            len(done), self._uri, exc_info=True)
+
+    def _delete_unreferenced(self, metadata: Metadata) -> None:
+        uri = self._uri
+        referenced = {uri.key(loc.object_name) for loc in metadata.storage_data.values()}
+        objects, _ = self.client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
+        stale = [o.key for o in objects if o.key.endswith(".distcp") and o.key not in referenced]
+        if stale:
+            self.client.delete(uri.bucket, stale).result()
+
+
+def _new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0  # small and unknown until resolved
+    size = item.tensor_data.chunk.sizes
+    numel = 1
+    for n in size:
+        numel *= n
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[Any, memoryview]:
+    """The item's data and a byte view of it: raw tensor memory, or the planner's bytes."""
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getbuffer() if hasattr(data, "getbuffer") else bytes(data)
+        return raw, memoryview(raw).cast("B")
+    tensor = to_host_contiguous(data)
+    return tensor, byte_view(tensor)

@@ -1,10 +1,389 @@
-"""Staging for async_save (work in progress)."""
+"""Staging for ``dcp.async_save``: the only part of a checkpoint the training loop waits for.
+
+    training thread: async_save ─► stage(): copy every tensor into an arena of the pool ─► resume
+                                     (CUDA: pinned arena, non_blocking copies on a side stream,
+                                      an event; synchronize_staging() waits for the event only)
+    background:      dcp.save(staged) ─► write_data uploads straight from the arena ─► release
+
+The :class:`HostBufferPool` keeps its arenas across checkpoints and across writer instances
+(one pool per process by default), so only the first checkpoint pays for allocating and
+page-faulting host memory; later ones are a memcpy. Host memory taken by staging is
+``max_inflight_checkpoints × min(state bytes, staging_budget_bytes)``, rounded up to 64 MiB.
+
+Back-pressure: at most ``S3Config.max_inflight_checkpoints`` arenas are in use. A new
+``async_save`` while that many uploads run waits in ``stage()`` for one to finish, instead of
+doubling memory.
+
+Bounded memory: with ``staging_budget_bytes`` smaller than the state, ``stage()`` copies what
+fits; the rest is copied into the arena in rounds by ``write_data`` as earlier uploads drain,
+and the training thread is held (in ``synchronize_staging``) until the last round is copied.
+The stall then includes uploading all rounds but the last: a trade of stall for memory.
+"""
+
 from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .config import MiB
+
+__all__ = ["HostBufferPool", "Arena", "StagingMixin", "shared_pool", "release_staging_memory"]
+
+log = logging.getLogger("s3dcp")
+
+_ALIGN = 64  # bytes; every staged tensor starts on a cache line
+_ROUND = 64 * MiB  # arena sizes are rounded up so a slightly larger state reuses the arena
+
+
+class Arena:
+    """One contiguous host buffer (pinned when CUDA is there) carved into staged tensors."""
+
+    def __init__(self, capacity: int, pinned: bool) -> None:
+        self.capacity = capacity
+        self.pinned = pinned
+        self.buffer = _allocate(capacity, pinned)
+        self.cursor = 0
+        self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
+
+    def carve(self, nbytes: int) -> torch.Tensor | None:
+        """The next ``nbytes`` of the arena as a uint8 tensor, or None when it does not fit."""
+        start = -(-self.cursor // _ALIGN) * _ALIGN
+        if start + nbytes > self.limit:
+            return None
+        self.cursor = start + nbytes
+        return self.buffer[start:start + nbytes]
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and (
+            tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+
+
+def _allocate(capacity: int, pinned: bool) -> torch.Tensor:
+    buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
+    buf.zero_()  # pre-fault every page now, not during the first checkpoint's copy
+    return buf
+
+
+class HostBufferPool:
+    """Reusable staging arenas (see the module docstring).
+
+    ``allocations`` counts arenas ever allocated: after the first checkpoint of a steady
+    training job it stops growing.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._cond = threading.Condition()
+        self._free: list[Arena] = []
+        self._in_use = 0
+        self.allocations = 0
+        self.bytes_allocated = 0
+
+    def acquire(self, nbytes: int, *, max_in_use: int = 1) -> Arena:
+        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken."""
+        needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+        with self._cond:
+            if self._in_use >= max_in_use:
+                log.debug("staging waits: %d checkpoint(s) still uploading (max_inflight_checkpoints=%d)",
+                          self._in_use, max_in_use)
+                waited = time.perf_counter()
+                while self._in_use >= max_in_use:
+                    self._cond.wait()
+                log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
+            self._in_use += 1
+            fits = [a for a in self._free if a.capacity >= needed]
+            if fits:
+                arena = min(fits, key=lambda a: a.capacity)
+                self._free.remove(arena)
+            else:
+                arena = None
+                if self._free:  # too small: drop the biggest so memory stays bounded
+                    dropped = max(self._free, key=lambda a: a.capacity)
+                    self._free.remove(dropped)
+                    self.bytes_allocated -= dropped.capacity
+        if arena is None:
+            try:
+                arena = Arena(needed, self.pin_memory)
+            except BaseException:
+                with self._cond:
+                    self._in_use -= 1
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                self.allocations += 1
+                self.bytes_allocated += needed
+        arena.cursor = 0
+        arena.limit = max(nbytes, 1)
+        return arena
+
+    def release(self, arena: Arena) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._in_use -= 1
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Free the arenas not in use (their memory goes back to the system)."""
+        with self._cond:
+            self.bytes_allocated -= sum(a.capacity for a in self._free)
+            self._free.clear()
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+
+_shared: HostBufferPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool() -> HostBufferPool:
+    """The process-wide pool that writers use unless given one."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = HostBufferPool()
+        return _shared
+
+
+def release_staging_memory() -> None:
+    """Free the shared pool's idle arenas (e.g. when training is over)."""
+    if _shared is not None:
+        _shared.clear()
+
+
+# ---------------------------------------------------------------------------- the stager
+@dataclass
+class _Staging:
+    """One checkpoint's staging: its arena, the CUDA event, the items left for rounds."""
+
+    pool: HostBufferPool
+    arena: Arena
+    event: Any = None  # torch.cuda.Event when copies ran on a side stream
+    pending: bool = False  # some tensors did not fit the budget: write_data copies them in rounds
+    done: threading.Event = field(default_factory=threading.Event)  # originals no longer needed
+    released: bool = False
+    save_thread: threading.Thread | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> None:
+        """Give the arena back (once) and let the training thread go."""
+        self.done.set()
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+        self.pool.release(self.arena)
+
+
+class _StagedDict(dict):
+    """A dict that can carry a weakref finalizer (plain dicts cannot)."""
 
 
 class StagingMixin:
-    def _init_staging(self, pool) -> None:
-        self._pool = pool
+    """DCP's ``AsyncStager`` protocol for :class:`s3dcp.S3StorageWriter`.
 
-    def _staging_getstate(self) -> dict:
-        return {"_pool": None}
+    ``stage()`` runs on the training thread; everything else of the save runs in DCP's
+    background executor. See the module docstring for memory and back-pressure.
+    """
+
+    _synchronize_after_execute: bool = True
+
+    def _init_staging(self, pool: HostBufferPool | None) -> None:
+        self._pool = pool
+        self._staging: _Staging | None = None
+        self._stage_started = 0.0
+        self._stage_s = 0.0  # the last stall: stage() plus synchronize_staging()
+
+    def _staging_getstate(self) -> dict[str, Any]:
+        # In DCP's process executor the child gets the staged tensors (shared memory) and a
+        # copy of the writer without the pool; rounds need the parent's arena, so say so.
+        pending = self._staging is not None and self._staging.pending
+        return {"_pool": None, "_staging": None, "_needs_rounds": pending}
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def warm_up(self, state_dict: dict[str, Any]) -> None:
+        """Allocate (and page-fault) the staging arena for ``state_dict`` before training."""
+        pool = self._staging_pool()
+        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self.config.max_inflight_checkpoints)
+        pool.release(arena)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict``'s tensors into the pool and return the staged copy.
+
+        Same structure; tensors (DTensor and ShardedTensor local shards too) become contiguous
+        host tensors in the arena; other values are deep-copied so that the training loop may
+        change anything once staging is synchronised.
+        """
+        self._stage_started = time.perf_counter()
+        pool = self._staging_pool()
+        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self.config.max_inflight_checkpoints)
+        staging = _Staging(pool, arena)
+        try:
+            stream = _side_stream(state_dict)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    staged = _copy_tree(state_dict, lambda t: _stage_tensor(t, staging))
+                staging.event = torch.cuda.Event()
+                staging.event.record(stream)
+            else:
+                staged = _copy_tree(state_dict, lambda t: _stage_tensor(t, staging))
+        except BaseException:
+            staging.release()
+            raise
+        result = _StagedDict(staged)
+        weakref.finalize(result, staging.release)  # safety net: a save that died before write_data
+        if not staging.pending:
+            staging.done.set()
+        self._staging = staging
+        self._stage_s = time.perf_counter() - self._stage_started
+        return result
+
+    def synchronize_staging(self) -> None:
+        """Return once the staged copy is complete and the originals may change again."""
+        staging = self._staging
+        if staging is None:
+            return
+        if staging.event is not None:
+            staging.event.synchronize()
+        while not staging.done.wait(0.05):
+            # A save that failed before write_data never releases the originals: stop
+            # waiting when its thread is gone.
+            thread = staging.save_thread
+            if thread is not None and not thread.is_alive():
+                break
+        self._stage_s = time.perf_counter() - self._stage_started
+
+    def close(self) -> None:
+        """Nothing to free: the pool outlives writers (see :func:`release_staging_memory`)."""
+
+    # ---------------------------------------------------------------- used by write_data
+    def _staging_begin(self) -> "_Staging | None":
+        """Called first thing in the save (on its thread): wait for the copies to land."""
+        if getattr(self, "_needs_rounds", False):
+            from .errors import ConfigError
+
+            raise ConfigError(
+                "staging_budget_bytes is smaller than the state, which needs the writer's own "
+                "thread to copy the rest in rounds: use the thread executor, or raise the budget "
+                "to fit the whole state for AsyncCheckpointerType.PROCESS")
+        staging = self._staging
+        if staging is not None:
+            staging.save_thread = threading.current_thread()
+            if staging.event is not None:
+                staging.event.synchronize()
+        return staging
+
+    def _staging_pool(self) -> HostBufferPool:
+        if self._pool is None:
+            self._pool = shared_pool()
+        return self._pool
+
+    def _arena_bytes(self, state_dict: dict[str, Any]) -> int:
+        total = 0
+        for t in _tensors(state_dict):
+            total += -(-_nbytes(t) // _ALIGN) * _ALIGN
+        budget = self.config.staging_budget_bytes
+        return min(total, budget) if budget is not None else total
+
+
+# ---------------------------------------------------------------------------- tree copying
+def _copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = stage_tensor(value._local_tensor)
+        return DTensor(local, value._spec, requires_grad=False)
+    if _is_sharded_tensor(value):
+        return _copy_sharded_tensor(value, stage_tensor)
+    if isinstance(value, torch.Tensor):
+        return stage_tensor(value)
+    if isinstance(value, dict):
+        return {k: _copy_tree(v, stage_tensor) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(v, stage_tensor) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_tree(v, stage_tensor) for v in value)
+    if isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return value
+    return copy.deepcopy(value)
+
+
+def _tensors(value: Any):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        yield value._local_tensor
+    elif _is_sharded_tensor(value):
+        for shard in value.local_shards():
+            yield shard.tensor
+    elif isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, ShardedTensor)
+
+
+def _copy_sharded_tensor(st, stage_tensor):
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = [Shard(stage_tensor(s.tensor), s.metadata) for s in st.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, st.metadata(), process_group=st._process_group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _stage_tensor(t: torch.Tensor, staging: _Staging) -> torch.Tensor:
+    """Copy ``t`` into the arena; when it does not fit (budget), keep the original for the
+    rounds in write_data."""
+    t = t.detach()
+    nbytes = _nbytes(t)
+    if nbytes == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    raw = staging.arena.carve(nbytes)
+    if raw is None:
+        staging.pending = True
+        return t
+    out = raw.view(t.dtype).view(t.shape) if t.dim() else raw.view(t.dtype).reshape(())
+    out.copy_(t, non_blocking=t.device.type == "cuda" and staging.arena.pinned)
+    return out
+
+
+def _side_stream(state_dict: dict[str, Any]):
+    """A dedicated CUDA stream for the device-to-host copies, when any tensor is on CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    if not any(t.device.type == "cuda" for t in _tensors(state_dict)):
+        return None
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = torch.cuda.Stream()
+    return _STREAM
+
+
+_STREAM = None

@@ -165,56 +165,68 @@ class S3StorageWriter(StagingMixin, StorageWriter):
         return [replace(plan, storage_data=i) for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        staging = self._staging_begin()
         start = time.perf_counter()
         rank = plan.storage_data if isinstance(plan.storage_data, int) else self._rank
-        uri = self._uri
-        client = self.client
-        algorithm = self.config.checksum
-
-        items = list(plan.items)
-        groups = layout.pack([_planned_bytes(item) for item in items], self.config.object_size_target_bytes)
-        futures: list[Future] = []
-        keys: list[str] = []
-        results: list[WriteResult] = []
-        keep_alive: list[Any] = []  # the resolved data must outlive its upload
-        total = 0
+        uploads = _Uploads(self, rank)
         try:
-            for index, group in enumerate(groups):
-                name = layout.object_name(rank, index, self._token)
-                views: list[memoryview] = []
-                offset = 0
-                for i in group:
-                    item = items[i]
-                    data, view = _resolve(planner, item)
-                    keep_alive.append(data)
-                    sums = integrity.compute(algorithm, view)
-                    location = ItemLocation(
-                        object_name=name, offset=offset, length=view.nbytes, checksum=sums.whole,
-                        dtype=dtype_to_str(data.dtype) if isinstance(data, torch.Tensor) else None,
-                        shape=tuple(data.shape) if isinstance(data, torch.Tensor) else None,
-                        block_size=integrity.BLOCK_SIZE_BYTES if sums.blocks else 0,
-                        block_checksums=sums.blocks,
-                    )
-                    results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=location))
-                    views.append(view)
-                    offset += view.nbytes
-                key = uri.key(name)
-                keys.append(key)
-                futures.append(client.put(uri.bucket, key, views))
-                total += offset
-            wait(futures)
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                raise errors[0]
+            resolved = [(item, _resolve(planner, item)) for item in plan.items]
+            ready, deferred = resolved, []
+            if staging is not None and staging.pending:
+                ready = [(i, d) for i, d in resolved if not _is_tensor(d) or staging.arena.owns(d)]
+                deferred = [(i, d) for i, d in resolved if _is_tensor(d) and not staging.arena.owns(d)]
+            ready = [(i, to_host_contiguous(d) if _is_tensor(d) else d) for i, d in ready]
+            for group in layout.pack([_nbytes(d) for _, d in ready], self.config.object_size_target_bytes):
+                uploads.put([ready[i] for i in group])
+            if deferred:
+                self._upload_in_rounds(deferred, staging, uploads)
+            results = uploads.wait()
         except BaseException:
-            self._discard(keys, futures)
+            uploads.discard()
             raise
+        finally:
+            if staging is not None:
+                staging.release()
+                self._staging = None
         elapsed = time.perf_counter() - start
-        self.last_stats = replace(self.last_stats, upload_s=elapsed, bytes=total, objects=len(groups))
-        log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs", rank, total, len(groups), uri, elapsed)
+        self.last_stats = SaveStats(stage_s=self._stage_s if staging is not None else 0.0, upload_s=elapsed,
+                                    bytes=uploads.bytes, objects=len(uploads.keys))
+        log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs",
+                  rank, uploads.bytes, len(uploads.keys), self._uri, elapsed)
         fut: TorchFuture = TorchFuture()
         fut.set_result(results)
         return fut
+
+    def _upload_in_rounds(self, deferred, staging, uploads: "_Uploads") -> None:
+        """Copy tensors that did not fit the staging budget into the arena as it frees up,
+        and upload them; the training thread is released once the last one is copied."""
+        arena = staging.arena
+        batch: list = []
+        batch_bytes = 0
+        for item, tensor in deferred:
+            nbytes = _nbytes(tensor)
+            host = arena.carve(nbytes)
+            if host is None and nbytes <= arena.limit:
+                if batch:
+                    uploads.put(batch)
+                    batch, batch_bytes = [], 0
+                uploads.drain()  # every earlier upload is done: the whole arena is free again
+                arena.cursor = 0
+                host = arena.carve(nbytes)
+            if host is None:  # larger than the whole budget: one temporary host copy
+                copied = to_host_contiguous(tensor)
+            else:
+                copied = host.view(tensor.dtype).view(tensor.shape) if tensor.dim() else \
+                    host.view(tensor.dtype).reshape(())
+                copied.copy_(tensor)
+            batch.append((item, copied))
+            batch_bytes += nbytes
+            if batch_bytes >= self.config.object_size_target_bytes:
+                uploads.put(batch)
+                batch, batch_bytes = [], 0
+        staging.done.set()  # every original has been copied: training may go on
+        if batch:
+            uploads.put(batch)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         uri = self._uri
@@ -243,18 +255,6 @@ class S3StorageWriter(StagingMixin, StorageWriter):
         except NoSuchKeyError:
             return False
 
-    def _discard(self, keys: list[str], futures: list[Future]) -> None:
-        """After a failed write: wait for what is in flight, then delete what did upload.
-        Failed multipart uploads are aborted by the CRT itself."""
-        wait(futures)
-        done = [k for k, f in zip(keys, futures) if f.exception() is None]
-        if done:
-            try:
-                self.client.delete(self._uri.bucket, done).result()
-            except S3DCPError:
-                log.warning("could not delete %d object(s) of a failed save under %s; `s3dcp gc` will",
-                            len(done), self._uri, exc_info=True)
-
     def _delete_unreferenced(self, metadata: Metadata) -> None:
         uri = self._uri
         referenced = {uri.key(loc.object_name) for loc in metadata.storage_data.values()}
@@ -264,25 +264,85 @@ class S3StorageWriter(StagingMixin, StorageWriter):
             self.client.delete(uri.bucket, stale).result()
 
 
+class _Uploads:
+    """The objects one rank's write_data is uploading: futures, keys and write results."""
+
+    def __init__(self, writer: S3StorageWriter, rank: int) -> None:
+        self.writer = writer
+        self.rank = rank
+        self.futures: list[Future] = []
+        self.keys: list[str] = []
+        self.results: list[WriteResult] = []
+        self.bytes = 0
+        self._keep_alive: list[Any] = []  # resolved data must outlive its upload
+
+    def put(self, pairs: list) -> None:
+        """Upload ``(write item, data)`` pairs back to back as the rank's next object."""
+        writer = self.writer
+        name = layout.object_name(self.rank, len(self.keys), writer._token)
+        views: list[memoryview] = []
+        offset = 0
+        for item, data in pairs:
+            view = data if isinstance(data, memoryview) else byte_view(data)
+            sums = integrity.compute(writer.config.checksum, view)
+            tensor = isinstance(data, torch.Tensor)
+            self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ItemLocation(
+                object_name=name, offset=offset, length=view.nbytes, checksum=sums.whole,
+                dtype=dtype_to_str(data.dtype) if tensor else None,
+                shape=tuple(data.shape) if tensor else None,
+                block_size=integrity.BLOCK_SIZE_BYTES if sums.blocks else 0,
+                block_checksums=sums.blocks,
+            )))
+            views.append(view)
+            offset += view.nbytes
+        key = writer._uri.key(name)
+        self.keys.append(key)
+        self._keep_alive.append(pairs)
+        self.futures.append(writer.client.put(writer._uri.bucket, key, views))
+        self.bytes += offset
+
+    def drain(self) -> None:
+        """Wait for every upload so far; raise the first failure."""
+        wait(self.futures)
+        for f in self.futures:
+            if f.exception() is not None:
+                raise f.exception()
+
+    def wait(self) -> list[WriteResult]:
+        self.drain()
+        return self.results
+
+    def discard(self) -> None:
+        """After a failure: wait for what is in flight, then delete what did upload (failed
+        multipart uploads are aborted by the CRT itself)."""
+        wait(self.futures)
+        done = [k for k, f in zip(self.keys, self.futures) if f.exception() is None]
+        if not done:
+            return
+        try:
+            self.writer.client.delete(self.writer._uri.bucket, done).result()
+        except S3DCPError:
+            log.warning("could not delete %d object(s) of a failed save under %s; `s3dcp gc` will",
+                        len(done), self.writer._uri, exc_info=True)
+
+
+def _is_tensor(data: Any) -> bool:
+    return isinstance(data, torch.Tensor)
+
+
+def _nbytes(data: Any) -> int:
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+
+
 def _new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _planned_bytes(item: WriteItem) -> int:
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0  # small and unknown until resolved
-    size = item.tensor_data.chunk.sizes
-    numel = 1
-    for n in size:
-        numel *= n
-    return numel * item.tensor_data.properties.dtype.itemsize
-
-
-def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[Any, memoryview]:
-    """The item's data and a byte view of it: raw tensor memory, or the planner's bytes."""
+def _resolve(planner: SavePlanner, item: WriteItem) -> Any:
+    """The item's data: a contiguous tensor (host, unless it awaits a staging round), or a
+    byte view of the planner's serialized bytes."""
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getbuffer() if hasattr(data, "getbuffer") else bytes(data)
-        return raw, memoryview(raw).cast("B")
-    tensor = to_host_contiguous(data)
-    return tensor, byte_view(tensor)
+        return memoryview(raw).cast("B")
+    return data.detach()

@@ -17,13 +17,13 @@ values. The document looks like this::
      "storage_data": [{"index": {"fqn": "model.w", "offset": [0, 0], "index": 0},
                        "location": {"object_name": "__0_0.data", "offset": 0, "length": 64,
                                     "checksum": "crc32c:1a2b3c4d", "dtype": "bfloat16",
-                                    "shape": [4, 8]}}],
+                                    "shape": [4, 8], "block_size": 0, "block_checksums": []}}],
      "planner_data": <tagged tree>, "storage_meta": {"checkpoint_id": ..., "save_id": ...,
                                                      "load_id": ..., "modules": [...]}}
 
 ``planner_data`` belongs to whichever planner wrote the checkpoint, so it is stored as a
 *tagged tree*: ``None``, bools, ints, strings, finite floats and lists are plain JSON; every
-other value is a one-key object whose key names its type:
+other value is a one-key object whose key names its type::
 
     {"__tuple__": [...]}            tuple
     {"__dict__": [[k, v], ...]}     dict, always tagged, so any key type (and a user key that
@@ -38,8 +38,8 @@ fallback. Exact types are required (an IntEnum or a namedtuple is refused) becau
 could not give them back.
 
 Readers refuse another ``format``, a newer ``version`` and any missing or ill-typed field with
-:class:`~s3dcp.errors.MetadataFormatError`. Unknown extra top-level fields are ignored, so a
-later writer may add optional fields without bumping the version.
+:class:`~s3dcp.errors.MetadataFormatError`. Unknown extra fields are ignored, so a later writer
+may add optional fields without bumping the version.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import base64
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -64,7 +64,9 @@ from torch.distributed.checkpoint.metadata import (
 from .errors import MetadataFormatError
 from .layout import ItemLocation
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "dtype_to_str", "str_to_dtype"]
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "dtype_to_str", "str_to_dtype",
+]
 
 FORMAT_NAME = "s3dcp-metadata"
 FORMAT_VERSION = 1
@@ -90,7 +92,9 @@ def _to_name(table: dict[str, Any], value: Any, what: str) -> str:
 
 def _from_name(table: dict[str, Any], name: Any, what: str) -> Any:
     if type(name) is not str or name not in table:
-        raise MetadataFormatError(f"unknown torch {what} {_short(name)} (this torch {torch.__version__} lacks it)")
+        raise MetadataFormatError(
+            f"unknown torch {what} {_short(name)} (torch {torch.__version__} has no such {what})"
+        )
     return table[name]
 
 
@@ -157,7 +161,9 @@ def _encode_storage_data(sd: Any) -> list | None:
     if sd is None:
         return None
     if not isinstance(sd, dict):
-        raise TypeError(f"storage_data must be dict[MetadataIndex, ItemLocation] or None, got {_type_name(sd)}")
+        raise TypeError(
+            f"storage_data must be dict[MetadataIndex, ItemLocation] or None, got {_type_name(sd)}"
+        )
     out = []
     for key, loc in sd.items():
         if not isinstance(key, MetadataIndex) or not isinstance(loc, ItemLocation):
@@ -166,7 +172,11 @@ def _encode_storage_data(sd: Any) -> list | None:
                 f"got {_type_name(key)} -> {_type_name(loc)}"
             )
         out.append({
-            "index": {"fqn": key.fqn, "offset": None if key.offset is None else list(key.offset), "index": key.index},
+            "index": {
+                "fqn": key.fqn,
+                "offset": None if key.offset is None else list(key.offset),
+                "index": key.index,
+            },
             "location": {
                 "object_name": loc.object_name,
                 "offset": loc.offset,
@@ -174,6 +184,8 @@ def _encode_storage_data(sd: Any) -> list | None:
                 "checksum": loc.checksum,
                 "dtype": loc.dtype,
                 "shape": None if loc.shape is None else list(loc.shape),
+                "block_size": loc.block_size,
+                "block_checksums": list(loc.block_checksums),
             },
         })
     return out
@@ -229,7 +241,7 @@ def decode_metadata(data: bytes, *, source: str = "<metadata>") -> Metadata:
     the DCP metadata classes and plain values are ever built.
     """
     try:
-        return _decode(data)
+        return _decode(bytes(data))
     except MetadataFormatError as e:
         raise MetadataFormatError(f"{source}: {e}") from None
     except (KeyError, IndexError, TypeError, ValueError, RecursionError) as e:
@@ -238,66 +250,66 @@ def decode_metadata(data: bytes, *, source: str = "<metadata>") -> Metadata:
 
 
 def _decode(data: bytes) -> Metadata:
-    data = bytes(data)
     if not data.strip():
         raise MetadataFormatError("not s3dcp metadata: the object is empty")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:  # a pickle, for one, starts with byte 0x80
-        raise MetadataFormatError(f"not s3dcp metadata: not UTF-8 JSON text (bad byte at offset {e.start})") from None
+        msg = f"not s3dcp metadata: not UTF-8 JSON text (bad byte at offset {e.start})"
+        raise MetadataFormatError(msg) from None
     try:
-        doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        doc = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
         raise MetadataFormatError(f"not s3dcp metadata: not valid JSON ({e})") from None
-    if not isinstance(doc, dict) or "format" not in doc:
+    if type(doc) is not dict or "format" not in doc:
         raise MetadataFormatError(f"not s3dcp metadata: a JSON {_json_type(doc)} without a 'format' field")
     if doc["format"] != FORMAT_NAME:
-        raise MetadataFormatError(f"not s3dcp metadata: format is {_short(doc['format'])}, expected {FORMAT_NAME!r}")
-    version = _field(doc, "version", "metadata")
-    if type(version) is not int:
-        raise MetadataFormatError(f"format version {_short(version)} is not an integer")
+        msg = f"not s3dcp metadata: format is {_short(doc['format'])}, expected {FORMAT_NAME!r}"
+        raise MetadataFormatError(msg)
+    # The version is checked before anything else is read: a newer layout may differ anywhere.
+    version = _get(doc, "version", "metadata", _int)
     if version > FORMAT_VERSION:
         raise MetadataFormatError(
             f"written by a newer s3dcp (format version {version}); "
             f"this s3dcp reads version {FORMAT_VERSION} — upgrade s3dcp"
         )
     if version != FORMAT_VERSION:
-        raise MetadataFormatError(f"unsupported format version {version}; this s3dcp reads version {FORMAT_VERSION}")
+        msg = f"unsupported format version {version}; this s3dcp reads version {FORMAT_VERSION}"
+        raise MetadataFormatError(msg)
 
-    sdm = _typed(_field(doc, "state_dict_metadata", "metadata"), dict, "state_dict_metadata")
-    storage_meta = _field(doc, "storage_meta", "metadata")
+    sdm = _get(doc, "state_dict_metadata", "metadata", _dict)
+    storage_meta = _get(doc, "storage_meta", "metadata")
     return Metadata(
         state_dict_metadata={k: _decode_storage(v, f"state_dict_metadata[{k!r}]") for k, v in sdm.items()},
-        planner_data=_decode_tree(_field(doc, "planner_data", "metadata"), "planner_data"),
-        storage_data=_decode_storage_data(_field(doc, "storage_data", "metadata")),
+        planner_data=_decode_tree(_get(doc, "planner_data", "metadata"), "planner_data"),
+        storage_data=_decode_storage_data(_get(doc, "storage_data", "metadata")),
         storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
-        version=_opt_str(_field(doc, "dcp_version", "metadata"), "dcp_version"),
+        version=_get(doc, "dcp_version", "metadata", _opt(_str)),
     )
 
 
 def _decode_storage(node: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:
-    kind = _field(node, "type", where)
+    kind = _get(node, "type", where)
     if kind == "bytes":
         return BytesStorageMetadata()
     if kind != "tensor":
-        raise MetadataFormatError(f"{where}: unknown storage type {_short(kind)}")
-    p = _field(node, "properties", where)
-    pw = f"{where}.properties"
+        raise MetadataFormatError(f"{where}.type: unknown storage type {_short(kind)}")
+    p, pw = _get(node, "properties", where), f"{where}.properties"
     properties = TensorProperties(
-        dtype=_from_name(_DTYPES, _field(p, "dtype", pw), "dtype"),
-        layout=_from_name(_LAYOUTS, _field(p, "layout", pw), "layout"),
-        requires_grad=_typed(_field(p, "requires_grad", pw), bool, f"{pw}.requires_grad"),
-        memory_format=_from_name(_MEMORY_FORMATS, _field(p, "memory_format", pw), "memory_format"),
-        pin_memory=_typed(_field(p, "pin_memory", pw), bool, f"{pw}.pin_memory"),
+        dtype=_get(p, "dtype", pw, _named(_DTYPES, "dtype")),
+        layout=_get(p, "layout", pw, _named(_LAYOUTS, "layout")),
+        requires_grad=_get(p, "requires_grad", pw, _bool),
+        memory_format=_get(p, "memory_format", pw, _named(_MEMORY_FORMATS, "memory_format")),
+        pin_memory=_get(p, "pin_memory", pw, _bool),
     )
-    chunks = _typed(_field(node, "chunks", where), list, f"{where}.chunks")
+    chunks = _get(node, "chunks", where, _list)
     return TensorStorageMetadata(
         properties=properties,
-        size=torch.Size(_ints(_field(node, "size", where), f"{where}.size")),
+        size=_get(node, "size", where, _size),
         chunks=[
             ChunkStorageMetadata(
-                offsets=torch.Size(_ints(_field(c, "offsets", f"{where}.chunks[{i}]"), f"{where}.chunks[{i}].offsets")),
-                sizes=torch.Size(_ints(_field(c, "sizes", f"{where}.chunks[{i}]"), f"{where}.chunks[{i}].sizes")),
+                offsets=_get(c, "offsets", f"{where}.chunks[{i}]", _size),
+                sizes=_get(c, "sizes", f"{where}.chunks[{i}]", _size),
             )
             for i, c in enumerate(chunks)
         ],
@@ -308,36 +320,39 @@ def _decode_storage_data(node: Any) -> dict[MetadataIndex, ItemLocation] | None:
     if node is None:
         return None
     out: dict[MetadataIndex, ItemLocation] = {}
-    for i, entry in enumerate(_typed(node, list, "storage_data")):
+    for i, entry in enumerate(_list(node, "storage_data")):
         w = f"storage_data[{i}]"
-        idx, loc = _field(entry, "index", w), _field(entry, "location", w)
-        offset = _field(idx, "offset", f"{w}.index")
+        idx, iw = _get(entry, "index", w), f"{w}.index"
+        loc, lw = _get(entry, "location", w), f"{w}.location"
         key = MetadataIndex(
-            fqn=_typed(_field(idx, "fqn", f"{w}.index"), str, f"{w}.index.fqn"),
-            offset=None if offset is None else _ints(offset, f"{w}.index.offset"),
-            index=_opt_int(_field(idx, "index", f"{w}.index"), f"{w}.index.index"),
+            fqn=_get(idx, "fqn", iw, _str),
+            offset=_get(idx, "offset", iw, _opt(_ints)),
+            index=_get(idx, "index", iw, _opt(_int)),
         )
         if key in out:  # a dict would silently keep only the last one
             raise MetadataFormatError(f"{w}: duplicate entry for {key.fqn!r} at offset {key.offset}")
-        shape = _field(loc, "shape", f"{w}.location")
         out[key] = ItemLocation(
-            object_name=_typed(_field(loc, "object_name", f"{w}.location"), str, f"{w}.location.object_name"),
-            offset=_typed(_field(loc, "offset", f"{w}.location"), int, f"{w}.location.offset"),
-            length=_typed(_field(loc, "length", f"{w}.location"), int, f"{w}.location.length"),
-            checksum=_opt_str(_field(loc, "checksum", f"{w}.location"), f"{w}.location.checksum"),
-            dtype=_opt_str(_field(loc, "dtype", f"{w}.location"), f"{w}.location.dtype"),
-            shape=None if shape is None else _ints(shape, f"{w}.location.shape"),
+            object_name=_get(loc, "object_name", lw, _str),
+            offset=_get(loc, "offset", lw, _int),
+            length=_get(loc, "length", lw, _int),
+            checksum=_get(loc, "checksum", lw, _opt(_str)),
+            dtype=_get(loc, "dtype", lw, _opt(_str)),
+            shape=_get(loc, "shape", lw, _opt(_ints)),
+            block_size=_get(loc, "block_size", lw, _int),
+            block_checksums=tuple(_str(c, f"{lw}.block_checksums[{j}]")
+                                  for j, c in enumerate(_get(loc, "block_checksums", lw, _list))),
         )
     return out
 
 
 def _decode_storage_meta(node: Any) -> StorageMeta:
-    modules = _typed(_field(node, "modules", "storage_meta"), list, "storage_meta.modules")
+    w = "storage_meta"
+    modules = _get(node, "modules", w, _list)
     return StorageMeta(
-        checkpoint_id=_opt_str(_field(node, "checkpoint_id", "storage_meta"), "storage_meta.checkpoint_id"),
-        save_id=_opt_str(_field(node, "save_id", "storage_meta"), "storage_meta.save_id"),
-        load_id=_opt_str(_field(node, "load_id", "storage_meta"), "storage_meta.load_id"),
-        modules=[_typed(m, str, f"storage_meta.modules[{i}]") for i, m in enumerate(modules)],
+        checkpoint_id=_get(node, "checkpoint_id", w, _opt(_str)),
+        save_id=_get(node, "save_id", w, _opt(_str)),
+        load_id=_get(node, "load_id", w, _opt(_str)),
+        modules=[_str(m, f"{w}.modules[{i}]") for i, m in enumerate(modules)],
     )
 
 
@@ -349,68 +364,73 @@ def _decode_tree(node: Any, where: str) -> Any:
     if t is list:
         return [_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
     if len(node) != 1:
-        raise MetadataFormatError(f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}")
+        msg = f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}"
+        raise MetadataFormatError(msg)
     ((tag, body),) = node.items()
     if tag == "__tuple__":
-        return tuple(_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_typed(body, list, where)))
+        return tuple(_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_list(body, where)))
     if tag == "__dict__":
         out = {}
-        for i, pair in enumerate(_typed(body, list, where)):
+        for i, pair in enumerate(_list(body, where)):
             if type(pair) is not list or len(pair) != 2:
                 raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
             out[_decode_tree(pair[0], f"{where} key {i}")] = _decode_tree(pair[1], f"{where}[{i}]")
         return out
     if tag == "__bytes__":
-        return base64.b64decode(_typed(body, str, where), validate=True)
+        return base64.b64decode(_str(body, where), validate=True)
     if tag == "__float__":
         if body not in ("nan", "inf", "-inf"):
             raise MetadataFormatError(f"{where}: bad __float__ value {_short(body)}")
         return float(body)
     if tag == "__size__":
-        return torch.Size(_ints(body, where))
+        return _size(body, where)
     if tag == "__dtype__":
         return _from_name(_DTYPES, body, "dtype")
     raise MetadataFormatError(f"{where}: unknown tag {_short(tag)}")
 
 
 # ---------------------------------------------------------------------------------------------
-# Small checked accessors; exact type checks, so a JSON true is never taken for the integer 1.
+# Checked access. Type checks are exact, so a JSON true is never taken for the integer 1.
 
 
-def _field(obj: Any, key: str, where: str) -> Any:
+def _get(obj: Any, key: str, where: str, check: Callable[[Any, str], Any] | None = None) -> Any:
+    """``obj[key]`` of a JSON object, passed through ``check(value, path)`` when given."""
     if type(obj) is not dict:
         raise MetadataFormatError(f"{where}: expected a JSON object, got a JSON {_json_type(obj)}")
     if key not in obj:
         raise MetadataFormatError(f"{where}: missing field {key!r}")
-    return obj[key]
+    return obj[key] if check is None else check(obj[key], f"{where}.{key}")
 
 
-def _typed(value: Any, t: type, where: str) -> Any:
-    if type(value) is not t:
-        raise MetadataFormatError(f"{where}: expected a JSON {_json_type(t())}, got a JSON {_json_type(value)}")
-    return value
+def _exact(t: type, name: str) -> Callable[[Any, str], Any]:
+    def check(value: Any, where: str) -> Any:
+        if type(value) is not t:
+            raise MetadataFormatError(f"{where}: expected a JSON {name}, got a JSON {_json_type(value)}")
+        return value
+
+    return check
 
 
-def _opt_str(value: Any, where: str) -> str | None:
-    return None if value is None else _typed(value, str, where)
+_str, _int, _bool = _exact(str, "string"), _exact(int, "integer"), _exact(bool, "boolean")
+_list, _dict = _exact(list, "array"), _exact(dict, "object")
 
 
-def _opt_int(value: Any, where: str) -> int | None:
-    return None if value is None else _typed(value, int, where)
+def _opt(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    return lambda value, where: None if value is None else check(value, where)
+
+
+def _named(table: dict[str, Any], what: str) -> Callable[[Any, str], Any]:
+    return lambda value, where: _from_name(table, value, what)
 
 
 def _ints(value: Any, where: str) -> tuple[int, ...]:
     if type(value) is not list or any(type(v) is not int for v in value):
-        raise MetadataFormatError(f"{where}: expected a list of integers, got {_short(value)}")
+        raise MetadataFormatError(f"{where}: expected an array of integers, got {_short(value)}")
     return tuple(value)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):  # json.loads would otherwise keep the last one silently
-        dup = next(k for i, (k, _) in enumerate(pairs) if any(k == k2 for k2, _ in pairs[:i]))
-        raise MetadataFormatError(f"duplicate key {dup!r} in a JSON object")
-    return obj
+def _size(value: Any, where: str) -> torch.Size:
+    return torch.Size(_ints(value, where))
 
 
 def _reject_constant(name: str) -> Any:

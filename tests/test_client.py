@@ -1,0 +1,156 @@
+"""s3dcp.client against the real SeaweedFS server: round trips, ranges, conditions, listing,
+and errors that say what went wrong."""
+
+import os
+import pickle
+
+import pytest
+
+from s3dcp.client import S3Client
+from s3dcp.config import MiB
+from s3dcp.errors import (
+    AccessDeniedError,
+    IntegrityError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    PreconditionFailedError,
+    S3ConnectionError,
+)
+
+PART = 5 * MiB
+
+
+@pytest.fixture
+def client(s3_server):
+    return S3Client(s3_server.s3_config(part_size_bytes=PART))
+
+
+@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 3 * PART + 12345])
+def test_round_trip_is_byte_exact(client, bucket, size):
+    data = os.urandom(size)
+    result = client.put(bucket, f"obj/{size}", data).result()
+    assert result.size == size
+    assert client.head(bucket, f"obj/{size}").result().size == size
+    out = bytearray(size)
+    assert client.get_range_into(bucket, f"obj/{size}", 0, out).result() == size
+    assert out == data
+    assert client.get(bucket, f"obj/{size}").result() == data
+
+
+def test_large_object_round_trip(client, bucket):
+    data = os.urandom(200 * MiB)
+    etag = client.put(bucket, "big", memoryview(data)).result().etag
+    assert etag and "-" in etag  # went multipart
+    out = bytearray(len(data))
+    client.get_range_into(bucket, "big", 0, out).result()
+    assert out == data
+
+
+def test_put_sends_several_buffers_back_to_back(client, bucket):
+    parts = [os.urandom(n) for n in (3, 0, PART + 7, 11)]
+    client.put(bucket, "joined", parts).result()
+    assert client.get(bucket, "joined").result() == b"".join(parts)
+
+
+def test_ranged_reads_at_object_edges(client, bucket):
+    data = os.urandom(2 * PART + 100)
+    client.put(bucket, "edges", data).result()
+    for offset, length in [(0, 1), (len(data) - 1, 1), (PART - 3, 6), (PART, PART), (7, len(data) - 7)]:
+        out = bytearray(length)
+        client.get_range_into(bucket, "edges", offset, out).result()
+        assert out == data[offset:offset + length], (offset, length)
+    assert client.get_range_into(bucket, "edges", 5, bytearray(0)).result() == 0
+
+
+def test_reading_past_the_end_is_an_integrity_error(client, bucket):
+    client.put(bucket, "short", b"12345").result()
+    with pytest.raises(IntegrityError, match="shorter than its metadata says"):
+        client.get_range_into(bucket, "short", 0, bytearray(10)).result()
+
+
+def test_scatter_read_fills_each_sink_and_skips_holes(client, bucket):
+    data = os.urandom(1000)
+    client.put(bucket, "scatter", data).result()
+    a, b = bytearray(100), bytearray(50)
+    client.get_scatter(bucket, "scatter", 100, 500, [(100, a), (450, b)]).result()
+    assert a == data[100:200] and b == data[450:500]
+
+
+def test_conditional_put_refuses_an_existing_key(client, bucket):
+    client.put(bucket, "once", b"first", if_none_match=True).result()
+    with pytest.raises(PreconditionFailedError) as e:
+        client.put(bucket, "once", b"second", if_none_match=True).result()
+    assert e.value.status == 412 and e.value.key == "once" and e.value.bucket == bucket
+    assert client.get(bucket, "once").result() == b"first"
+
+
+def test_listing_past_one_page_and_batched_delete(client, bucket):
+    keys = [f"many/{i:04d}" for i in range(25)] + ["other/x"]
+    for k in keys:
+        client.put(bucket, k, k.encode()).result()
+    objects, prefixes = client.list(bucket, "many/", page_size=7).result()
+    assert [o.key for o in objects] == keys[:25] and prefixes == []
+    assert all(o.size == len(o.key) for o in objects)
+    _, prefixes = client.list(bucket, "", delimiter="/", page_size=1).result()
+    assert prefixes == ["many/", "other/"]
+    client.delete(bucket, keys[:25]).result()
+    assert client.list(bucket, "many/").result() == ([], [])
+    client.delete(bucket, ["never-existed"]).result()  # missing keys are not an error
+
+
+def test_keys_with_special_characters(client, bucket):
+    key = "run 1/step=10/ü+%&?#[x].bin"
+    client.put(bucket, key, b"x").result()
+    assert client.get(bucket, key).result() == b"x"
+    assert [o.key for o in client.list(bucket, "run 1/").result()[0]] == [key]
+
+
+def test_missing_bucket_and_missing_key_are_distinct(client, bucket):
+    with pytest.raises(NoSuchKeyError) as e:
+        client.get(bucket, "nope").result()
+    assert e.value.status == 404 and e.value.code == "NoSuchKey" and e.value.request_id
+    assert f"s3://{bucket}/nope" in str(e.value)
+    with pytest.raises(NoSuchKeyError):
+        client.head(bucket, "nope").result()
+    with pytest.raises(NoSuchBucketError) as e:
+        client.get("no-such-bucket-xyz", "k").result()
+    assert "no-such-bucket-xyz" in str(e.value) and "create the bucket" in str(e.value)
+    with pytest.raises(NoSuchBucketError):
+        client.head("no-such-bucket-xyz", "k").result()
+    with pytest.raises(NoSuchBucketError):  # not auto-created on upload
+        client.put("no-such-bucket-xyz", "k", b"data").result()
+
+
+def test_wrong_secret_is_access_denied_with_status(s3_server, bucket):
+    bad = S3Client(s3_server.s3_config(secret_access_key="definitely-wrong-secret"))
+    with pytest.raises(AccessDeniedError) as e:
+        bad.put(bucket, "k", b"x").result()
+    assert e.value.status == 403 and "403" in str(e.value)
+    assert "definitely-wrong-secret" not in str(e.value)
+
+
+def test_refused_connection_is_a_connection_error(s3_server):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = S3Client(s3_server.s3_config(endpoint_url=f"http://127.0.0.1:{port}", max_retries=1))
+    with pytest.raises(S3ConnectionError, match="endpoint is reachable"):
+        dead.get("bucket", "k").result()
+
+
+def test_multipart_uploads_list_and_abort(client, bucket, boto3_client):
+    up = boto3_client.create_multipart_upload(Bucket=bucket, Key="dangling")
+    uploads = client.list_uploads(bucket).result()
+    assert [(u.key, u.upload_id) for u in uploads] == [("dangling", up["UploadId"])]
+    client.abort_upload(bucket, "dangling", up["UploadId"]).result()
+    assert client.list_uploads(bucket).result() == []
+    client.abort_upload(bucket, "dangling", up["UploadId"]).result()  # already gone: fine
+
+
+def test_client_pickles_without_its_native_handle(client, bucket):
+    client.put(bucket, "p", b"v").result()
+    clone = pickle.loads(pickle.dumps(client))
+    assert clone.get(bucket, "p").result() == b"v"
+    assert "secret" not in repr(clone).lower()

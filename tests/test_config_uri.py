@@ -1,0 +1,115 @@
+"""Pure parts: URI parsing and config validation/resolution (no server)."""
+
+import pytest
+
+from s3dcp import S3Config
+from s3dcp.config import MiB
+from s3dcp.errors import ConfigError
+from s3dcp.uri import S3Uri, parse_s3_uri
+
+
+@pytest.mark.parametrize(
+    "uri, bucket, prefix",
+    [
+        ("s3://bucket/run/step-1", "bucket", "run/step-1"),
+        ("s3://bucket/run/step-1/", "bucket", "run/step-1"),
+        ("s3://my.bucket-1", "my.bucket-1", ""),
+        ("s3://abc/a b/ü", "abc", "a b/ü"),
+    ],
+)
+def test_parse_s3_uri(uri, bucket, prefix):
+    assert parse_s3_uri(uri) == S3Uri(bucket, prefix)
+
+
+@pytest.mark.parametrize(
+    "uri, words",
+    [
+        ("/local/path", "not an S3 URI"),
+        ("s3:/bucket/x", "not an S3 URI"),
+        ("s3:///x", "no bucket"),
+        ("s3://Bucket/x", "not a valid bucket name"),
+        ("s3://ab/x", "not a valid bucket name"),
+        ("s3://bucket/a//b", "empty path segment"),
+        ("s3://bucket/a/../b", "'..'"),
+        (42, "must be an 's3://bucket/prefix' string"),
+    ],
+)
+def test_parse_s3_uri_errors_name_the_problem(uri, words):
+    with pytest.raises(ConfigError) as e:
+        parse_s3_uri(uri)
+    assert words in str(e.value)
+
+
+def test_key_building():
+    u = parse_s3_uri("s3://b1c/run/7")
+    assert u.key(".metadata") == "run/7/.metadata"
+    assert u.dir_prefix == "run/7/"
+    assert str(u.child("x")) == "s3://b1c/run/7/x"
+    root = parse_s3_uri("s3://b1c")
+    assert root.key("k") == "k" and root.dir_prefix == ""
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("part_size_bytes", 1024, "part_size_bytes=1024 is below S3's 5 MiB minimum"),
+        ("part_size_bytes", 6 * 1024 * MiB, "above S3's 5 GiB maximum"),
+        ("max_concurrency", 0, "max_concurrency=0"),
+        ("checksum", "md5", "checksum='md5'"),
+        ("throughput_target_gbps", -1, "throughput_target_gbps=-1"),
+        ("staging_budget_bytes", 10, "staging_budget_bytes=10"),
+        ("addressing_style", "weird", "addressing_style='weird'"),
+        ("sse", "rot13", "sse='rot13'"),
+        ("endpoint_url", "ftp://x", "not an http(s) URL"),
+        ("request_timeout_s", 0, "request_timeout_s=0"),
+        ("max_inflight_checkpoints", 0, "max_inflight_checkpoints=0"),
+    ],
+)
+def test_invalid_config_values_are_named(field, value, words):
+    with pytest.raises(ConfigError) as e:
+        S3Config(**{field: value})
+    assert words in str(e.value)
+
+
+def test_keys_must_come_in_pairs():
+    with pytest.raises(ConfigError, match="together"):
+        S3Config(access_key_id="AKIA")
+
+
+def test_secrets_are_not_in_repr():
+    c = S3Config(access_key_id="AKIAXXXX", secret_access_key="very-secret-value", session_token="tok-123")
+    assert "very-secret-value" not in repr(c) and "tok-123" not in repr(c)
+    assert "very-secret-value" not in str(c.resolved({}))
+
+
+def test_resolution_follows_botocore_order(tmp_path):
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_DEFAULT_REGION": "eu-west-1",
+           "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    c = S3Config().resolved(env)
+    assert (c.endpoint_url, c.region) == ("http://127.0.0.1:9000", "eu-west-1")
+    env["AWS_ENDPOINT_URL_S3"] = "http://127.0.0.1:9001"
+    env["AWS_REGION"] = "ap-south-1"
+    c = S3Config().resolved(env)
+    assert (c.endpoint_url, c.region) == ("http://127.0.0.1:9001", "ap-south-1")
+    # explicit beats the environment
+    c = S3Config(endpoint_url="http://localhost:1234", region="us-west-2").resolved(env)
+    assert (c.endpoint_url, c.region) == ("http://localhost:1234", "us-west-2")
+
+
+def test_defaults_to_aws_https_and_profile_file(tmp_path):
+    cfg = tmp_path / "config"
+    cfg.write_text("[profile dev]\nregion = ca-central-1\ns3 =\n  addressing_style = path\n")
+    env = {"AWS_PROFILE": "dev", "AWS_CONFIG_FILE": str(cfg)}
+    c = S3Config().resolved(env)
+    assert c.region == "ca-central-1"
+    assert c.endpoint_url == "https://s3.ca-central-1.amazonaws.com"
+    assert c.addressing_style == "path" and c.use_path_style
+    assert not S3Config().resolved({"AWS_CONFIG_FILE": str(cfg)}).use_path_style  # AWS host: virtual
+    with pytest.raises(ConfigError, match="profile 'nope' not found"):
+        S3Config(profile="nope").resolved({"AWS_CONFIG_FILE": str(cfg)})
+
+
+def test_endpoint_without_scheme_is_https_unless_loopback():
+    assert S3Config(endpoint_url="127.0.0.1:9000").resolved({}).endpoint_url == "http://127.0.0.1:9000"
+    assert S3Config(endpoint_url="localhost:9000").resolved({}).endpoint_url == "http://localhost:9000"
+    assert S3Config(endpoint_url="minio.internal:9000").resolved({}).endpoint_url == "https://minio.internal:9000"

@@ -1,0 +1,518 @@
+"""Tests for s3dcp.metadata: DCP Metadata <-> versioned JSON, exact round trip, no pickle."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import enum
+import inspect
+import json
+import math
+import pathlib
+import pickle
+from collections import namedtuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+import s3dcp.metadata as s3md
+from s3dcp.errors import MetadataFormatError
+from s3dcp.layout import ItemLocation
+from s3dcp.metadata import (
+    FORMAT_NAME, FORMAT_VERSION, decode_metadata, dtype_to_str, encode_metadata, str_to_dtype,
+)
+
+# Built independently of s3dcp.metadata, so a dtype its table missed fails the tests.
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+ALL_LAYOUTS = sorted({v for v in vars(torch).values() if isinstance(v, torch.layout)}, key=str)
+ALL_MEMORY_FORMATS = sorted({v for v in vars(torch).values() if isinstance(v, torch.memory_format)}, key=str)
+
+
+def assert_same(a, b, path="md"):
+    """Exact structural equality: same types all the way down, nan == nan, -0.0 != 0.0,
+    dict order, and dataclass fields that are excluded from == (MetadataIndex.index)."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__} ({a!r} vs {b!r})"
+    if isinstance(a, float):
+        if math.isnan(a):
+            assert math.isnan(b), f"{path}: {a!r} != {b!r}"
+        else:
+            assert a == b and math.copysign(1, a) == math.copysign(1, b), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, (list, tuple)):  # includes torch.Size
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict):
+        assert len(a) == len(b), f"{path}: {len(a)} keys != {len(b)} keys"
+        for i, ((ka, va), (kb, vb)) in enumerate(zip(a.items(), b.items())):
+            assert_same(ka, kb, f"{path} key #{i}")
+            assert_same(va, vb, f"{path}[{ka!r}]")
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def roundtrip(md: Metadata) -> Metadata:
+    data = encode_metadata(md)
+    assert encode_metadata(md) == data  # deterministic
+    out = decode_metadata(data)
+    assert encode_metadata(out) == data  # and the decoded object encodes to the same bytes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) a realistic Metadata, made by DCP's own save planner
+
+
+def planner_metadata() -> tuple[Metadata, list]:
+    state_dict = {
+        "model": {
+            "embed.weight": torch.randn(16, 8, dtype=torch.bfloat16),
+            "layers": [{"w": torch.randn(8, 8), "b": torch.zeros(8, dtype=torch.float16)} for _ in range(2)],
+            "mask": torch.ones(4, dtype=torch.bool),
+            "scale": torch.ones(3, dtype=torch.float8_e4m3fn),
+            "ids": torch.arange(5, dtype=torch.int64),
+            "z": torch.zeros(2, 2, dtype=torch.complex64),
+        },
+        "optim": {
+            "state": {0: {"step": 7, "exp_avg": torch.zeros(8, 8)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "epoch": 3,
+        "run_name": "llama-ft",
+    }
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=True)
+    plans, md = planner.create_global_plan([planner.create_local_plan()])
+    return md, plans[0].items
+
+
+def test_realistic_roundtrip():
+    md, items = planner_metadata()
+    storage_data = {}
+    for i, item in enumerate(items):
+        tensor = md.state_dict_metadata[item.index.fqn]
+        is_tensor = isinstance(tensor, TensorStorageMetadata)
+        key = MetadataIndex(item.index.fqn, item.index.offset, index=i)
+        storage_data[key] = ItemLocation(
+            object_name="__0_0.a1b2c3.data",
+            offset=64 * i,
+            length=64,
+            checksum=f"crc32c:{i:08x}" if i % 2 else None,
+            dtype=dtype_to_str(tensor.properties.dtype) if is_tensor else None,
+            shape=tuple(tensor.chunks[0].sizes) if is_tensor else None,
+        )
+    md = dataclasses.replace(
+        md,
+        storage_data=storage_data,
+        storage_meta=StorageMeta("s3://bucket/run/step-100", save_id="a1b2c3", modules=["model"]),
+        version="1.0.0",
+    )
+    assert isinstance(md.planner_data["optim.param_groups.0.lr"], tuple)  # the flatten mapping
+
+    out = roundtrip(md)
+    assert out == md
+    assert_same(out, md)
+    for fqn, item in out.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            assert type(item.size) is torch.Size
+            assert all(type(c.offsets) is torch.Size and type(c.sizes) is torch.Size for c in item.chunks)
+    keys = list(out.storage_data)
+    assert [k.index for k in keys] == list(range(len(items)))
+    assert all(k.offset is None or type(k.offset) is torch.Size for k in keys)
+    tensors = [t for t in md.state_dict_metadata.values() if isinstance(t, TensorStorageMetadata)]
+    dtypes_seen = {t.properties.dtype for t in tensors}
+    assert dtypes_seen >= {torch.bfloat16, torch.float8_e4m3fn, torch.complex64, torch.bool}
+
+
+def test_json_layout():
+    md, _ = planner_metadata()
+    md = dataclasses.replace(md, storage_data={MetadataIndex("epoch"): ItemLocation("o", 0, 5, None)})
+    doc = json.loads(encode_metadata(md))
+    assert list(doc) == ["format", "version", "dcp_version", "state_dict_metadata", "storage_data",
+                         "planner_data", "storage_meta"]
+    assert (doc["format"], doc["version"], doc["dcp_version"]) == (FORMAT_NAME, FORMAT_VERSION, None)
+    assert doc["state_dict_metadata"]["epoch"] == {"type": "bytes"}
+    assert doc["storage_data"] == [{
+        "index": {"fqn": "epoch", "offset": None, "index": None},
+        "location": {"object_name": "o", "offset": 0, "length": 5, "checksum": None, "dtype": None,
+                     "shape": None, "block_size": 0, "block_checksums": []},
+    }]
+    assert ["epoch", {"__tuple__": ["epoch"]}] in doc["planner_data"]["__dict__"]
+
+
+def test_every_item_location_field_is_encoded():
+    """A field added to ItemLocation must be added to the encoder too, or it would be lost on save."""
+    loc = ItemLocation("o", 1, 2, "crc32c:0", "float32", (2,), block_size=1, block_checksums=("a", "b"))
+    md = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("x"): loc})
+    doc = json.loads(encode_metadata(md))
+    assert set(doc["storage_data"][0]["location"]) == {f.name for f in dataclasses.fields(ItemLocation)}
+    assert_same(decode_metadata(json.dumps(doc).encode()).storage_data, {MetadataIndex("x"): loc})
+
+
+@pytest.mark.parametrize("storage_data", [None, {}])
+def test_empty_storage_data(storage_data):
+    out = roundtrip(Metadata(state_dict_metadata={}, storage_data=storage_data))
+    assert_same(out, Metadata(state_dict_metadata={}, storage_data=storage_data))
+
+
+def test_every_dtype_layout_and_memory_format():
+    wanted = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.uint64, torch.quint8}
+    assert wanted <= set(ALL_DTYPES)
+    for dtype in ALL_DTYPES:
+        assert str_to_dtype(dtype_to_str(dtype)) is dtype
+    assert dtype_to_str(torch.float32) == "float32" and dtype_to_str(torch.half) == "float16"
+    sdm = {
+        f"t{i}": TensorStorageMetadata(
+            TensorProperties(dtype, layout, bool(i % 2), memory_format=mf, pin_memory=not i % 3),
+            torch.Size([2, 3]),
+            [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))],
+        )
+        for i, (dtype, layout, mf) in enumerate(
+            (d, ALL_LAYOUTS[i % len(ALL_LAYOUTS)], ALL_MEMORY_FORMATS[i % len(ALL_MEMORY_FORMATS)])
+            for i, d in enumerate(ALL_DTYPES)
+        )
+    }
+    md = Metadata(state_dict_metadata=sdm)
+    assert_same(roundtrip(md), md)
+    for mf in ALL_MEMORY_FORMATS + ALL_LAYOUTS:  # every one of them appears
+        assert any(mf in (t.properties.layout, t.properties.memory_format) for t in sdm.values())
+
+
+def test_planner_data_tags():
+    tricky = {
+        "__tuple__": [1, 2],  # a user key that looks like a tag
+        "__dict__": {"__bytes__": "x"},
+        (1, "a"): ("b", 2),
+        3: [1.5, float("nan"), float("inf"), -float("inf"), -0.0],
+        None: b"\x00\xffbytes",
+        b"k": torch.Size([2, 3]),
+        "dt": torch.bfloat16,
+        "nested": [(), [], {}, ((),)],
+        "big": 2**100,
+    }
+    out = roundtrip(Metadata(state_dict_metadata={}, planner_data=tricky))
+    assert_same(out.planner_data, tricky)
+
+
+def test_pathlike_checkpoint_id_stored_as_str():
+    md = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(pathlib.PurePosixPath("/ckpt/1")))
+    assert decode_metadata(encode_metadata(md)).storage_meta == StorageMeta(checkpoint_id="/ckpt/1")
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) property test: random Metadata round-trips exactly
+
+fqns = st.text(max_size=12) | st.from_regex(r"[a-z_]{1,6}(\.[a-z0-9_]{1,6}){0,3}", fullmatch=True)
+dims = st.integers(0, 2**40)
+dtypes = st.sampled_from(ALL_DTYPES)
+
+
+@st.composite
+def tensor_metadata(draw):
+    ndim = draw(st.integers(0, 4))
+    shape = st.lists(dims, min_size=ndim, max_size=ndim).map(torch.Size)
+    chunks = draw(st.lists(st.builds(ChunkStorageMetadata, shape, shape), max_size=3))
+    props = TensorProperties(
+        dtype=draw(dtypes),
+        layout=draw(st.sampled_from(ALL_LAYOUTS)),
+        requires_grad=draw(st.booleans()),
+        memory_format=draw(st.sampled_from(ALL_MEMORY_FORMATS)),
+        pin_memory=draw(st.booleans()),
+    )
+    return TensorStorageMetadata(props, draw(shape), chunks)
+
+
+hashable_leaves = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.binary(max_size=8) | dtypes | st.lists(st.integers(0, 99), max_size=3).map(torch.Size)
+)
+hashable = st.recursive(hashable_leaves, lambda inner: st.lists(inner, max_size=3).map(tuple), max_leaves=5)
+leaves = hashable_leaves | st.floats()  # any float: nan, inf, -inf, -0.0
+trees = st.recursive(
+    leaves,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.lists(inner, max_size=4).map(tuple)
+    | st.dictionaries(hashable | st.just("__tuple__") | st.just("__dict__"), inner, max_size=4),
+    max_leaves=20,
+)
+opt_text = st.none() | st.text(max_size=10)
+locations = st.builds(
+    ItemLocation,
+    object_name=st.text(max_size=20),
+    offset=st.integers(0, 2**63),
+    length=st.integers(0, 2**40),
+    checksum=st.none() | st.from_regex(r"crc32c:[0-9a-f]{8}", fullmatch=True),
+    dtype=st.none() | dtypes.map(dtype_to_str),
+    shape=st.none() | st.lists(dims, max_size=4).map(tuple),
+    block_size=st.integers(0, 2**30),
+    block_checksums=st.lists(st.from_regex(r"crc32c:[0-9a-f]{8}", fullmatch=True), max_size=3).map(tuple),
+)
+indexes = st.builds(
+    MetadataIndex,
+    fqn=fqns,
+    offset=st.none() | st.lists(dims, max_size=4).map(torch.Size),
+    index=st.none() | st.integers(0, 2**31),
+)
+metadata = st.builds(
+    Metadata,
+    state_dict_metadata=st.dictionaries(fqns, tensor_metadata() | st.builds(BytesStorageMetadata), max_size=4),
+    planner_data=trees,
+    storage_data=st.none() | st.dictionaries(indexes, locations, max_size=5),
+    storage_meta=st.none()
+    | st.builds(StorageMeta, opt_text, opt_text, opt_text, st.lists(st.text(max_size=8), max_size=3)),
+    version=opt_text,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(metadata)
+def test_random_metadata_roundtrip(md):
+    assert_same(roundtrip(md), md)
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) what decode refuses
+
+SOURCE = "s3://bucket/ckpt/.metadata"
+
+
+def valid_doc() -> dict:
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                TensorProperties(torch.float32),
+                torch.Size([2]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
+            )
+        },
+        planner_data={"w": ("w",)},
+        storage_data={MetadataIndex("w", [0], 0): ItemLocation("o.data", 0, 8, "crc32c:0", "float32", (2,))},
+        storage_meta=StorageMeta("s3://bucket/ckpt"),
+    )
+    return json.loads(encode_metadata(md))
+
+
+def refuse(data: bytes, *words: str) -> str:
+    with pytest.raises(MetadataFormatError) as info:
+        decode_metadata(data, source=SOURCE)
+    msg = str(info.value)
+    assert SOURCE in msg
+    for word in words:
+        assert word in msg, f"{word!r} not in {msg!r}"
+    return msg
+
+
+def dumps(doc) -> bytes:
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"", ["empty"]),
+        (b"\x00\xff\xfe\x80 garbage", ["not s3dcp metadata", "UTF-8"]),
+        (b"hello world", ["not s3dcp metadata", "not valid JSON"]),
+        (b'{"format": "s3dcp-metadata", ', ["not valid JSON"]),
+        (b"[1, 2, 3]", ["not s3dcp metadata", "'format'"]),
+        (b'{"some": "other json"}', ["not s3dcp metadata", "'format'"]),
+        (b'{"format": "torch-dcp", "version": 1}', ["not s3dcp metadata", "'torch-dcp'", FORMAT_NAME]),
+        (b'{"format": "s3dcp-metadata", "version": NaN}', ["NaN"]),
+        (b'{"format": "s3dcp-metadata"}', ["missing field 'version'"]),
+        (b'{"format": "s3dcp-metadata", "version": "1"}', ["metadata.version", "expected a JSON integer"]),
+        (b'{"format": "s3dcp-metadata", "version": true}', ["version", "integer"]),
+        (b'{"format": "s3dcp-metadata", "version": 0}', ["unsupported format version 0"]),
+    ],
+)
+def test_refuses_bad_documents(data, words):
+    refuse(data, *words)
+
+
+def test_refuses_newer_version():
+    doc = valid_doc()
+    doc["version"] = 2
+    doc["state_dict_metadata"] = "whatever a v2 writer puts here"
+    msg = refuse(dumps(doc))
+    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 2); "
+                   "this s3dcp reads version 1 — upgrade s3dcp")
+
+
+@pytest.mark.parametrize(
+    "field", ["dcp_version", "state_dict_metadata", "storage_data", "planner_data", "storage_meta"]
+)
+def test_refuses_missing_top_level_field(field):
+    doc = valid_doc()
+    del doc[field]
+    refuse(dumps(doc), f"missing field {field!r}")
+
+
+def test_refuses_missing_nested_fields():
+    for path in [
+        ("state_dict_metadata", "w", "properties", "dtype"),
+        ("state_dict_metadata", "w", "chunks", 0, "sizes"),
+        ("storage_data", 0, "location", "length"),
+        ("storage_data", 0, "location", "block_checksums"),
+        ("storage_data", 0, "index", "fqn"),
+        ("storage_meta", "modules"),
+    ]:
+        doc = valid_doc()
+        node = doc
+        for step in path[:-1]:
+            node = node[step]
+        del node[path[-1]]
+        refuse(dumps(doc), f"missing field {path[-1]!r}")
+
+
+def _w(doc):
+    return doc["state_dict_metadata"]["w"]
+
+
+def _loc(doc):
+    return doc["storage_data"][0]["location"]
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda d: _w(d)["properties"].update(dtype="float99"), ["unknown torch dtype 'float99'"]),
+        (lambda d: _w(d)["properties"].update(layout="wavy"), ["unknown torch layout"]),
+        (lambda d: _w(d)["properties"].update(requires_grad=0), ["requires_grad", "boolean"]),
+        (lambda d: _w(d).update(type="sparse"), ["unknown storage type 'sparse'"]),
+        (lambda d: _w(d).update(size=[2.0]), ["size", "array of integers"]),
+        (lambda d: _w(d)["chunks"][0].update(offsets=[True]), ["offsets", "array of integers"]),
+        (lambda d: _loc(d).update(offset="0"), ["storage_data[0].location.offset", "integer"]),
+        (lambda d: d["storage_data"].append(d["storage_data"][0]), ["duplicate entry for 'w'"]),
+        (lambda d: _loc(d).update(block_checksums=[1]), ["block_checksums[0]", "string"]),
+        (lambda d: d.update(storage_data={}), ["storage_data", "array"]),
+        (lambda d: d.update(storage_meta=[]), ["storage_meta", "object"]),
+        (lambda d: d.update(dcp_version=1), ["dcp_version", "string"]),
+        (lambda d: d.update(planner_data={"__set__": [1]}), ["unknown tag '__set__'"]),
+        (lambda d: d.update(planner_data={"__tuple__": [], "__dict__": []}), ["one-key tagged object"]),
+        (lambda d: d.update(planner_data={"__float__": "1.5"}), ["__float__"]),
+        (lambda d: d.update(planner_data={"__bytes__": "not base64!"}), ["corrupt"]),
+        (lambda d: d.update(planner_data={"__dict__": [[[1], 2]]}), ["corrupt"]),  # unhashable key
+        (lambda d: d.update(planner_data={"__dict__": [[1]]}), ["[key, value] pair"]),
+        (lambda d: d.update(planner_data={"__dtype__": "torch.float32"}), ["unknown torch dtype"]),
+    ],
+)
+def test_refuses_ill_typed_fields(mutate, words):
+    doc = valid_doc()
+    mutate(doc)
+    refuse(dumps(doc), *words)
+
+
+def test_ignores_unknown_extra_top_level_fields():
+    doc = valid_doc()
+    doc["added_by_a_later_v1_writer"] = {"x": 1}
+    assert decode_metadata(dumps(doc)) == decode_metadata(dumps(valid_doc()))
+
+
+def test_str_to_dtype_unknown():
+    with pytest.raises(MetadataFormatError, match="unknown torch dtype 'float99'"):
+        str_to_dtype("float99")
+
+
+def test_default_source_is_named():
+    with pytest.raises(MetadataFormatError, match="^<metadata>: "):
+        decode_metadata(b"nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# (4) what encode refuses
+
+
+class Opaque:
+    pass
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+Point = namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"a": [1, {"b": Opaque()}]}, ["planner_data['a'][1]['b']", "test_metadata.Opaque"]),
+        ({"s": {1, 2}}, ["planner_data['s']", "set"]),
+        ((Color.RED,), ["planner_data[0]", "Color"]),
+        ([Point(1, 2)], ["planner_data[0]", "Point"]),
+        ({"t": torch.zeros(1)}, ["planner_data['t']", "torch.Tensor"]),
+        ({Opaque: 1}, ["planner_data key", "type"]),
+        (bytearray(b"x"), ["planner_data", "bytearray", "never pickles"]),
+    ],
+)
+def test_encode_refuses_unsupported_planner_data(value, words):
+    with pytest.raises(TypeError) as info:
+        encode_metadata(Metadata(state_dict_metadata={}, planner_data=value))
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+def test_encode_refuses_bad_typed_fields():
+    with pytest.raises(TypeError, match="storage_data"):
+        encode_metadata(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("a"): ("o", 0, 1)}))
+    with pytest.raises(TypeError, match="storage_data"):
+        encode_metadata(Metadata(state_dict_metadata={}, storage_data=[1]))
+    with pytest.raises(TypeError, match="state_dict_metadata"):
+        encode_metadata(Metadata(state_dict_metadata={1: BytesStorageMetadata()}))
+    with pytest.raises(TypeError, match="state_dict_metadata\\['x'\\]"):
+        encode_metadata(Metadata(state_dict_metadata={"x": object()}))
+    with pytest.raises(TypeError):
+        encode_metadata(pickle.dumps(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) a pickle is refused, never executed
+
+EXECUTED: list[str] = []
+
+
+def _side_effect(tag):
+    EXECUTED.append(tag)
+    return tag
+
+
+class Exploit:
+    def __reduce__(self):
+        return (_side_effect, ("pwned",))
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_pickle_payload_refused_not_executed(protocol):
+    EXECUTED.clear()
+    payload = pickle.dumps(Exploit(), protocol=protocol)
+    assert pickle.loads(payload) == "pwned" and EXECUTED == ["pwned"]  # the payload does work
+    EXECUTED.clear()
+    refuse(payload, "not s3dcp metadata")
+    assert EXECUTED == []
+
+
+def test_torch_pickled_metadata_refused():
+    md, _ = planner_metadata()
+    refuse(pickle.dumps(md), "not s3dcp metadata")
+
+
+def test_decoder_cannot_run_code():
+    """Static guard: the module imports no deserializer that can run code and calls no eval."""
+    tree = ast.parse(inspect.getsource(s3md))
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"pickle", "marshal", "shelve", "dill", "cloudpickle", "importlib", "yaml"}
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert not called & {"eval", "exec", "compile", "__import__", "getattr"}

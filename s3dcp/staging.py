@@ -83,6 +83,7 @@ class HostBufferPool:
         self._cond = threading.Condition()
         self._free: list[Arena] = []
         self._in_use = 0
+        self._holders: set = set()  # the _Staging of each arena in use
         self.allocations = 0
         self.bytes_allocated = 0
 
@@ -95,7 +96,8 @@ class HostBufferPool:
                           self._in_use, max_in_use)
                 waited = time.perf_counter()
                 while self._in_use >= max_in_use:
-                    self._cond.wait()
+                    self._cond.wait(0.05)
+                    self._reclaim_abandoned()
                 log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
             self._in_use += 1
             fits = [a for a in self._free if a.capacity >= needed]
@@ -129,6 +131,23 @@ class HostBufferPool:
             self._in_use -= 1
             self._cond.notify_all()
 
+    def _hold(self, staging: "_Staging") -> None:
+        with self._cond:
+            self._holders.add(staging)
+
+    def _unhold(self, staging: "_Staging") -> None:
+        with self._cond:
+            self._holders.discard(staging)
+
+    def _reclaim_abandoned(self) -> None:
+        """Take back arenas of saves whose thread died without releasing them (a save that
+        failed before write_data, its staged dict kept alive by the exception's traceback)."""
+        with self._cond:
+            abandoned = [s for s in self._holders if s.abandoned()]
+        for staging in abandoned:
+            log.debug("reclaiming the staging arena of a save that ended without releasing it")
+            staging.release()
+
     def clear(self) -> None:
         """Free the arenas not in use (their memory goes back to the system)."""
         with self._cond:
@@ -137,6 +156,7 @@ class HostBufferPool:
 
     @property
     def in_use(self) -> int:
+        self._reclaim_abandoned()
         return self._in_use
 
 
@@ -160,7 +180,7 @@ def release_staging_memory() -> None:
 
 
 # ---------------------------------------------------------------------------- the stager
-@dataclass
+@dataclass(eq=False)
 class _Staging:
     """One checkpoint's staging: its arena, the CUDA event, the items left for rounds."""
 
@@ -180,7 +200,13 @@ class _Staging:
             if self.released:
                 return
             self.released = True
+        self.pool._unhold(self)
         self.pool.release(self.arena)
+
+    def abandoned(self) -> bool:
+        """The save that owns this staging has ended (its thread is gone) without releasing."""
+        thread = self.save_thread
+        return not self.released and thread is not None and not thread.is_alive()
 
 
 class _StagedDict(dict):
@@ -205,8 +231,17 @@ class StagingMixin:
     def _staging_getstate(self) -> dict[str, Any]:
         # In DCP's process executor the child gets the staged tensors (shared memory) and a
         # copy of the writer without the pool; rounds need the parent's arena, so say so.
+        # The thread pickling us is the parent's side of that save: when it is gone, so is
+        # the save, and the arena can be reclaimed.
+        self._note_save_thread()
         pending = self._staging is not None and self._staging.pending
         return {"_pool": None, "_staging": None, "_needs_rounds": pending}
+
+    def _note_save_thread(self) -> None:
+        staging = self._staging
+        if staging is not None and staging.save_thread is None and \
+                threading.current_thread() is not threading.main_thread():
+            staging.save_thread = threading.current_thread()
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -229,6 +264,7 @@ class StagingMixin:
         pool = self._staging_pool()
         arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self.config.max_inflight_checkpoints)
         staging = _Staging(pool, arena)
+        pool._hold(staging)
         try:
             stream = _side_stream(state_dict)
             if stream is not None:
@@ -260,8 +296,8 @@ class StagingMixin:
         while not staging.done.wait(0.05):
             # A save that failed before write_data never releases the originals: stop
             # waiting when its thread is gone.
-            thread = staging.save_thread
-            if thread is not None and not thread.is_alive():
+            if staging.abandoned():
+                staging.release()
                 break
         self._stage_s = time.perf_counter() - self._stage_started
 
@@ -280,7 +316,7 @@ class StagingMixin:
                 "to fit the whole state for AsyncCheckpointerType.PROCESS")
         staging = self._staging
         if staging is not None:
-            staging.save_thread = threading.current_thread()
+            self._note_save_thread()
             if staging.event is not None:
                 staging.event.synchronize()
         return staging

@@ -140,6 +140,7 @@ class S3StorageWriter(StagingMixin, StorageWriter):
         self._token = _new_token()
 
     def storage_meta(self) -> StorageMeta | None:
+        self._note_save_thread()  # the first call DCP makes on the save's thread
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._token)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -181,16 +182,16 @@ class S3StorageWriter(StagingMixin, StorageWriter):
             if deferred:
                 self._upload_in_rounds(deferred, staging, uploads)
             results = uploads.wait()
+            elapsed = time.perf_counter() - start
+            self.last_stats = SaveStats(stage_s=self._stage_s if staging is not None else 0.0, upload_s=elapsed,
+                                        bytes=uploads.bytes, objects=len(uploads.keys))
         except BaseException:
             uploads.discard()
             raise
         finally:
-            if staging is not None:
+            if staging is not None:  # the upload is over: the next checkpoint may stage
                 staging.release()
                 self._staging = None
-        elapsed = time.perf_counter() - start
-        self.last_stats = SaveStats(stage_s=self._stage_s if staging is not None else 0.0, upload_s=elapsed,
-                                    bytes=uploads.bytes, objects=len(uploads.keys))
         log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs",
                   rank, uploads.bytes, len(uploads.keys), self._uri, elapsed)
         fut: TorchFuture = TorchFuture()

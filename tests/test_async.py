@@ -1,0 +1,230 @@
+"""dcp.async_save through S3StorageWriter's staging: the training loop may change its tensors
+as soon as async_save returns; the pool is reused; memory is bounded; errors reach the future."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from s3dcp import HostBufferPool, S3StorageReader, S3StorageWriter
+from s3dcp.config import MiB
+from s3dcp.staging import shared_pool
+
+
+def _state(seed=0, n=8, rows=256):
+    gen = torch.Generator().manual_seed(seed)
+    state = {f"layer{i}.weight": torch.randn(rows, 1024, generator=gen) for i in range(n)}
+    state["layer0.bias"] = torch.randn(1024, generator=gen).to(torch.bfloat16)
+    state["transposed"] = torch.randn(64, 32, generator=gen).t()
+    state["step"] = 11
+    state["extra"] = {"lr": 0.1, "history": [1, 2, 3]}
+    return state
+
+
+def _snapshot(state):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _load(uri, config, like):
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in like.items()}
+    out["step"] = 0
+    out["extra"] = {"lr": 0.0, "history": [0, 0, 0]}
+    dcp.load(out, storage_reader=S3StorageReader(uri, config=config))
+    return out
+
+
+def _assert_same(expected, actual):
+    for k, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(actual[k], v), k
+        else:
+            assert actual[k] == v, k
+
+
+def _train_step(state):
+    """What a training loop does right after async_save returns: change everything in place."""
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(1)
+    state["step"] += 1
+    state["extra"]["history"].append(99)
+
+
+def _wait_for(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def config(s3_server):
+    return s3_server.s3_config(part_size_bytes=5 * MiB, object_size_target_bytes=4 * MiB)
+
+
+def test_async_save_holds_the_values_of_the_moment_it_returned(bucket, config):
+    state = _state()
+    expected = _snapshot(state)
+    expected["extra"] = {"lr": 0.1, "history": [1, 2, 3]}
+    writer = S3StorageWriter(f"s3://{bucket}/a", config=config, pool=HostBufferPool())
+    future = dcp.async_save(state, storage_writer=writer)
+    _train_step(state)  # mutate immediately: the checkpoint must not see it
+    future.result(timeout=120)
+    _assert_same(expected, _load(f"s3://{bucket}/a", config, expected))
+    stats = writer.last_stats
+    assert stats.bytes > 8 * 256 * 1024 * 4 and stats.upload_s > 0 and stats.stage_s > 0
+
+
+def test_ten_saves_reuse_one_pool_allocation(bucket, config):
+    pool = HostBufferPool()
+    state = _state(n=4)
+    for step in range(10):
+        expected = _snapshot(state)
+        uri = f"s3://{bucket}/step-{step}"
+        future = dcp.async_save(state, storage_writer=S3StorageWriter(uri, config=config, pool=pool))
+        _train_step(state)
+        future.result(timeout=120)
+        if step in (0, 9):
+            _assert_same({k: v for k, v in expected.items() if k != "extra"},
+                         {k: v for k, v in _load(uri, config, expected).items() if k != "extra"})
+    assert pool.allocations == 1  # a new writer per checkpoint, one arena for all of them
+    assert pool.in_use == 0
+
+
+def test_writers_share_the_process_wide_pool_by_default(bucket, config):
+    state = _state(n=2)
+    before = shared_pool().allocations
+    for step in range(3):
+        dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/s{step}", config=config)).result(120)
+    assert shared_pool().allocations - before <= 1
+
+
+def test_warm_up_preallocates(bucket, config):
+    pool = HostBufferPool()
+    state = _state(n=2)
+    writer = S3StorageWriter(f"s3://{bucket}/w", config=config, pool=pool)
+    writer.warm_up(state)
+    assert pool.allocations == 1
+    dcp.async_save(state, storage_writer=writer).result(120)
+    assert pool.allocations == 1
+
+
+def test_a_budget_smaller_than_the_state_saves_in_rounds(bucket, config):
+    pool = HostBufferPool()
+    cfg = config.replace(staging_budget_bytes=2 * MiB)  # the state is ~8 MiB
+    state = _state(n=8)
+    expected = _snapshot(state)
+    expected["extra"] = {"lr": 0.1, "history": [1, 2, 3]}
+    future = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/r", config=cfg, pool=pool))
+    _train_step(state)  # async_save returned only after the last round was copied
+    future.result(timeout=120)
+    _assert_same(expected, _load(f"s3://{bucket}/r", cfg, expected))
+    assert pool.bytes_allocated <= 64 * MiB  # one arena, the budget rounded up to 64 MiB
+
+
+def test_back_pressure_waits_for_the_previous_upload(bucket, config):
+    pool = HostBufferPool()
+    state = _state(n=2)
+    w1 = S3StorageWriter(f"s3://{bucket}/1", config=config, pool=pool)
+    first = dcp.async_save(state, storage_writer=w1)
+    assert w1.last_stats.bytes == 0  # still uploading
+    second = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/2", config=config, pool=pool))
+    # The second staging could only start once the first upload was over and gave its arena back.
+    assert w1.last_stats.bytes > 0
+    first.result(timeout=120)
+    second.result(timeout=120)
+    assert pool.allocations == 1
+
+
+def test_two_in_flight_when_allowed(bucket, config):
+    pool = HostBufferPool()
+    cfg = config.replace(max_inflight_checkpoints=2)
+    state = _state(n=2)
+    futures = [dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/d{i}", config=cfg, pool=pool))
+               for i in range(2)]
+    for f in futures:
+        f.result(timeout=120)
+    assert pool.allocations == 2  # double buffering
+
+
+def test_an_upload_failure_lands_on_the_future_and_the_next_save_works(s3_server, bucket, config):
+    state = _state(n=2)
+    pool = HostBufferPool()
+    broken = config.replace(secret_access_key="wrong-secret")
+    future = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/x", config=broken, pool=pool))
+    with pytest.raises(CheckpointException) as e:  # DCP's, a BaseException
+        future.result(timeout=120)
+    assert "403" in str(e.value)
+    _wait_for(lambda: pool.in_use == 0)  # the arena came back (from a save that failed in set-up)
+    good = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/y", config=config, pool=pool))
+    good.result(timeout=120)
+    assert pool.allocations == 1
+    # nothing committed for the failed one
+    with pytest.raises(Exception, match="no checkpoint at"):
+        S3StorageReader(f"s3://{bucket}/x", config=config).read_metadata()
+
+
+def test_a_save_that_fails_before_writing_releases_the_training_loop(bucket, config):
+    """Checkpoint already there: the save fails in set-up; async_save must not hang."""
+    state = _state(n=2)
+    pool = HostBufferPool()
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/dup", config=config))
+    cfg = config.replace(staging_budget_bytes=1 * MiB)  # rounds pending: the loop is held
+    result = {}
+
+    def run():
+        result["future"] = dcp.async_save(
+            state, storage_writer=S3StorageWriter(f"s3://{bucket}/dup", config=cfg, pool=pool))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "async_save hung"
+    with pytest.raises(CheckpointException, match="already holds a committed checkpoint"):
+        result["future"].result(timeout=60)
+
+
+def test_async_stager_argument_and_response_shape(bucket, config):
+    state = _state(n=2)
+    writer = S3StorageWriter(f"s3://{bucket}/st", config=config, pool=HostBufferPool())
+    resp = dcp.async_save(state, storage_writer=writer, async_stager=writer)
+    resp.result(timeout=120)
+    out = _load(f"s3://{bucket}/st", config, state)
+    assert torch.equal(out["layer1.weight"], state["layer1.weight"])
+
+
+def test_process_executor_round_trip(s3_server, bucket):
+    """DCP's process executor: the writer is pickled to a daemon process; staged tensors go
+    there through shared memory. Run in a fresh interpreter (it needs a process group)."""
+    env = {**os.environ, **s3_server.env()}
+    job = Path(__file__).with_name("process_executor_job.py")
+    done = subprocess.run([sys.executable, str(job), f"s3://{bucket}/proc"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "process executor: OK" in done.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_uses_pinned_memory_and_a_side_stream(bucket, config):
+    pool = HostBufferPool()
+    assert pool.pin_memory
+    state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _state(n=2).items()}
+    expected = {k: v.cpu() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    writer = S3StorageWriter(f"s3://{bucket}/gpu", config=config, pool=pool)
+    future = dcp.async_save(state, storage_writer=writer)
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(1)
+    future.result(timeout=120)
+    out = _load(f"s3://{bucket}/gpu", config, {k: v for k, v in expected.items()} | {"step": 0, "extra": {}})
+    for k, v in expected.items():
+        assert torch.equal(out[k], v), k

@@ -11,6 +11,7 @@
 from .config import S3Config
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _error_names
+from .gc import GcReport, gc
 from .reader import S3StorageReader
 from .staging import HostBufferPool, release_staging_memory
 from .writer import S3StorageWriter
@@ -21,6 +22,8 @@ __all__ = [
     "S3StorageReader",
     "S3Config",
     "HostBufferPool",
+    "gc",
+    "GcReport",
     "release_staging_memory",
     "__version__",
     *_error_names,

@@ -245,10 +245,6 @@ class _Meter:
             self.left -= n
         await self._send(data)
 
-    async def cut_now(self) -> None:
-        if self.left is not None:
-            raise _Cut()
-
     async def _send(self, data: bytes) -> None:
         if data and self.writer is not None:
             self.writer.write(data)
@@ -392,6 +388,8 @@ class _Conn:
     # -- connection management ------------------------------------------------
 
     async def upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # An idle keep-alive upstream connection the server has closed (idle timeout)
+        # or reset meanwhile is replaced, so the client never sees the upstream's idle close.
         if self.u_writer is not None and (self.u_reader.at_eof() or self.u_writer.is_closing()):
             self.close_upstream(abort=True)
         if self.u_writer is None:
@@ -510,8 +508,6 @@ class _Conn:
             "Server: FaultProxy",
             f"Connection: {'close' if close else 'keep-alive'}",
         ]
-        if rule.status == 503:
-            lines.append("Retry-After: 1")
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         if method != "HEAD":
             data += body
@@ -521,29 +517,27 @@ class _Conn:
             # lingering close: stop writing, discard whatever the client still
             # sends for a short while, so that closing does not turn into a RST
             # that could destroy the response before the client read it.
+            async def discard() -> None:
+                while await self.c_reader.read(_READ_SIZE):
+                    pass
+
             with contextlib.suppress(Exception):
                 self.c_writer.write_eof()
-                async with asyncio.timeout(2.0):
-                    while await self.c_reader.read(_READ_SIZE):
-                        pass
+                await asyncio.wait_for(discard(), 2.0)
         return not close
 
     async def forward(self, method, head, body_kind, req_limit, resp_limit, keep_alive) -> bool:
         u_reader, u_writer = await self.upstream()
         req_meter = _Meter(u_writer, req_limit)
-        try:
-            if body_kind == "none":
-                if req_limit is not None:
-                    await req_meter.write(head.raw, last=True)  # withholds the final byte
-                u_writer.write(head.raw)
-                await u_writer.drain()
-            else:
-                u_writer.write(head.raw)
-                await u_writer.drain()
-        except _Cut:
+        if body_kind == "none" and req_limit is not None:
+            # reset_request on a request without a body: never complete the head
+            u_writer.write(head.raw[:-2])
+            await u_writer.drain()
             await self.reset_client(flush=False)
             self.close_upstream(abort=True)
             return False
+        u_writer.write(head.raw)
+        await u_writer.drain()
 
         req_task = asyncio.ensure_future(
             _copy_body(self.c_reader, req_meter, head, body_kind)
@@ -566,13 +560,15 @@ class _Conn:
                 # request fully forwarded; wait for the final response
                 resp_keep = await resp_task
                 return keep_alive and resp_keep
-            # response finished (or failed) before the request body was done
-            req_task.cancel()
-            with contextlib.suppress(BaseException):
-                await req_task
+            # The response finished (or failed) before the request body task.
             exc = resp_task.exception()
             if exc is not None:
                 raise exc
+            # Normally the request task just has not been scheduled yet; give it
+            # a moment before treating this as an early response.
+            await asyncio.wait({req_task}, timeout=0.1)
+            if req_task.done() and req_task.exception() is None:
+                return keep_alive and resp_task.result()
             # early final response (e.g. error answering Expect: 100-continue):
             # the request body may be partly unsent -> connection unusable
             self.close_upstream(abort=True)
@@ -609,15 +605,14 @@ class _Conn:
                 continue
             break
         kind = _response_body_kind(method, status, head)
-        meter = _Meter(self.c_writer, resp_limit)
-        if kind == "none":
-            if resp_limit is not None:
-                await meter.write(raw[:-2])
-                raise _Cut()
-            await meter.write(raw)
-        else:
-            await meter.write(raw) if resp_limit is None else await _Meter(self.c_writer).write(raw)
-        await _copy_body(u_reader, meter, head, kind)
+        if kind == "none" and resp_limit is not None:
+            # reset_response on a bodiless response: never complete the head
+            self.c_writer.write(raw[:-2])
+            await self.c_writer.drain()
+            raise _Cut()
+        self.c_writer.write(raw)
+        await self.c_writer.drain()
+        await _copy_body(u_reader, _Meter(self.c_writer, resp_limit), head, kind)
         if kind == "close" and resp_limit is not None:
             raise _Cut()
         tokens = head.tokens("connection")
@@ -710,7 +705,6 @@ class FaultProxy:
     def stop(self) -> None:
         with self._lock:
             if self._stopped or self._thread is None:
-                self._stopped = True
                 return
             self._stopped = True
         loop = self._loop

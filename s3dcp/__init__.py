@@ -6,25 +6,40 @@
     dcp.save(state_dict, storage_writer=S3StorageWriter("s3://bucket/run/step-1000"))
     dcp.async_save(state_dict, storage_writer=S3StorageWriter("s3://bucket/run/step-2000"))
     dcp.load(state_dict, storage_reader=S3StorageReader("s3://bucket/run/step-1000"))
+
+Names are imported on first use, so ``python -m s3dcp.testing`` or the CLI's light commands
+do not pay for importing torch and awscrt.
 """
+
+from importlib import import_module
 
 from .config import S3Config
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _error_names
-from .gc import GcReport, gc
-from .reader import S3StorageReader
-from .staging import HostBufferPool, release_staging_memory
-from .writer import S3StorageWriter
 
 __version__ = "0.1.0"
-__all__ = [
-    "S3StorageWriter",
-    "S3StorageReader",
-    "S3Config",
-    "HostBufferPool",
-    "gc",
-    "GcReport",
-    "release_staging_memory",
-    "__version__",
-    *_error_names,
-]
+
+_LAZY = {
+    "S3StorageWriter": ".writer",
+    "S3StorageReader": ".reader",
+    "HostBufferPool": ".staging",
+    "release_staging_memory": ".staging",
+    "gc": ".gc",
+    "GcReport": ".gc",
+    "CheckpointManager": ".manager",
+}
+
+__all__ = ["S3Config", "__version__", *_LAZY, *_error_names]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 's3dcp' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -52,6 +52,7 @@ class S3Config:
     max_concurrency: int = 16  # requests s3dcp keeps in flight per process (objects / ranges)
     object_size_target_bytes: int = 512 * MiB  # how much one rank packs into one data object
     coalesce_gap_bytes: int = 1 * MiB  # read ranges closer than this are fetched as one GET
+    crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: CRT default (2+ GiB)
 
     # Integrity.
     checksum: str | None = "crc32c"
@@ -222,6 +223,13 @@ def _validate(c: S3Config) -> list[str]:
     need(
         is_int(c.coalesce_gap_bytes) and c.coalesce_gap_bytes >= 0,
         f"coalesce_gap_bytes={c.coalesce_gap_bytes!r} must be an int >= 0",
+    )
+    need(
+        c.crt_memory_limit_bytes is None
+        or (is_int(c.crt_memory_limit_bytes) and c.crt_memory_limit_bytes >= 256 * MiB
+            and c.crt_memory_limit_bytes > (c.part_size_bytes if is_int(c.part_size_bytes) else 0)),
+        f"crt_memory_limit_bytes={c.crt_memory_limit_bytes!r} must be None or an int >= 256 MiB "
+        "and above part_size_bytes (the CRT's own minimum)",
     )
     need(c.checksum in CHECKSUMS, f"checksum={c.checksum!r} must be one of {CHECKSUMS}")
     need(

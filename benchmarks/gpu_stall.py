@@ -1,0 +1,117 @@
+"""The CUDA staging path: stall of async staging against the pinned device-to-host copy floor.
+
+    python benchmarks/gpu_stall.py                  # 4 GiB of GPU tensors, 5 checkpoints
+    python benchmarks/gpu_stall.py --state-gib 8 --checkpoints 10
+
+Needs no S3 server, awscrt or boto3 (it is meant to run in one short call on a GPU machine):
+it drives s3dcp's stager directly — ``stage()`` copies into the pinned pool with non_blocking
+copies on a side stream, ``synchronize_staging()`` waits for the event — and then "uploads" by
+writing the staged bytes to a local file, as the S3 upload would read them. It checks that the
+staged copy holds the values of the moment staging finished, although the training stream
+changes the tensors right after, and that the pool is allocated once.
+
+Exits 0 with a message where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-gib", type=float, default=4.0, help="GPU state size (default 4)")
+    parser.add_argument("--checkpoints", type=int, default=5, help="checkpoints in a row (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_stall: CUDA is not available here; nothing to measure (skipped)")
+        return 0
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from s3dcp.config import S3Config
+    from s3dcp.staging import HostBufferPool, StagingMixin
+
+    class Stager(StagingMixin):  # the staging half of S3StorageWriter, without the S3 half
+        def __init__(self, pool):
+            self.config = S3Config()
+            self._init_staging(pool)
+
+    dev = torch.device("cuda")
+    per = 64 * 1024 * 1024 // 4  # 64 MiB fp32 tensors (and some bf16 ones)
+    n = max(1, int(args.state_gib * 1024 / 64))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    state = {f"w{i}": torch.randn(per, device=dev, generator=gen) for i in range(n)}
+    state["bf16"] = torch.randn(per, device=dev, generator=gen).to(torch.bfloat16)
+    state["step"] = 0
+    nbytes = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+
+    # Floor: device-to-host into pinned memory allocated once, non_blocking, one sync.
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()
+              if isinstance(v, torch.Tensor)}
+    floors = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k, dst in pinned.items():
+            dst.copy_(state[k], non_blocking=True)
+        torch.cuda.synchronize()
+        floors.append(time.perf_counter() - t0)
+    floor = min(floors)
+    del pinned
+
+    pool = HostBufferPool()
+    assert pool.pin_memory, "the pool must pin memory where CUDA is available"
+    stager = Stager(pool)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.checkpoints):
+            expected = {key: v.clone() for key, v in state.items() if isinstance(v, torch.Tensor)}
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            staged = stager.stage(state)
+            stager.synchronize_staging()
+            stall = time.perf_counter() - t0
+            for v in state.values():  # the training loop goes on at once
+                if isinstance(v, torch.Tensor):
+                    v.add_(1)
+            staging = stager._staging
+            t1 = time.perf_counter()
+            with open(os.path.join(tmp, "upload.bin"), "wb") as f:  # the stand-in for the S3 upload
+                for key, v in staged.items():
+                    if isinstance(v, torch.Tensor):
+                        f.write(memoryview(v.reshape(-1).view(torch.uint8).numpy()))
+            write_s = time.perf_counter() - t1
+            ok = all(torch.equal(staged[key], expected[key].cpu()) for key in expected)
+            assert all(staged[key].is_pinned() for key in expected), "staged tensors must live in pinned memory"
+            staging.release()
+            rows.append({"checkpoint": k + 1, "stall_s": stall, "vs_floor": stall / floor,
+                         "gbps": nbytes / stall / 1e9, "local_write_s": write_s, "correct": ok,
+                         "pool_allocations": pool.allocations})
+            del expected, staged
+
+    print(f"GPU: {torch.cuda.get_device_name()}; state {nbytes / 2**30:.2f} GiB; pinned D2H floor "
+          f"{floor:.3f} s ({nbytes / floor / 1e9:.1f} GB/s)")
+    print(f"{'#':>2}  {'stall s':>8}  {'x floor':>7}  {'GB/s':>6}  {'correct':>7}  {'allocs':>6}")
+    for r in rows:
+        print(f"{r['checkpoint']:>2}  {r['stall_s']:>8.3f}  {r['vs_floor']:>7.2f}  {r['gbps']:>6.1f}  "
+              f"{str(r['correct']):>7}  {r['pool_allocations']:>6}")
+    summary = {"state_bytes": nbytes, "floor_s": floor, "first_stall_s": rows[0]["stall_s"],
+               "warm_stall_s": sorted(r["stall_s"] for r in rows[1:])[len(rows[1:]) // 2] if len(rows) > 1 else None,
+               "all_correct": all(r["correct"] for r in rows), "pool_allocations": pool.allocations}
+    print(json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "rows": rows, "device": torch.cuda.get_device_name()}, f, indent=2)
+    return 0 if summary["all_correct"] and pool.allocations == 1 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ sends the writer to a child process) and each process builds its own native clie
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import heapq
 import io
@@ -51,6 +52,18 @@ _THROTTLE_CODES = frozenset(
      "RequestThrottled", "503 SlowDown"}
 )
 _STATUS_TEXT = {403: "access denied (HTTP 403)", 404: "not found (HTTP 404)", 412: "precondition failed (HTTP 412)"}
+# Answers the CRT classifies itself and then reports without their status, headers or body
+# (observed with awscrt 0.38: 503 and 429 SlowDown -> SLOW_DOWN; 500, 502, 504 -> INTERNAL_ERROR;
+# 400 RequestTimeout -> REQUEST_TIMEOUT).
+_CRT_STATUS_ERRORS = {
+    "AWS_ERROR_S3_SLOW_DOWN": (
+        ThrottlingError, "the server kept answering SlowDown (HTTP 503/429: throttling); retries were exhausted"),
+    "AWS_ERROR_S3_INTERNAL_ERROR": (
+        S3ServerError, "the server kept answering with an HTTP 5xx error; retries were exhausted"),
+    "AWS_ERROR_S3_REQUEST_TIMEOUT": (
+        S3ConnectionError, "the server kept timing out waiting for the request (RequestTimeout); "
+        "retries were exhausted"),
+}
 _AUTH_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
      "TokenRefreshRequired", "AllAccessDisabled"}
@@ -177,12 +190,15 @@ class S3Client:
             done.set_result(0)
             return done
         sinks = sorted(((off, memoryview(v).cast("B")) for off, v in sinks), key=lambda s: s[0])
+        reach = list(itertools.accumulate((off + v.nbytes for off, v in sinks), max))  # max end so far
         received = [0]
 
         def on_body(chunk, offset: int, **_):
             chunk_end = offset + len(chunk)
             data = memoryview(chunk)
-            for sink_off, view in sinks:
+            # the first sink that can overlap: skip every sink that ends (with all before it) before the chunk
+            first = bisect.bisect_right(reach, offset)
+            for sink_off, view in sinks[first:]:
                 if sink_off >= chunk_end:
                     break
                 lo, hi = max(offset, sink_off), min(chunk_end, sink_off + view.nbytes)
@@ -310,7 +326,7 @@ class S3Client:
     def _crt_client(self):
         with self._lock:
             if self._crt is None:
-                self._crt = _make_crt_client(self.config, self._tls)
+                self._crt = _shared_crt_client(self.config, self._tls)
             return self._crt
 
     def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable) -> Future:
@@ -483,6 +499,24 @@ class S3Client:
 
 
 # ---------------------------------------------------------------------- CRT construction
+_CRT_CLIENTS: dict = {}
+_CRT_CLIENTS_LOCK = threading.Lock()
+
+
+def _shared_crt_client(config: S3Config, tls: bool):
+    """One native client per configuration and process, shared by every S3Client: writers and
+    readers are made per checkpoint, and a new native client would open new connections (and
+    TLS sessions) every time. Keyed by pid too: a forked child must build its own."""
+    import os
+
+    key = (os.getpid(), config)
+    with _CRT_CLIENTS_LOCK:
+        crt = _CRT_CLIENTS.get(key)
+        if crt is None:
+            crt = _CRT_CLIENTS[key] = _make_crt_client(config, tls)
+        return crt
+
+
 def _make_crt_client(config: S3Config, tls: bool):
     from awscrt.auth import AwsCredentialsProvider
     from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
@@ -523,6 +557,7 @@ def _make_crt_client(config: S3Config, tls: bool):
         part_size=config.part_size_bytes,
         multipart_upload_threshold=config.effective_multipart_threshold_bytes,
         throughput_target_gbps=float(config.throughput_target_gbps),
+        memory_limit=config.crt_memory_limit_bytes,
         retry_config=retry,
         connect_timeout_ms=int(config.connect_timeout_s * 1000),
     )
@@ -553,6 +588,17 @@ def translate_error(error: BaseException, *, operation: str, bucket: str | None,
         if "CHECKSUM_MISMATCH" in error.name:
             new = IntegrityError(f"{operation} s3://{bucket}/{key}: the data failed its wire checksum "
                                  f"({error.name}); the object or the connection corrupted it")
+        elif error.name.startswith("AWS_AUTH_"):
+            # Signing failed before anything was sent: the credential chain found nothing usable.
+            new = AccessDeniedError(
+                f"{operation} could not be signed: {error.name} ({error.message}) — no usable credentials; "
+                "pass access_key_id and secret_access_key in S3Config, set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or name a profile that has credentials",
+                operation=operation, bucket=bucket, key=key or None)
+        elif error.name in _CRT_STATUS_ERRORS:
+            cls, text = _CRT_STATUS_ERRORS[error.name]
+            new = cls(f"{operation} failed: {text} ({error.name})", operation=operation,
+                      bucket=bucket, key=key or None)
         else:
             new = S3ConnectionError(
                 f"{operation} failed without an HTTP answer: {error.name} ({error.message}); "

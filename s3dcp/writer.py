@@ -214,8 +214,11 @@ class S3StorageWriter(StagingMixin, StorageWriter):
                 uploads.drain()  # every earlier upload is done: the whole arena is free again
                 arena.cursor = 0
                 host = arena.carve(nbytes)
-            if host is None:  # larger than the whole budget: one temporary host copy
-                copied = to_host_contiguous(tensor)
+            if host is None:  # larger than the whole budget: one temporary host copy, a real
+                # one even of a contiguous CPU tensor: the caller may change the original as
+                # soon as done is set below, while this copy is still uploading
+                copied = torch.empty(tensor.shape, dtype=tensor.dtype)
+                copied.copy_(tensor)
             else:
                 copied = host.view(tensor.dtype).view(tensor.shape) if tensor.dim() else \
                     host.view(tensor.dtype).reshape(())
@@ -238,13 +241,20 @@ class S3StorageWriter(StagingMixin, StorageWriter):
             self.client.put(uri.bucket, key, body, if_none_match=not self.overwrite,
                             content_type="application/json").result()
         except PreconditionFailedError as e:
-            raise CheckpointExistsError(
-                f"{uri}: another save committed this checkpoint first; this save's data objects "
-                "are left for `s3dcp gc` (nothing was overwritten)") from e
+            # A commit whose answer was lost (connection reset after the server stored it) is
+            # retried by the CRT and then fails its own If-None-Match: it is ours if the stored
+            # body is byte for byte what we sent (the body holds this save's unique token).
+            if not self._stored_metadata_is(key, body):
+                raise CheckpointExistsError(
+                    f"{uri}: another save committed this checkpoint first; this save's data objects "
+                    "are left for `s3dcp gc` (nothing was overwritten)") from e
+            log.info("commit of %s was retried after a lost answer; the stored metadata is this save's", uri)
         if self.overwrite:
             self._delete_unreferenced(metadata)
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
-        log.info("committed %s: %d bytes from %d rank(s)", uri, total, len(results))
+        stats = self.last_stats  # the coordinator's own rank
+        log.info("committed %s: %d bytes from %d rank(s); this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
+                 uri, total, len(results), stats.stage_s, stats.upload_s, stats.upload_gbps)
 
     # ------------------------------------------------------------------ helpers
     def _committed(self) -> bool:
@@ -254,6 +264,13 @@ class S3StorageWriter(StagingMixin, StorageWriter):
             self.client.head(self._uri.bucket, self._uri.key(METADATA_NAME)).result()
             return True
         except NoSuchKeyError:
+            return False
+
+    def _stored_metadata_is(self, key: str, body: bytes) -> bool:
+        try:
+            return self.client.get(self._uri.bucket, key).result() == body
+        except S3DCPError:
+            log.debug("could not read back %s after a failed conditional commit", key, exc_info=True)
             return False
 
     def _delete_unreferenced(self, metadata: Metadata) -> None:

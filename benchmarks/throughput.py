@@ -1,0 +1,553 @@
+"""Save and load of a synthetic training state, 1 and 2 ranks, through four paths:
+
+    s3dcp       dcp.save / dcp.load with S3StorageWriter / S3StorageReader
+    fs          dcp.save / dcp.load with FileSystemWriter / FileSystemReader to a local temp dir
+    monolithic  gather the state to rank 0 (gather_object), torch.save to memory, boto3
+                upload_fileobj; load: rank 0 download_fileobj + torch.load, then each rank gets
+                its part (scatter_object_list: a kinder baseline than broadcasting everything)
+                and copies it into its state
+    raw         each rank S3Client.put of as many bytes as its shard (one buffer) and
+                get_range_into back: the floor any S3 checkpoint path pays
+
+    python benchmarks/throughput.py                              # 256 MiB, --nproc 1 2, 3 repeats
+    python benchmarks/throughput.py --state-mib 32 --repeats 1
+    python benchmarks/throughput.py --modes s3dcp raw --nproc 2
+
+Each rank holds its own shard of the state (keys carry the rank, ``r<rank>.``): mixed large and
+small tensors, fp32 and bf16 parameters, Adam-like ``exp_avg`` / ``exp_avg_sq`` (fp32) and a
+0-d ``step`` per parameter, and a global ``step`` int. The shards add up to ``--state-mib``.
+Ranks are spawned with torch.multiprocessing and talk gloo over 127.0.0.1.
+
+Every save goes to a fresh prefix (deleted, untimed, after its load). Before every load the
+destination state is zeroed (untimed) and after it compared with the saved state
+(``torch.equal``, untimed), so no path can look fast by not moving the bytes. A small warm-up
+round (untimed) runs every path once first. Cases run interleaved (s3dcp, fs, monolithic,
+raw, s3dcp, ...); medians are reported.
+
+On the embedded SeaweedFS (which shares the CPUs with the ranks) writes are server-bound;
+client CPU s/GiB is the figure that shows how much of the machine each path costs the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    MiB,
+    add_common_args,
+    boto3_client_for,
+    delete_prefix,
+    dist_measure,
+    environment_info,
+    gbps,
+    median,
+    per_gib,
+    print_table,
+    release_memory,
+    results_path,
+    s3_target,
+    write_json,
+)
+
+MODES = ("s3dcp", "fs", "monolithic", "raw")
+HIDDEN = 1024
+LAYERS = 8
+
+
+# ---------------------------------------------------------------------------- synthetic state
+def build_state(rank: int, nbytes: int, seed: int):
+    """One rank's shard of a training state of about ``nbytes`` bytes of tensors.
+
+    Per layer: a large fp32 matrix, a bf16 matrix half its height, an fp32 bias and a bf16 norm
+    weight; each parameter has fp32 exp_avg and exp_avg_sq and a 0-d fp32 step (as torch's Adam).
+    What the layers leave of ``nbytes`` goes into one fp32 buffer.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # bytes per layer for r rows of the big matrix (and r//2 of the bf16 one), moments included
+    per_row = HIDDEN * (4 + 8) + HIDDEN * (2 + 8) // 2
+    fixed = HIDDEN * (4 + 8) + HIDDEN * (2 + 8) + 4 * 4  # bias, norm, 4 steps
+    rows = max(2, (nbytes // LAYERS - fixed) // per_row)
+    model, optim = {}, {}
+
+    def param(name, shape, dtype):
+        p = torch.randn(*shape, generator=g).to(dtype)
+        model[name] = p
+        optim[name] = {
+            "exp_avg": torch.randn(*shape, generator=g) * 1e-3,
+            "exp_avg_sq": torch.rand(*shape, generator=g) * 1e-6,
+            "step": torch.tensor(float(1000 + rank)),
+        }
+
+    r = f"r{rank}"
+    for i in range(LAYERS):
+        param(f"{r}.layers.{i}.attn.weight", (rows, HIDDEN), torch.float32)
+        param(f"{r}.layers.{i}.mlp.weight", (rows // 2, HIDDEN), torch.bfloat16)
+        param(f"{r}.layers.{i}.attn.bias", (HIDDEN,), torch.float32)
+        param(f"{r}.layers.{i}.norm.weight", (HIDDEN,), torch.bfloat16)
+    state = {"model": model, "optim": {"state": optim}, "step": 1000}
+    left = nbytes - tree_nbytes(state)
+    if left >= 4:
+        model[f"{r}.buffers.filler"] = torch.randn(left // 4, generator=g)
+    return state
+
+
+def tree_items(tree, path=()):
+    """(path, leaf) pairs of a nested dict."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from tree_items(v, path + (k,))
+    else:
+        yield path, tree
+
+
+def tree_nbytes(tree) -> int:
+    import torch
+
+    return sum(v.numel() * v.element_size() for _, v in tree_items(tree) if isinstance(v, torch.Tensor))
+
+
+def tree_like(tree):
+    """Same structure, zeroed tensors (pages faulted in), ints zeroed."""
+    import torch
+
+    if isinstance(tree, dict):
+        return {k: tree_like(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    return 0
+
+
+def tree_zero(tree) -> None:
+    import torch
+
+    for k, v in list(tree.items()):
+        if isinstance(v, dict):
+            tree_zero(v)
+        elif isinstance(v, torch.Tensor):
+            v.zero_()
+        else:
+            tree[k] = 0
+
+
+def tree_copy_into(dest, src) -> None:
+    """Copy ``src``'s values into ``dest``'s tensors in place (same structure)."""
+    import torch
+
+    for k, v in src.items():
+        if isinstance(v, dict):
+            tree_copy_into(dest[k], v)
+        elif isinstance(v, torch.Tensor):
+            dest[k].copy_(v)
+        else:
+            dest[k] = v
+
+
+def tree_equal(a, b) -> str | None:
+    """None when equal, else where they differ."""
+    import torch
+
+    la, lb = dict(tree_items(a)), dict(tree_items(b))
+    if la.keys() != lb.keys():
+        return f"keys differ: {sorted(set(la) ^ set(lb))[:3]}"
+    for path, x in la.items():
+        y = lb[path]
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                return ".".join(map(str, path))
+        elif x != y:
+            return ".".join(map(str, path))
+    return None
+
+
+def merge_states(states):
+    full = {"model": {}, "optim": {"state": {}}, "step": states[0]["step"]}
+    for s in states:
+        full["model"].update(s["model"])
+        full["optim"]["state"].update(s["optim"]["state"])
+    return full
+
+
+def split_state(full, rank):
+    mine = f"r{rank}."
+    return {"model": {k: v for k, v in full["model"].items() if k.startswith(mine)},
+            "optim": {"state": {k: v for k, v in full["optim"]["state"].items() if k.startswith(mine)}},
+            "step": full["step"]}
+
+
+# ---------------------------------------------------------------------------- the four paths
+class Path:
+    """One way to save and load a rank's state; ``where`` is a fresh location per save."""
+
+    def __init__(self, ctx, state, dest):
+        self.ctx, self.state, self.dest = ctx, state, dest
+
+    def save(self, where):
+        raise NotImplementedError
+
+    def load(self, where):
+        raise NotImplementedError
+
+    def reset(self):
+        tree_zero(self.dest)
+
+    def check(self) -> str | None:
+        return tree_equal(self.state, self.dest)
+
+    def cleanup(self, where):  # all ranks call it after a barrier
+        if self.ctx["rank"] == 0:
+            delete_prefix(self.ctx["client"], self.ctx["bucket"], where)
+
+
+class S3DCPPath(Path):
+    def save(self, where):
+        import torch.distributed.checkpoint as dcp
+        from s3dcp import S3StorageWriter
+
+        writer = S3StorageWriter(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"])
+        dcp.save(self.state, storage_writer=writer)
+        return {"upload_s": writer.last_stats.upload_s, "objects": writer.last_stats.objects}
+
+    def load(self, where):
+        import torch.distributed.checkpoint as dcp
+        from s3dcp import S3StorageReader
+
+        reader = S3StorageReader(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"])
+        dcp.load(self.dest, storage_reader=reader)
+        return {"read_s": reader.last_read_s}
+
+
+class FSPath(Path):
+    def _dir(self, where):
+        return os.path.join(self.ctx["tmpdir"], where)
+
+    def save(self, where):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(self._dir(where)))
+
+    def load(self, where):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.dest, storage_reader=dcp.FileSystemReader(self._dir(where)))
+
+    def cleanup(self, where):
+        if self.ctx["rank"] == 0:
+            shutil.rmtree(self._dir(where), ignore_errors=True)
+
+
+class MonolithicPath(Path):
+    """The common baseline: one torch.save file of the whole state, written by rank 0."""
+
+    def _key(self, where):
+        return f"{where}/state.pt"
+
+    def save(self, where):
+        import torch
+        import torch.distributed as dist
+
+        rank, world = self.ctx["rank"], self.ctx["world"]
+        if world > 1:
+            gathered = [None] * world if rank == 0 else None
+            dist.gather_object(self.state, gathered, dst=0)
+        else:
+            gathered = [self.state]
+        if rank == 0:
+            buf = io.BytesIO()
+            torch.save(merge_states(gathered), buf)
+            del gathered
+            buf.seek(0)
+            self.ctx["boto3"].upload_fileobj(buf, self.ctx["bucket"], self._key(where), Config=self.ctx["tcfg"])
+
+    def load(self, where):
+        import torch
+        import torch.distributed as dist
+
+        rank, world = self.ctx["rank"], self.ctx["world"]
+        parts = None
+        if rank == 0:
+            buf = io.BytesIO()
+            self.ctx["boto3"].download_fileobj(self.ctx["bucket"], self._key(where), buf, Config=self.ctx["tcfg"])
+            buf.seek(0)
+            full = torch.load(buf, weights_only=True)
+            del buf
+            parts = [split_state(full, r) for r in range(world)]
+            del full
+        if world > 1:
+            mine = [None]
+            dist.scatter_object_list(mine, parts, src=0)
+            mine = mine[0]
+        else:
+            mine = parts[0]
+        del parts
+        tree_copy_into(self.dest, mine)
+
+
+class RawPath(Path):
+    """The floor: the shard's byte count as one object, from one buffer, back into one buffer
+    (as many bytes as the shard, so the same object count as s3dcp below 512 MiB a rank)."""
+
+    def __init__(self, ctx, state, dest):
+        import torch
+
+        super().__init__(ctx, state, dest)
+        n = tree_nbytes(state)
+        g = torch.Generator().manual_seed(99 + ctx["rank"])
+        self.src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        self.dst = torch.zeros(n, dtype=torch.uint8)
+
+    def _key(self, where):
+        return f"{where}/raw-{self.ctx['rank']}.bin"
+
+    # A fresh S3Client per step, as S3StorageWriter/Reader make one per save/load: otherwise the
+    # CRT's buffer pool, kept from the previous step, would hide this path's peak-RSS rise.
+    def save(self, where):
+        from s3dcp.client import S3Client
+
+        client = S3Client(self.ctx["cfg"])
+        client.put(self.ctx["bucket"], self._key(where), memoryview(self.src.numpy())).result()
+        client.close()
+
+    def load(self, where):
+        from s3dcp.client import S3Client
+
+        client = S3Client(self.ctx["cfg"])
+        client.get_range_into(self.ctx["bucket"], self._key(where), 0, self.dst.numpy()).result()
+        client.close()
+
+    def reset(self):
+        self.dst.zero_()
+
+    def check(self):
+        import torch
+
+        return None if torch.equal(self.src, self.dst) else "raw bytes differ"
+
+
+PATHS = {"s3dcp": S3DCPPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath}
+
+
+# ---------------------------------------------------------------------------- ranks
+def _worker(rank: int, world: int, port: int, spec: dict) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=20))
+    try:
+        _run_rank(rank, world, spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int, world: int, spec: dict) -> None:
+    import torch.distributed as dist
+    from boto3.s3.transfer import TransferConfig
+    from s3dcp.client import S3Client
+
+    cfg = spec["cfg"]
+    ctx = {
+        "rank": rank, "world": world, "cfg": cfg, "bucket": spec["bucket"], "tmpdir": spec["tmpdir"],
+        "client": S3Client(cfg), "boto3": boto3_client_for(cfg, max_pool_connections=16),
+        "tcfg": TransferConfig(multipart_threshold=cfg.effective_multipart_threshold_bytes,
+                               multipart_chunksize=cfg.part_size_bytes, max_concurrency=10),
+    }
+    server_pid = spec["server_pid"] if rank == 0 else None
+    base = f"{spec['prefix']}/np{world}"
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    def barrier():
+        dist.barrier()
+
+    def everyone_ok(problem):
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            raise RuntimeError(f"loaded state differs from the saved state: {bad}")
+
+    def one_round(paths, tag, repeat, record):
+        for mode, path in paths.items():
+            where = f"{base}/{tag}/{mode}"
+            release_memory()
+            save = dist_measure(lambda: path.save(where), server_pid=server_pid, sample_rss=True,
+                                gather_value=True)
+            path.reset()
+            release_memory()
+            load = dist_measure(lambda: path.load(where), server_pid=server_pid, sample_rss=True,
+                                gather_value=True)
+            everyone_ok(path.check())
+            barrier()
+            path.cleanup(where)
+            barrier()
+            if record is not None:
+                record.setdefault(mode, []).append({"save": save.to_dict(), "load": load.to_dict(),
+                                                    "save_info": save.value, "load_info": load.value})
+                n = spec["total_bytes"]
+                say(f"  np={world} rep {repeat}: {mode:<10} save {save.wall_s:7.3f} s "
+                    f"({gbps(n, save.wall_s):.3f} GB/s, cpu {save.cpu_total_s:5.2f} s)  "
+                    f"load {load.wall_s:7.3f} s ({gbps(n, load.wall_s):.3f} GB/s, cpu {load.cpu_total_s:5.2f} s)"
+                    "  verified", flush=True)
+
+    if spec["warmup"]:
+        small = build_state(rank, max(1 * MiB, spec["shard_bytes"] // 32), seed=7 + rank)
+        warm = {m: PATHS[m](ctx, small, tree_like(small)) for m in spec["modes"]}
+        one_round(warm, "warmup", -1, None)
+        del warm, small
+        say(f"  np={world}: warm-up round done (every path verified)", flush=True)
+
+    t = time.perf_counter()
+    state = build_state(rank, spec["shard_bytes"], seed=rank)
+    dest = tree_like(state)
+    paths = {m: PATHS[m](ctx, state, dest) for m in spec["modes"]}
+    shard = tree_nbytes(state)
+    shards = [None] * world
+    dist.all_gather_object(shards, shard)
+    spec["total_bytes"] = sum(shards)
+    say(f"  np={world}: state built in {time.perf_counter() - t:.1f} s: {len(list(tree_items(state)))} "
+        f"leaves per rank, shards {[round(s / MiB, 1) for s in shards]} MiB", flush=True)
+
+    record: dict = {}
+    for r in range(spec["repeats"]):
+        one_round(paths, f"rep{r}", r, record)
+    if rank == 0:
+        write_json(spec["result_path"], {"shard_bytes": shards, "total_bytes": sum(shards), "runs": record})
+    barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- report
+def summarize_mode(runs: list[dict], total: int, shards: list[int]) -> dict:
+    out: dict = {}
+    for op in ("save", "load"):
+        ms = [r[op] for r in runs]
+        wall = median(m["wall_s"] for m in ms)
+        out[f"{op}_s"] = wall
+        out[f"{op}_gbps"] = gbps(total, wall)
+        out[f"{op}_cpu_s_per_gib"] = per_gib(median(m["cpu_total_s"] for m in ms), total)
+        out[f"{op}_server_cpu_s_per_gib"] = per_gib(median(m["server_cpu_s"] for m in ms), total)
+        out[f"{op}_wall_s_all"] = [m["wall_s"] for m in ms]
+        # peak RSS per rank (median over repeats), and its rise over the RSS before the step
+        world = len(shards)
+        peak = [median(m["peak_rss"][r] for m in ms) for r in range(world)]
+        extra = [median(m["peak_rss"][r] - m["rss_before"][r] for m in ms) for r in range(world)]
+        out[f"{op}_peak_rss_mib"] = [p / MiB for p in peak]
+        out[f"{op}_rss_extra_mib"] = [e / MiB for e in extra]
+        out[f"{op}_rss_extra_x_shard"] = [e / s for e, s in zip(extra, shards)]
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="dcp save/load of a synthetic training state: s3dcp vs DCP filesystem vs a monolithic "
+                    "torch.save + boto3 baseline vs raw S3Client transfer, on 1 and 2 ranks.")
+    parser.add_argument("--state-mib", type=int, default=256, metavar="N",
+                        help="total state size over all ranks (default 256)")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], metavar="N",
+                        help="rank counts to run (default: 1 2)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--part-mib", type=int, default=None, metavar="N",
+                        help="part size for s3dcp, raw and boto3 (default: S3Config's)")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up round")
+    parser.add_argument("--tmpdir", default=None, help="where the fs path writes (default: system temp)")
+    add_common_args(parser, repeats=3)
+    args = parser.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
+    total = args.state_mib * MiB
+    started = time.perf_counter()
+    report: dict = {}
+    with s3_target(args) as target, tempfile.TemporaryDirectory(prefix="s3dcp-bench-fs-", dir=args.tmpdir) as tmp:
+        cfg = target.config
+        if args.part_mib:
+            cfg = cfg.replace(part_size_bytes=args.part_mib * MiB, multipart_threshold_bytes=args.part_mib * MiB)
+        print(f"# throughput: {args.state_mib} MiB state, ranks {args.nproc}, modes {args.modes}, "
+              f"{args.repeats} repeat(s), part {cfg.part_size_bytes // MiB} MiB, "
+              f"object target {cfg.object_size_target_bytes // MiB} MiB, checksum {cfg.checksum}", flush=True)
+        for world in args.nproc:
+            spec = {
+                "cfg": cfg, "bucket": target.bucket, "server_pid": target.server_pid,
+                "prefix": target.prefix("throughput"), "tmpdir": tmp, "modes": args.modes,
+                "repeats": args.repeats, "warmup": not args.no_warmup, "shard_bytes": total // world,
+                "result_path": os.path.join(tmp, f"result-np{world}.json"),
+            }
+            t = time.perf_counter()
+            mp.spawn(_worker, args=(world, _free_port(), spec), nprocs=world, join=True)
+            import json
+
+            with open(spec["result_path"]) as f:
+                report[world] = json.load(f)
+            print(f"# np={world} done in {time.perf_counter() - t:.0f} s", flush=True)
+
+    rows = []
+    for world, res in report.items():
+        summaries = {m: summarize_mode(res["runs"][m], res["total_bytes"], res["shard_bytes"]) for m in args.modes}
+        raw = summaries.get("raw")
+        for mode in args.modes:
+            s = summaries[mode]
+            row = {"nproc": world, "mode": mode, "state_mib": res["total_bytes"] / MiB, **s}
+            if raw:
+                row["save_x_raw"] = s["save_s"] / raw["save_s"]
+                row["load_x_raw"] = s["load_s"] / raw["load_s"]
+            row["load_peak_rss_mib_max"] = max(s["load_peak_rss_mib"])
+            row["load_rss_extra_x_shard_max"] = max(s["load_rss_extra_x_shard"])
+            row["save_rss_extra_x_shard_max"] = max(s["save_rss_extra_x_shard"])
+            if mode == "s3dcp":
+                infos = res["runs"][mode]
+                row["s3dcp_upload_s_median"] = median(max(i["upload_s"] for i in r["save_info"]) for r in infos)
+                row["s3dcp_read_s_median"] = median(max(i["read_s"] for i in r["load_info"]) for r in infos)
+            rows.append(row)
+
+    print()
+    print_table(rows, [("nproc", "ranks"), ("mode", "mode"),
+                       ("save_s", "save s", ".3f"), ("save_gbps", "save GB/s", ".3f"), ("save_x_raw", "save/raw", ".2f"),
+                       ("load_s", "load s", ".3f"), ("load_gbps", "load GB/s", ".3f"), ("load_x_raw", "load/raw", ".2f")],
+                title=f"throughput: {args.state_mib} MiB state, median of {args.repeats} (x/raw: time relative to raw transfer)")
+    print()
+    print_table(rows, [("nproc", "ranks"), ("mode", "mode"),
+                       ("save_cpu_s_per_gib", "save cCPU s/GiB", ".2f"), ("load_cpu_s_per_gib", "load cCPU s/GiB", ".2f"),
+                       ("save_server_cpu_s_per_gib", "save sCPU s/GiB", ".2f"),
+                       ("load_server_cpu_s_per_gib", "load sCPU s/GiB", ".2f"),
+                       ("load_peak_rss_mib_max", "load peak RSS MiB", ".0f"),
+                       ("load_rss_extra_x_shard_max", "load RSS+ /shard", ".2f"),
+                       ("save_rss_extra_x_shard_max", "save RSS+ /shard", ".2f")],
+                title="cost: client CPU summed over ranks; server CPU of the local S3 server; RSS+ = peak RSS rise "
+                      "over the step, worst rank, relative to its shard")
+    path = write_json(results_path(args, "throughput"), {
+        "benchmark": "throughput",
+        "params": {"state_mib": args.state_mib, "nproc": args.nproc, "modes": args.modes, "repeats": args.repeats,
+                   "part_mib": cfg.part_size_bytes / MiB, "object_size_target_mib": cfg.object_size_target_bytes / MiB,
+                   "checksum": cfg.checksum, "max_concurrency": cfg.max_concurrency, "warmup": not args.no_warmup},
+        "target": target.describe(),
+        "environment": environment_info(),
+        "results": rows,
+        "raw": {str(k): v for k, v in report.items()},
+        "elapsed_s": time.perf_counter() - started,
+        "units": {"gbps": "1e9 bytes/s", "cpu_s_per_gib": "CPU seconds per GiB (2^30 bytes)",
+                  "x_raw": "median time of the mode / median time of raw transfer"},
+    })
+    print(f"# results: {path} (total {time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

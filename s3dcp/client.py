@@ -221,7 +221,8 @@ class S3Client:
         return self._submit(
             "GetObject", bucket, key,
             lambda crt, on_done: crt.make_request(
-                type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done),
+                type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done,
+                part_size=self.config.download_part_size_bytes),
             result=result,
         )
 

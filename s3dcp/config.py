@@ -46,7 +46,8 @@ class S3Config:
     session_token: str | None = field(default=None, repr=False)
 
     # Transfer shape.
-    part_size_bytes: int = 64 * MiB
+    part_size_bytes: int = 64 * MiB  # upload parts
+    download_part_size_bytes: int = 8 * MiB  # ranged GETs a large read is split into (smaller: less buffering)
     multipart_threshold_bytes: int | None = None  # None: same as part_size_bytes
     throughput_target_gbps: float = 10.0
     max_concurrency: int = 16  # requests s3dcp keeps in flight per process (objects / ranges)
@@ -203,6 +204,10 @@ def _validate(c: S3Config) -> list[str]:
             c.part_size_bytes <= MAX_PART_SIZE_BYTES,
             f"part_size_bytes={c.part_size_bytes} is above S3's 5 GiB maximum ({MAX_PART_SIZE_BYTES})",
         )
+    need(
+        is_int(c.download_part_size_bytes) and 256 * 1024 <= c.download_part_size_bytes <= MAX_PART_SIZE_BYTES,
+        f"download_part_size_bytes={c.download_part_size_bytes!r} must be an int in [256 KiB, 5 GiB]",
+    )
     if c.multipart_threshold_bytes is not None:
         need(
             is_int(c.multipart_threshold_bytes) and c.multipart_threshold_bytes >= MIN_PART_SIZE_BYTES,

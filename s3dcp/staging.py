@@ -97,7 +97,7 @@ class HostBufferPool:
                 waited = time.perf_counter()
                 while self._in_use >= max_in_use:
                     self._cond.wait(0.05)
-                    self._reclaim_abandoned()
+                    self._reclaim_ended()
                 log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
             self._in_use += 1
             fits = [a for a in self._free if a.capacity >= needed]
@@ -139,13 +139,13 @@ class HostBufferPool:
         with self._cond:
             self._holders.discard(staging)
 
-    def _reclaim_abandoned(self) -> None:
-        """Take back arenas of saves whose thread died without releasing them (a save that
-        failed before write_data, its staged dict kept alive by the exception's traceback)."""
+    def _reclaim_ended(self) -> None:
+        """Take back the arenas of saves that have ended: their thread is gone. That is how a
+        save that succeeded is released too (after its commit and the collectives around it),
+        and how one that failed anywhere, even before write_data, never holds memory."""
         with self._cond:
-            abandoned = [s for s in self._holders if s.abandoned()]
-        for staging in abandoned:
-            log.debug("reclaiming the staging arena of a save that ended without releasing it")
+            ended = [s for s in self._holders if s.ended()]
+        for staging in ended:
             staging.release()
 
     def clear(self) -> None:
@@ -156,7 +156,7 @@ class HostBufferPool:
 
     @property
     def in_use(self) -> int:
-        self._reclaim_abandoned()
+        self._reclaim_ended()
         return self._in_use
 
 
@@ -203,8 +203,17 @@ class _Staging:
         self.pool._unhold(self)
         self.pool.release(self.arena)
 
-    def abandoned(self) -> bool:
-        """The save that owns this staging has ended (its thread is gone) without releasing."""
+    def uploaded(self) -> None:
+        """write_data is over: the training thread may go on (rounds done). The arena is given
+        back when the whole save has ended — its thread is gone — and not now, because the
+        commit's collectives still run: a next async_save starting its own collectives on the
+        same process group from another thread would interleave with them and deadlock."""
+        self.done.set()
+        if self.save_thread is None:  # no save thread of its own (a direct call): nothing else ends it
+            self.release()
+
+    def ended(self) -> bool:
+        """The save that owns this staging is over (its thread is gone) and not yet released."""
         thread = self.save_thread
         return not self.released and thread is not None and not thread.is_alive()
 
@@ -296,7 +305,7 @@ class StagingMixin:
         while not staging.done.wait(0.05):
             # A save that failed before write_data never releases the originals: stop
             # waiting when its thread is gone.
-            if staging.abandoned():
+            if staging.ended():
                 staging.release()
                 break
         self._stage_s = time.perf_counter() - self._stage_started

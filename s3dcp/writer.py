@@ -189,8 +189,8 @@ class S3StorageWriter(StagingMixin, StorageWriter):
             uploads.discard()
             raise
         finally:
-            if staging is not None:  # the upload is over: the next checkpoint may stage
-                staging.release()
+            if staging is not None:
+                staging.uploaded()
                 self._staging = None
         log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs",
                   rank, uploads.bytes, len(uploads.keys), self._uri, elapsed)

@@ -318,8 +318,27 @@ def _plain_worker(rank: int, world: int, uri: str, cfg: S3Config) -> dict:
         _load(dest, f"{uri}-{name}", cfg)
         _assert_tree_equal(dest, snapshot, f"loaded after {name}")
 
+    def back_to_back():
+        # Three async_saves without waiting in between: back-pressure must hold each one until
+        # the previous save has fully ended (commit collectives included); otherwise two
+        # threads run collectives on one process group at once and the ranks deadlock.
+        state = {k: v for k, v in _plain_state(rank).items() if isinstance(v, torch.Tensor)}
+        futures, snapshots = [], []
+        for i in range(3):
+            snapshots.append({k: v.clone() for k, v in state.items()})
+            futures.append(dcp.async_save(state, storage_writer=S3StorageWriter(f"{uri}-b2b{i}", config=cfg)))
+            for v in state.values():
+                v.add_(1)
+        for f in futures:
+            f.result(timeout=60)
+        for i, snapshot in enumerate(snapshots):
+            dest = _blank(snapshot)
+            _load(dest, f"{uri}-b2b{i}", cfg)
+            _assert_tree_equal(dest, snapshot, f"back-to-back save {i}")
+
     check("plain", plain)
     check("overwrite", overwrite)
+    check("back-to-back", back_to_back)
     check("async", lambda: async_save("async", None))
     # A staging budget below the state, and below one tensor (1.2 MB > 1 MiB): the rest is
     # copied in rounds, or into a temporary copy, while earlier objects upload.
@@ -401,7 +420,7 @@ def test_overwrite_leaves_only_the_new_objects_of_every_rank(plain_checkpoint, b
         assert mine and len({n.split(".")[1] for n in mine}) == 1, (rank, sorted(referenced))
 
 
-@pytest.mark.parametrize("check", ["async", "async-budget"])
+@pytest.mark.parametrize("check", ["async", "async-budget", "back-to-back"])
 def test_async_save_two_ranks_holds_the_values_at_the_call(plain_checkpoint, check):
     _outcome(plain_checkpoint[2], check)
 

@@ -27,6 +27,7 @@ _LAZY = {
     "gc": ".gc",
     "GcReport": ".gc",
     "CheckpointManager": ".manager",
+    "CheckpointInfo": ".manager",
 }
 
 __all__ = ["S3Config", "__version__", *_LAZY, *_error_names]

@@ -1,0 +1,576 @@
+"""The ``s3dcp`` command: look at, check, copy out and clean up checkpoints in S3.
+
+    s3dcp ls s3://bucket/run/                 checkpoints below, committed or INCOMPLETE
+    s3dcp inspect s3://bucket/run/step-1000   what the metadata says (no data is read)
+    s3dcp verify s3://bucket/run/step-1000    read every item, check its checksum
+    s3dcp rm s3://bucket/run/step-1000 --yes  delete (.metadata first)
+    s3dcp gc s3://bucket/run/ --older-than 1h remove leftovers of failed saves
+    s3dcp download URI --to-torch-save out.pt one torch.save file
+    s3dcp server --bucket demo                a local S3 server for trying things out
+
+S3 settings come from the environment as for the library (``AWS_ENDPOINT_URL_S3``,
+``AWS_REGION``, credentials, profile), overridden by ``--endpoint-url`` and ``--region``.
+Exit status: 0 ok, 1 the operation failed (bad checkpoint, bad items, S3 errors), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+from . import __version__, integrity, layout
+from .config import S3Config
+from .errors import CheckpointNotFoundError, ConfigError, S3DCPError
+from .manager import METADATA_NAME
+from .uri import S3Uri, parse_s3_uri
+
+__all__ = ["main", "parse_duration"]
+
+_OBJECT_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9A-Za-z]+)\.distcp$")
+_READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one block
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class UsageError(Exception):
+    """A request the command refuses as asked (exit 2)."""
+
+
+# ---------------------------------------------------------------------- entry point
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("s3dcp: error: a command is required (see s3dcp --help)", file=sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("s3dcp: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as e:  # noqa: BLE001 - one line per error, a traceback only on --debug
+        if isinstance(e, SystemExit):
+            raise
+        err = _unwrap(e)
+        if args.debug:
+            traceback.print_exception(type(e), e, e.__traceback__)
+        if isinstance(err, (UsageError, ConfigError)):
+            code, text = 2, str(err)
+        elif isinstance(err, (S3DCPError, OSError)):
+            code, text = 1, str(err)
+        else:
+            code, text = 1, f"internal error: {type(err).__name__}: {err} (run with --debug for the traceback)"
+        print(f"s3dcp: error: {' '.join(text.split())}", file=sys.stderr)
+        return code
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """DCP wraps a rank's error in CheckpointException; the original says what went wrong."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else getattr(first, "exception", first)
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--endpoint-url", default=argparse.SUPPRESS, metavar="URL",
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / the profile / AWS)")
+    common.add_argument("--region", default=argparse.SUPPRESS, help="S3 region (default: AWS_REGION / the profile)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print tracebacks of errors")
+
+    parser = argparse.ArgumentParser(
+        prog="s3dcp", description="Inspect, verify, copy out and clean up PyTorch DCP checkpoints in S3.",
+        epilog="Exit status: 0 ok, 1 the operation failed, 2 usage error. "
+               "Credentials come from the usual AWS environment (variables, profile, instance role).")
+    parser.add_argument("--version", action="version", version=f"s3dcp {__version__}")
+    parser.add_argument("--endpoint-url", default=None, metavar="URL",
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / the profile / AWS); "
+                             "also accepted after the command")
+    parser.add_argument("--region", default=None, help="S3 region (default: AWS_REGION / the profile)")
+    parser.add_argument("--debug", action="store_true", help="print tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, run: Callable, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(run=run)
+        return p
+
+    p = command("ls", cmd_ls, "list the checkpoints below a prefix (directories holding .metadata or .distcp objects)")
+    p.add_argument("uri", help="s3://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("inspect", cmd_inspect, "show a checkpoint's contents from its metadata alone")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("verify", cmd_verify, "download every item and check its checksum (exit 1 if any is bad)")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = command("rm", cmd_rm, "delete a checkpoint (its .metadata first, then its data objects)")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("-y", "--yes", action="store_true", help="required to delete a committed checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = command("gc", cmd_gc, "delete leftovers of failed saves and abort stale multipart uploads")
+    p.add_argument("uri", help="s3://bucket/prefix (every checkpoint below it is examined)")
+    p.add_argument("--older-than", type=_duration_arg, default=3600.0, metavar="AGE",
+                   help="only leftovers older than this: 30s, 10m, 1h, 2d, 1h30m (default: 1h)")
+    p.add_argument("--dry-run", action="store_true", help="report what would go; delete nothing")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("download", cmd_download, "convert a checkpoint into one torch.save file")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--to-torch-save", required=True, metavar="FILE", help="the file to write")
+    p.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="unpickle non-tensor items without torch.load's weights_only safety (only for "
+                        "checkpoints you trust: unpickling can run code)")
+
+    p = command("server", cmd_server, "run a local SeaweedFS S3 server on 127.0.0.1 until Ctrl-C")
+    p.add_argument("--bucket", action="append", default=[], metavar="NAME", help="create this bucket (repeatable)")
+    p.add_argument("--dir", metavar="D", help="data directory to use and keep (default: temporary)")
+    p.add_argument("--port", type=int, metavar="P", help="S3 port (default: a free one)")
+    p.add_argument("--access-key", default="s3dcp-local")
+    p.add_argument("--secret-key", help="default: a random one")
+    return parser
+
+
+def parse_duration(text: str) -> float:
+    """``"90"``, ``"30s"``, ``"10m"``, ``"1h"``, ``"2d"``, ``"1w"``, ``"1h30m"`` -> seconds."""
+    value = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ValueError(f"invalid duration {text!r}: use a number with a unit, like 30s, 10m, 1h, 2d")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _client(args):
+    from .client import S3Client
+
+    return S3Client(S3Config(endpoint_url=args.endpoint_url, region=args.region))
+
+
+# ---------------------------------------------------------------------- ls
+def cmd_ls(args) -> int:
+    from .manager import scan_directories
+
+    base = parse_s3_uri(args.uri)
+    now = time.time()
+    rows = []
+    for directory, objects in scan_directories(_client(args), base).items():
+        names = {o.key.rpartition("/")[2] for o in objects}
+        committed = METADATA_NAME in names
+        if not committed and not any(n.endswith(".distcp") for n in names):
+            continue
+        relative = directory[len(base.dir_prefix):].rstrip("/") if directory != base.dir_prefix else ""
+        last = (relative or base.prefix).rpartition("/")[2]
+        step = re.search(r"(\d+)$", last)
+        stamps = [o.last_modified for o in objects if o.last_modified is not None]
+        newest = max(stamps) if stamps else None
+        rows.append({
+            "name": relative or ".", "uri": str(base.child(relative)) if relative else str(base),
+            "step": int(step.group(1)) if step else None, "committed": committed,
+            "bytes": sum(o.size for o in objects), "objects": len(objects),
+            "last_modified": newest, "age_s": None if newest is None else max(0.0, now - newest),
+        })
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print(f"s3dcp: no checkpoints under {base}", file=sys.stderr)
+        return 0
+    _table(["NAME", "STEP", "SIZE", "OBJECTS", "STATE", "AGE"],
+           [[r["name"], "-" if r["step"] is None else r["step"], _size(r["bytes"]), r["objects"],
+             "committed" if r["committed"] else "INCOMPLETE", _age(r["age_s"])] for r in rows])
+    return 0
+
+
+# ---------------------------------------------------------------------- inspect
+def cmd_inspect(args) -> int:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .metadata import FORMAT_NAME, FORMAT_VERSION, dtype_to_str
+    from .reader import S3StorageReader
+
+    uri = parse_s3_uri(args.uri)
+    md = S3StorageReader(str(uri), client=_client(args)).read_metadata()
+    stored: dict[str, int] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    for index, loc in md.storage_data.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + loc.length
+        m = _OBJECT_RE.match(loc.object_name)
+        obj = objects.setdefault(loc.object_name, {
+            "object": loc.object_name, "rank": int(m.group(1)) if m else None,
+            "token": m.group(3) if m else None, "items": 0, "bytes": 0})
+        obj["items"] += 1
+        obj["bytes"] = max(obj["bytes"], loc.offset + loc.length)
+    tensors, others = [], []
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors.append({"fqn": fqn, "dtype": dtype_to_str(item.properties.dtype), "shape": list(item.size),
+                            "chunks": len(item.chunks), "bytes": stored.get(fqn, 0)})
+        else:
+            others.append({"fqn": fqn, "bytes": stored.get(fqn, 0)})
+    sm = md.storage_meta
+    report = {
+        "uri": str(uri), "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dcp_version": md.version,
+        "save_id": sm.save_id if sm else None, "tensors": tensors, "non_tensors": others,
+        "objects": sorted(objects.values(), key=lambda o: (o["rank"] is None, o["rank"] or 0, o["object"])),
+        "total_bytes": sum(stored.values()),
+    }
+    if args.json:
+        _print_json(report)
+        return 0
+    extra = "".join(f", {label} {value}" for label, value in (("DCP", md.version), ("save", report["save_id"]))
+                    if value)
+    print(f"{uri}\n  format {FORMAT_NAME} v{FORMAT_VERSION}{extra}")
+    print(f"\ntensors: {len(tensors)}, {_size(sum(t['bytes'] for t in tensors))}")
+    _table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
+           [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]
+            for t in tensors], indent=2)
+    print(f"\nnon-tensor items: {len(others)}")
+    _table(["FQN", "BYTES"], [[o["fqn"], o["bytes"]] for o in others], indent=2)
+    print(f"\ndata objects: {len(objects)}")
+    _table(["OBJECT", "RANK", "ITEMS", "BYTES"],
+           [[o["object"], "-" if o["rank"] is None else o["rank"], o["items"], o["bytes"]]
+            for o in report["objects"]], indent=2)
+    print(f"\ntotal: {report['total_bytes']} bytes ({_size(report['total_bytes'])}) "
+          f"in {len(md.storage_data)} item(s), {len(objects)} object(s)")
+    return 0
+
+
+# ---------------------------------------------------------------------- verify
+class _ItemCheck:
+    """The running whole-item CRC of one item, fed its pieces in order."""
+
+    def __init__(self, index, loc, algorithm: str) -> None:
+        self.index, self.loc, self.algorithm = index, loc, algorithm
+        self.fn, self.combine, self.width = integrity._ALGORITHMS[algorithm]
+        self.crc: int | None = None
+        self.bad_blocks: list[int] = []
+        self.error: str | None = None
+
+    def feed(self, piece: int, view: memoryview) -> None:
+        crc = self.fn(view)
+        blocks = self.loc.block_checksums
+        if blocks and piece < len(blocks) and blocks[piece] != self._text(crc):
+            self.bad_blocks.append(piece)
+        self.crc = crc if self.crc is None else self.combine(self.crc, crc, view.nbytes)
+
+    def _text(self, crc: int) -> str:
+        return f"{self.algorithm}:{crc:0{self.width}x}"
+
+    @property
+    def got(self) -> str:
+        if self.error:
+            return self.error
+        return self._text(self.crc if self.crc is not None else self.fn(b""))
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.bad_blocks and self.got == self.loc.checksum
+
+
+def cmd_verify(args) -> int:
+    from collections import deque
+
+    from .reader import S3StorageReader
+
+    uri = parse_s3_uri(args.uri)
+    client = _client(args)
+    md = S3StorageReader(str(uri), client=client).read_metadata()
+    checks: list[_ItemCheck] = []
+    bad: list[dict[str, Any]] = []
+    unchecked = 0
+    segments: dict[str, list[layout.Segment]] = {}
+    for index, loc in md.storage_data.items():
+        if loc.checksum is None:
+            unchecked += 1
+            continue
+        try:
+            check = _ItemCheck(index, loc, integrity.algorithm_of(loc.checksum))
+        except ValueError as e:
+            bad.append(_bad(uri, index, loc, str(e)))
+            continue
+        checks.append(check)
+        step = loc.block_size or integrity.BLOCK_SIZE_BYTES  # pieces line up with the block checksums
+        for piece, start in enumerate(range(0, loc.length, step)):
+            segments.setdefault(loc.object_name, []).append(
+                layout.Segment(loc.offset + start, min(step, loc.length - start), (check, piece)))
+    runs = [(name, run) for name, segs in sorted(segments.items())
+            for run in layout.coalesce(segs, 0, integrity.BLOCK_SIZE_BYTES)]
+    total = sum(seg.length for _, run in runs for seg in run)
+
+    # A few ranged GETs in flight, handled in order so each item's pieces arrive in order;
+    # memory stays at a few blocks whatever the object sizes.
+    with _progress(total, "B", args.quiet) as bar:
+        window: deque = deque()
+
+        def finish_oldest() -> None:
+            future, buf, start, run = window.popleft()
+            _check_run(future, memoryview(buf), start, run)
+            bar.update(sum(seg.length for seg in run))
+
+        for name, run in runs:
+            start, end = run[0].offset, max(seg.end for seg in run)
+            buf = bytearray(end - start)
+            window.append((client.get_range_into(uri.bucket, uri.key(name), start, buf), buf, start, run))
+            if len(window) >= _READ_WINDOW:
+                finish_oldest()
+        while window:
+            finish_oldest()
+    bad += [_bad(uri, c.index, c.loc, c.got, c.bad_blocks) for c in checks if not c.ok]
+    nbytes = sum(c.loc.length for c in checks)
+    if args.json:
+        _print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
+                     "unchecked_items": unchecked, "bytes": nbytes, "bad": bad})
+    else:
+        for b in bad:
+            where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
+            print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                  f"expected {b['expected']}, got {b['got']}{where}")
+        if not bad:
+            note = f", {unchecked} without checksums (not checked)" if unchecked else ""
+            print(f"OK: {len(checks)} item(s), {nbytes} bytes ({_size(nbytes)}) in "
+                  f"{len({c.loc.object_name for c in checks})} object(s) of {uri} verified{note}")
+    if bad:
+        print(f"s3dcp: error: {len(bad)} bad item(s) in {uri}; restore from another checkpoint", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_run(future, buf: memoryview, start: int, run: list) -> None:
+    try:
+        future.result()
+    except S3DCPError as e:
+        for seg in run:
+            check, _ = seg.tag
+            check.error = check.error or f"unreadable: {' '.join(str(e).split())}"
+        return
+    for seg in run:
+        check, piece = seg.tag
+        if check.error is None:
+            check.feed(piece, buf[seg.offset - start:seg.end - start])
+
+
+def _bad(uri: S3Uri, index, loc, got: str, bad_blocks: Sequence[int] = ()) -> dict[str, Any]:
+    return {"object": str(uri.child(loc.object_name)), "fqn": index.fqn,
+            "offset": None if index.offset is None else list(index.offset),
+            "start": loc.offset, "end": loc.offset + loc.length, "expected": loc.checksum, "got": got,
+            "bad_blocks": list(bad_blocks)}
+
+
+def _chunk(offset) -> str:
+    return f" (chunk at {tuple(offset)})" if offset and any(offset) else ""
+
+
+# ---------------------------------------------------------------------- rm
+def cmd_rm(args) -> int:
+    from .manager import delete_checkpoint
+
+    uri = parse_s3_uri(args.uri)
+    client = _client(args)
+    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
+    names = [o.key.rpartition("/")[2] for o in objects]
+    committed = METADATA_NAME in names
+    ours = [n for n in names if n == METADATA_NAME or n.endswith(".distcp")]
+    if not ours:
+        raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no .distcp objects)")
+    if committed and not args.yes:
+        raise UsageError(f"{uri} is a committed checkpoint ({len(ours)} object(s)); pass --yes to delete it")
+    with _progress(len(ours), "obj", args.quiet or len(ours) < 100) as bar:
+        count, nbytes = delete_checkpoint(client, uri, on_deleted=bar.update)
+    others = len(objects) - len(ours)
+    if args.json:
+        _print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
+                     "other_objects_left": others})
+    else:
+        left = f"; {others} other object(s) left in place" if others else ""
+        print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
+              f"{count} object(s), {_size(nbytes)}{left}")
+    return 0
+
+
+# ---------------------------------------------------------------------- gc
+def cmd_gc(args) -> int:
+    from .gc import gc
+
+    uri = parse_s3_uri(args.uri)
+    report = gc(str(uri), older_than_s=args.older_than, client=_client(args), dry_run=args.dry_run)
+    if args.json:
+        _print_json({"uri": str(uri), "dry_run": args.dry_run, "older_than_s": args.older_than, **asdict(report)})
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for key in report.deleted:
+        print(f"{verb}: s3://{uri.bucket}/{key}")
+    for key, upload_id in report.aborted_uploads:
+        print(f"{'would abort' if args.dry_run else 'aborted'} upload: s3://{uri.bucket}/{key} ({upload_id})")
+    for key in report.unreadable_metadata:
+        print(f"s3dcp: warning: left s3://{uri.bucket}/{key} and its directory alone: unreadable metadata",
+              file=sys.stderr)
+    print(f"gc {uri}: {verb} {len(report.deleted)} object(s) ({_size(report.deleted_bytes)}), "
+          f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} upload(s); "
+          f"{len(report.kept_recent)} recent unreferenced object(s) kept")
+    return 0
+
+
+# ---------------------------------------------------------------------- download
+def cmd_download(args) -> int:
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .reader import S3StorageReader
+
+    uri = parse_s3_uri(args.uri)
+    out = args.to_torch_save
+    if os.path.exists(out) and not args.force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
+    reader = S3StorageReader(str(uri), client=_client(args))
+    reader.read_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    state_dict: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load_state_dict(state_dict, storage_reader=reader, no_dist=True,
+                         planner=_empty_planner(_EmptyStateDictLoadPlanner, args.allow_pickle))
+    partial = f"{out}.partial"
+    try:
+        torch.save(state_dict, partial)
+        os.replace(partial, out)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    print(f"wrote {out}: {len(state_dict)} top-level key(s), {_size(os.path.getsize(out))} from {uri}")
+    return 0
+
+
+def _empty_planner(base: type, allow_pickle: bool):
+    """DCP's planner that rebuilds the state dict from the metadata, except that non-tensor
+    items (torch.save pickles) are loaded with ``weights_only=True`` unless allowed: DCP's
+    default unpickles them freely, and a checkpoint in a bucket is not necessarily trusted."""
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element as set_path  # what DCP uses
+
+    from .errors import CheckpointError
+
+    class Planner(base):
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=not allow_pickle)
+            except Exception as e:  # noqa: BLE001 - torch says why in many ways
+                raise CheckpointError(
+                    f"non-tensor item {fqn!r} could not be loaded safely ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200]}); if you trust this checkpoint, pass --allow-pickle") from e
+            if self.flatten_state_dict:
+                set_path(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return Planner()
+
+
+# ---------------------------------------------------------------------- server
+def cmd_server(args) -> int:
+    from .testing import main as server_main
+
+    argv = ["--access-key", args.access_key]
+    for name in args.bucket:
+        argv += ["--bucket", name]
+    for flag, value in (("--dir", args.dir), ("--port", args.port), ("--secret-key", args.secret_key),
+                        ("--region", args.region)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return server_main(argv)
+
+
+# ---------------------------------------------------------------------- output helpers
+def _print_json(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _table(header: list[str], rows: list[list[Any]], indent: int = 0) -> None:
+    if not rows:
+        print(" " * indent + "(none)")
+        return
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print(" " * indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+class _NoBar:
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _progress(total: int, unit: str, quiet: bool):
+    """A tqdm bar on stderr when it is a terminal (and tqdm is installed), else nothing."""
+    if quiet or not sys.stderr.isatty():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
+                file=sys.stderr, leave=False)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

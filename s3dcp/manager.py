@@ -1,0 +1,414 @@
+"""CheckpointManager: numbered checkpoints under one S3 prefix, saved (async by default),
+kept by a retention policy, found again and loaded on resume.
+
+    save(step, sd) ─► dcp.async_save(sd, S3StorageWriter(base/step-00000042)) ─► future
+                        │ stage() waits while the previous checkpoint still uploads (the pool's
+                        │ back-pressure), then the upload runs in DCP's background thread
+                        ▼ committed (.metadata written)
+                      coordinator: one INFO log line, then retention: delete committed
+                      checkpoints outside keep_last / keep_every (.metadata first)
+    latest() ─► coordinator lists base/ ─► newest step whose .metadata exists ─► broadcast
+    load(sd) ─► latest() ─► dcp.load(sd, S3StorageReader(base/step-…))
+
+A checkpoint is *committed* when its ``.metadata`` object exists (the writer puts it last).
+Retention only ever deletes committed checkpoints that are older than the newest ones kept,
+and only after a newer save has committed; directories without ``.metadata`` (a save still
+running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import string
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .client import ObjectInfo, S3Client
+from .config import S3Config
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .uri import S3Uri, parse_s3_uri
+
+if TYPE_CHECKING:
+    from .writer import S3StorageWriter
+
+# torch (and the writer and reader, which need it) is imported where it is used, so listing and
+# deleting checkpoints (``s3dcp ls``, ``s3dcp rm``) do not pay for importing it.
+
+__all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "scan_directories", "METADATA_NAME"]
+
+log = logging.getLogger("s3dcp")
+
+METADATA_NAME = ".metadata"  # = s3dcp.writer.METADATA_NAME, the commit marker
+_DATA_SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under the manager's base URI."""
+
+    step: int
+    uri: str
+    committed: bool  # its .metadata exists
+    bytes: int  # total size of the objects directly in the directory
+    objects: int
+    last_modified: float | None  # newest object, seconds since the epoch
+
+
+class CheckpointManager:
+    """Periodic checkpoints of one training run under ``base_uri``.
+
+    Every rank calls :meth:`save` with the same ``step``; :meth:`latest` and :meth:`load` are
+    collective when ``torch.distributed`` is initialised (the coordinator, rank 0 of
+    ``process_group``, lists the bucket and broadcasts what it found, so every rank agrees).
+
+    Args:
+        base_uri: ``s3://bucket/run``; checkpoint ``step`` goes to ``base_uri/name_format(step)``.
+        config: :class:`S3Config`; default: resolved from the environment.
+        client: an :class:`s3dcp.client.S3Client` to use for everything (tests inject one).
+        keep_last: committed checkpoints to keep, newest first (``None``: keep all).
+        keep_every: also keep every step that is a multiple of this (``None``: none).
+        async_mode: :meth:`save` returns once the state is staged (``dcp.async_save``);
+            ``False``: it returns once the checkpoint is committed.
+        process_group: the group DCP saves and loads over (default: the default group).
+        name_format: directory name of a step; must hold ``{step}`` once (a format spec is fine).
+
+    Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
+    :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
+    triggers retention.
+    """
+
+    def __init__(
+        self,
+        base_uri: str,
+        *,
+        config: S3Config | None = None,
+        client: S3Client | None = None,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        async_mode: bool = True,
+        process_group: Any = None,
+        name_format: str = "step-{step:08d}",
+    ) -> None:
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise ConfigError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep every checkpoint)")
+        if keep_every is not None and (not _is_int(keep_every) or keep_every < 1):
+            raise ConfigError(f"keep_every={keep_every!r} must be an int >= 1 or None")
+        self.base = parse_s3_uri(base_uri)
+        self._pattern = _name_pattern(name_format)
+        self.name_format = name_format
+        self.config = config or (client.config if client is not None else S3Config())
+        self.client = client or S3Client(self.config)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_mode = async_mode
+        self.process_group = process_group
+        self.last_writer: S3StorageWriter | None = None
+        self._pending: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()  # _pending
+        self._retention_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
+                f"keep_every={self.keep_every}, async_mode={self.async_mode})")
+
+    # ------------------------------------------------------------------ naming
+    def name(self, step: int) -> str:
+        """The directory name of ``step`` (relative to the base URI)."""
+        return self.name_format.format(step=step)
+
+    def uri(self, step: int) -> str:
+        """``s3://bucket/run/<name(step)>``."""
+        return str(self.base.child(self.name(step)))
+
+    def _step_of(self, relative_dir: str) -> int | None:
+        m = self._pattern.match(relative_dir)
+        if m is None:
+            return None
+        step = int(m.group(1))
+        return step if self.name(step) == relative_dir else None  # only names we would write
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future | None:
+        """Save ``state_dict`` as checkpoint ``step`` (all ranks, same step).
+
+        Async mode: returns a future that resolves to the DCP ``Metadata`` once the checkpoint
+        is committed and retention has run; the training loop may change ``state_dict`` as
+        soon as this returns. A second save while one is uploading waits (in staging) for it;
+        under ``torch.distributed`` it waits until the previous one has committed.
+        Sync mode: returns ``None`` once committed. Raises the error of an earlier failed
+        asynchronous save that nobody has seen yet, before starting this one.
+        """
+        if not _is_int(step) or step < 0:
+            raise ConfigError(f"step={step!r} must be an int >= 0")
+        if _dist_on():
+            # DCP's save runs collectives on the save's own thread. The staging pool lets the
+            # next save start once the previous one has *uploaded*, while that one's commit
+            # collectives may still run: two threads' collectives on one group could then
+            # interleave differently on different ranks and deadlock. So under
+            # torch.distributed the previous save must have finished (committed) first.
+            self._drain()
+        self._raise_finished_errors()
+        import torch.distributed.checkpoint as dcp
+
+        from .writer import S3StorageWriter
+
+        writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client)
+        self.last_writer = writer
+        no_dist = not _dist_on()
+        started = time.perf_counter()
+        if not self.async_mode:
+            metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                no_dist=no_dist)
+            elapsed = time.perf_counter() - started
+            self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
+            return None
+
+        response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                  no_dist=no_dist)
+        inner = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
+        returned = time.perf_counter()
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        outer.set_running_or_notify_cancel()
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                metadata = f.result()
+            except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
+                root = _root_error(e)
+                log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
+                          type(root).__name__, " ".join(str(root).split()))
+                outer.set_exception(e)
+                return
+            upload_s = time.perf_counter() - returned
+            self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
+            outer.set_result(metadata)
+
+        with self._lock:
+            self._pending.append(outer)
+        inner.add_done_callback(done)
+        return outer
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first error among them (once)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+        errors = [f.exception() for f in pending if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Wait for the saves in flight (raising their error); nothing else to release."""
+        self.wait()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the error that is already on its way out
+            self._drain()
+
+    def _raise_finished_errors(self) -> None:
+        with self._lock:
+            finished = [f for f in self._pending if f.done()]
+            self._pending = [f for f in self._pending if not f.done()]
+        errors = [f.exception() for f in finished if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def _drain(self) -> None:
+        """Wait for the saves in flight without consuming their errors."""
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending)
+
+    def _after_commit(self, step: int, writer: S3StorageWriter, metadata: Any, *,
+                      stall_s: float, upload_s: float) -> None:
+        if not self._is_coordinator():
+            return
+        try:
+            stored = sum(loc.length for loc in (getattr(metadata, "storage_data", None) or {}).values())
+            stall = writer.last_stats.stage_s if self.async_mode else stall_s
+            log.info("checkpoint step %d committed to %s: %d bytes, stall %.3fs, upload %.3fs, %.3f GB/s",
+                     step, self.uri(step), stored, stall, upload_s, stored / upload_s / 1e9 if upload_s > 0 else 0.0)
+            self._apply_retention(just_saved=step)
+        except Exception:  # noqa: BLE001 - retention must never fail a committed save
+            log.warning("retention after checkpoint step %d failed; older checkpoints stay", step, exc_info=True)
+
+    # ------------------------------------------------------------------ retention
+    def _apply_retention(self, just_saved: int) -> list[int]:
+        with self._retention_lock:
+            committed = [info for info in self.list() if info.committed]
+            keep = {just_saved}
+            if self.keep_last is None:
+                keep.update(info.step for info in committed)
+            else:
+                keep.update(info.step for info in committed[-self.keep_last:])
+            if self.keep_every is not None:
+                keep.update(info.step for info in committed if info.step % self.keep_every == 0)
+            newest = max((info.step for info in committed), default=None)
+            doomed = [info for info in committed if info.step not in keep and info.step != newest]
+            for info in doomed:
+                delete_checkpoint(self.client, parse_s3_uri(info.uri))
+                log.info("retention: deleted checkpoint step %d (%s, %d bytes)", info.step, info.uri, info.bytes)
+            return [info.step for info in doomed]
+
+    # ------------------------------------------------------------------ discovery
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint directory under the base URI, committed or not, sorted by step."""
+        infos = []
+        for directory, objects in scan_directories(self.client, self.base).items():
+            relative = directory[len(self.base.dir_prefix):].rstrip("/")
+            step = self._step_of(relative)
+            if step is None:
+                continue
+            names = {o.key.rpartition("/")[2] for o in objects}
+            if METADATA_NAME not in names and not any(n.endswith(_DATA_SUFFIX) for n in names):
+                continue
+            stamps = [o.last_modified for o in objects if o.last_modified is not None]
+            infos.append(CheckpointInfo(
+                step=step, uri=str(self.base.child(relative)), committed=METADATA_NAME in names,
+                bytes=sum(o.size for o in objects), objects=len(objects),
+                last_modified=max(stamps) if stamps else None))
+        return sorted(infos, key=lambda i: i.step)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or ``None``; a newer incomplete one is ignored.
+
+        Collective under ``torch.distributed``: the coordinator lists, every rank gets its
+        answer (or its error). Saves of this manager still in flight are waited for first.
+        """
+        self._drain()
+        if not _dist_on():
+            return self._latest_local()
+        box: list[Any] = [None]
+        error: BaseException | None = None
+        if self._is_coordinator():
+            try:
+                box[0] = ("ok", self._latest_local())
+            except Exception as e:  # noqa: BLE001 - the other ranks must not hang on the broadcast
+                error = e
+                box[0] = ("error", f"{type(e).__name__}: {e}")
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, group_src=0, group=self.process_group)
+        if error is not None:
+            raise error
+        status, value = box[0]
+        if status != "ok":
+            raise CheckpointError(f"the coordinator could not list {self.base}: {value}")
+        return value
+
+    def _latest_local(self) -> int | None:
+        committed = [info.step for info in self.list() if info.committed]
+        return max(committed) if committed else None
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+        """Load checkpoint ``step`` (default: :meth:`latest`) into ``state_dict`` in place
+        (Stateful values get ``load_state_dict``); return the step loaded."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.base} (no directory matching "
+                    f"{self.name_format!r} holds a {METADATA_NAME}); nothing to resume from")
+        else:
+            self._drain()  # no DCP collective of ours may run beside a save's
+        import torch.distributed.checkpoint as dcp
+
+        from .reader import S3StorageReader
+
+        reader = S3StorageReader(self.uri(step), config=self.config, client=self.client)
+        dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
+        return step
+
+    def _is_coordinator(self) -> bool:
+        if not _dist_on():
+            return True
+        import torch.distributed as dist
+
+        return dist.get_rank(self.process_group) == 0
+
+
+# ---------------------------------------------------------------------- shared with the CLI
+def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo]]:
+    """Every object under ``base`` (all levels), grouped by the directory holding it
+    (``"run/step-1/"``; the keys end with '/')."""
+    objects, _ = client.list(base.bucket, base.dir_prefix).result()
+    by_dir: dict[str, list[ObjectInfo]] = {}
+    for obj in objects:
+        directory = obj.key.rpartition("/")[0]
+        by_dir.setdefault(f"{directory}/" if directory else "", []).append(obj)
+    return by_dir
+
+
+def delete_checkpoint(client: S3Client, uri: S3Uri, *,
+                      on_deleted: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """Delete the checkpoint at ``uri``: its ``.metadata`` first (so a half-deleted checkpoint
+    reads as incomplete, never as a corrupt committed one), then its data objects in
+    batches. Objects that s3dcp did not write, and deeper directories, are left alone.
+    Returns (objects deleted, bytes deleted)."""
+    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
+    metadata = [o for o in objects if o.key.rpartition("/")[2] == METADATA_NAME]
+    data = [o for o in objects if o.key.endswith(_DATA_SUFFIX)]
+    if metadata:
+        client.delete(uri.bucket, [o.key for o in metadata]).result()
+        if on_deleted:
+            on_deleted(len(metadata))
+    for i in range(0, len(data), 1000):
+        batch = data[i:i + 1000]
+        client.delete(uri.bucket, [o.key for o in batch]).result()
+        if on_deleted:
+            on_deleted(len(batch))
+    gone = metadata + data
+    return len(gone), sum(o.size for o in gone)
+
+
+# ---------------------------------------------------------------------- helpers
+def _name_pattern(name_format: str) -> re.Pattern:
+    parts, fields = [], 0
+    try:
+        parsed = list(string.Formatter().parse(name_format))
+        name_format.format(step=0)
+    except (ValueError, KeyError, IndexError) as e:
+        raise ConfigError(f"name_format={name_format!r} is not a valid format string: {e}") from None
+    for literal, field, _spec, _conversion in parsed:
+        parts.append(re.escape(literal))
+        if field is not None:
+            if field != "step":
+                raise ConfigError(f"name_format={name_format!r} may only use the field {{step}}, not {{{field}}}")
+            fields += 1
+            parts.append(r"(\d+)")
+    if fields != 1:
+        raise ConfigError(f"name_format={name_format!r} must contain {{step}} exactly once")
+    sample = name_format.format(step=0)
+    if sample.startswith("/") or sample.endswith("/") or "//" in sample:
+        raise ConfigError(f"name_format={name_format!r} must be a relative path without empty segments")
+    return re.compile("".join(parts) + r"\Z")
+
+
+def _root_error(e: BaseException) -> BaseException:
+    """DCP wraps each rank's error in a CheckpointException (whose text is a traceback)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,316 @@
+"""The ``s3dcp`` command against the real server, mostly in-process through ``cli.main``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from s3dcp import S3StorageWriter, __version__, cli
+from s3dcp.config import MiB
+
+BIN = os.path.join(os.path.dirname(sys.executable), "s3dcp")
+
+
+@pytest.fixture(autouse=True)
+def s3_env(monkeypatch, s3_server):
+    """The CLI takes its endpoint and credentials from the environment, as users run it."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+
+
+def run(capsys, *argv):
+    """``cli.main(argv)`` -> (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _save(uri, state, config):
+    dcp.save(state, storage_writer=S3StorageWriter(uri, config=config))
+
+
+def _state():
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(32, generator=gen).to(torch.bfloat16)},
+        "big": torch.randn(5 * MiB, generator=gen),  # 20 MiB: two checksum blocks
+        "step": 7,
+        "extra": {"name": "run-1", "lrs": [0.1, 0.01]},
+    }
+
+
+def _keys(boto3_client, bucket, prefix=""):
+    return sorted(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def _flip(boto3_client, bucket, key, offset):
+    body = bytearray(boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[offset] ^= 0xFF
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+
+@pytest.fixture
+def run_dir(bucket, s3_config, boto3_client):
+    """Two committed checkpoints, one incomplete one and a file that is not a checkpoint."""
+    _save(f"s3://{bucket}/run/step-10", {"w": torch.ones(10)}, s3_config)
+    _save(f"s3://{bucket}/run/step-20", {"w": torch.ones(1000)}, s3_config)
+    boto3_client.put_object(Bucket=bucket, Key="run/step-30/__0_0.aaaaaaaaaaaa.distcp", Body=b"x" * 10)
+    boto3_client.put_object(Bucket=bucket, Key="run/notes.txt", Body=b"hello")
+    return f"s3://{bucket}/run"
+
+
+# ------------------------------------------------------------------------------ basics
+def test_help_version_and_usage_errors(capsys):
+    assert subprocess.run([BIN, "--help"], capture_output=True, text=True).returncode == 0  # the console script
+    for command in ("ls", "inspect", "verify", "rm", "gc", "download", "server"):
+        code, out, _ = run(capsys, command, "--help")
+        assert code == 0 and out.startswith(f"usage: s3dcp {command}"), command
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"s3dcp {__version__}"
+    assert run(capsys)[0] == 2
+    assert run(capsys, "frobnicate")[0] == 2
+    code, _, err = run(capsys, "ls", "s3://Not_A_Bucket/x")
+    assert code == 2 and err.startswith("s3dcp: error:") and "not a valid bucket name" in err
+    code, _, err = run(capsys, "gc", "s3://bucket/x", "--older-than", "soon")
+    assert code == 2 and "invalid duration" in err
+
+
+def test_light_commands_do_not_import_torch(run_dir, bucket):
+    code = ("import sys; from s3dcp import cli; "
+            f"codes = [cli.main(a) for a in (['--version'], ['ls', '{run_dir}'], ['rm', '{run_dir}/step-30'])]; "
+            "print(codes, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0] False", done.stdout + done.stderr
+
+
+def test_durations():
+    assert [cli.parse_duration(t) for t in ("30s", "10m", "1h", "2d", "1w", "90", "1h30m", "1.5h")] == \
+        [30, 600, 3600, 172800, 604800, 90, 5400, 5400]
+    for bad in ("", "h", "1x", "1h 30", "-1s"):
+        with pytest.raises(ValueError):
+            cli.parse_duration(bad)
+
+
+def test_missing_bucket_is_one_clear_line(capsys):
+    code, out, err = run(capsys, "ls", "s3://no-such-bucket-xyz/run")
+    assert code == 1 and out == ""
+    assert err.startswith("s3dcp: error:") and "no-such-bucket-xyz" in err and "bucket does not exist" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    code, _, err = run(capsys, "--debug", "inspect", "s3://no-such-bucket-xyz/run")
+    assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("s3dcp: error:")
+
+
+def test_endpoint_option_overrides_the_environment(capsys, run_dir, s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens there
+    assert run(capsys, "--endpoint-url", s3_server.endpoint_url, "ls", run_dir)[0] == 0
+    assert run(capsys, "ls", run_dir, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1")[0] == 0
+
+
+# ------------------------------------------------------------------------------ ls
+def test_ls(capsys, run_dir):
+    code, out, _ = run(capsys, "ls", run_dir + "/")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "STEP", "SIZE", "OBJECTS", "STATE", "AGE"]
+    assert [line.split()[0] for line in lines[1:]] == ["step-10", "step-20", "step-30"]
+    assert [line.split()[-2] for line in lines[1:]] == ["committed", "committed", "INCOMPLETE"]
+
+    code, out, _ = run(capsys, "ls", "--json", run_dir)
+    rows = json.loads(out)
+    assert [(r["name"], r["step"], r["committed"], r["objects"]) for r in rows] == \
+        [("step-10", 10, True, 2), ("step-20", 20, True, 2), ("step-30", 30, False, 1)]
+    assert rows[2]["bytes"] == 10 and rows[1]["bytes"] > 4000 and rows[0]["uri"] == f"{run_dir}/step-10"
+    assert all(r["age_s"] is not None and r["age_s"] < 600 for r in rows)
+
+    code, out, err = run(capsys, "ls", run_dir + "/nothing-here")
+    assert code == 0 and out == "" and "no checkpoints under" in err
+    assert json.loads(run(capsys, "ls", "--json", run_dir + "/nothing-here")[1]) == []
+
+
+# ------------------------------------------------------------------------------ inspect
+def test_inspect(capsys, bucket, s3_config):
+    uri = f"s3://{bucket}/run/step-1000"
+    _save(uri, _state(), s3_config)
+    code, out, _ = run(capsys, "inspect", "--json", uri)
+    assert code == 0
+    report = json.loads(out)
+    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 1
+    tensors = {t["fqn"]: t for t in report["tensors"]}
+    assert tensors["model.w"] == {"fqn": "model.w", "dtype": "float32", "shape": [64, 32], "chunks": 1,
+                                  "bytes": 64 * 32 * 4}
+    assert tensors["model.b"]["dtype"] == "bfloat16" and tensors["model.b"]["bytes"] == 64
+    assert tensors["big"]["bytes"] == 20 * MiB
+    others = {o["fqn"]: o["bytes"] for o in report["non_tensors"]}
+    assert set(others) == {"step", "extra.name", "extra.lrs"} and all(b > 0 for b in others.values())
+    assert report["objects"] and all(o["rank"] == 0 and o["object"].startswith("__0_") for o in report["objects"])
+    assert sum(o["bytes"] for o in report["objects"]) == report["total_bytes"]
+    assert report["total_bytes"] == sum(t["bytes"] for t in report["tensors"]) + sum(others.values())
+
+    code, out, _ = run(capsys, "inspect", uri)
+    assert code == 0
+    assert re.search(r"model\.w\s+float32\s+64x32\s+1\s+8192", out)
+    assert "format s3dcp-metadata v1" in out and f"total: {report['total_bytes']} bytes" in out
+
+
+def test_inspect_an_incomplete_checkpoint_fails(capsys, bucket, s3_config, boto3_client):
+    uri = f"s3://{bucket}/run/step-1"
+    _save(uri, {"w": torch.ones(3)}, s3_config)
+    boto3_client.delete_object(Bucket=bucket, Key="run/step-1/.metadata")
+    code, out, err = run(capsys, "inspect", uri)
+    assert code == 1 and out == "" and "is incomplete" in err and err.startswith("s3dcp: error:")
+    code, _, err = run(capsys, "inspect", f"s3://{bucket}/run/step-2")
+    assert code == 1 and "no checkpoint at" in err
+
+
+# ------------------------------------------------------------------------------ verify
+def test_verify_passes_then_names_a_corrupted_item(capsys, bucket, s3_config, boto3_client):
+    uri = f"s3://{bucket}/run/step-1"
+    state = _state()
+    _save(uri, state, s3_config)
+    code, out, err = run(capsys, "verify", uri)
+    assert code == 0 and out.startswith("OK: 6 item(s)") and err == ""
+
+    # flip one byte in the second 16 MiB block of "big", and one in "model.w"
+    from s3dcp.reader import S3StorageReader
+
+    md = S3StorageReader(uri, config=s3_config).read_metadata()
+    locs = {index.fqn: loc for index, loc in md.storage_data.items()}
+    big, w = locs["big"], locs["model.w"]
+    _flip(boto3_client, bucket, f"run/step-1/{big.object_name}", big.offset + 17 * MiB + 5)
+    _flip(boto3_client, bucket, f"run/step-1/{w.object_name}", w.offset + 100)
+
+    code, out, err = run(capsys, "verify", "--quiet", uri)
+    assert code == 1 and "2 bad item(s)" in err
+    bad = {line.split()[1]: line for line in out.splitlines() if line.startswith("BAD ")}
+    assert set(bad) == {"big", "model.w"}
+    assert big.object_name in bad["big"] and f"expected {big.checksum}, got crc32c:" in bad["big"]
+    assert "bad blocks [1]" in bad["big"]
+
+    code, out, _ = run(capsys, "verify", "--json", uri)
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False and report["checked_items"] == 6
+    by_fqn = {b["fqn"]: b for b in report["bad"]}
+    assert by_fqn["model.w"]["expected"] == w.checksum and by_fqn["model.w"]["got"] != w.checksum
+    assert by_fqn["model.w"]["object"] == f"{uri}/{w.object_name}" and by_fqn["big"]["bad_blocks"] == [1]
+
+
+def test_verify_reports_a_missing_object(capsys, bucket, s3_config, boto3_client):
+    uri = f"s3://{bucket}/run/step-1"
+    _save(uri, {"w": torch.ones(3)}, s3_config)
+    data = [k for k in _keys(boto3_client, bucket) if k.endswith(".distcp")]
+    boto3_client.delete_object(Bucket=bucket, Key=data[0])
+    code, out, err = run(capsys, "verify", uri)
+    assert code == 1 and "BAD w" in out and "unreadable" in out and "1 bad item(s)" in err
+
+
+# ------------------------------------------------------------------------------ rm
+def test_rm(capsys, run_dir, bucket, boto3_client):
+    code, _, err = run(capsys, "rm", run_dir + "/step-10")
+    assert code == 2 and "committed checkpoint" in err and "--yes" in err
+    assert len(_keys(boto3_client, bucket, "run/step-10/")) == 2  # untouched
+
+    code, out, _ = run(capsys, "rm", "--yes", run_dir + "/step-10")
+    assert code == 0 and "deleted committed checkpoint" in out
+    assert _keys(boto3_client, bucket, "run/step-10/") == []
+
+    code, out, _ = run(capsys, "rm", "--json", run_dir + "/step-30")  # incomplete: no --yes needed
+    assert code == 0 and json.loads(out)["deleted_objects"] == 1 and json.loads(out)["was_committed"] is False
+
+    code, _, err = run(capsys, "rm", "--yes", run_dir)  # the run itself is not a checkpoint
+    assert code == 1 and "no checkpoint at" in err
+    assert _keys(boto3_client, bucket) == sorted(["run/notes.txt", *_keys(boto3_client, bucket, "run/step-20/")])
+
+
+# ------------------------------------------------------------------------------ gc
+def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
+    before = _keys(boto3_client, bucket)
+    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
+    assert code == 0 and "deleted 0 object(s)" in out and "1 recent unreferenced" in out
+    time.sleep(1.1)  # S3 times have one-second resolution
+    code, out, _ = run(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
+    assert code == 0 and f"would delete: s3://{bucket}/run/step-30/__0_0.aaaaaaaaaaaa.distcp" in out
+    assert _keys(boto3_client, bucket) == before
+    code, out, _ = run(capsys, "gc", "--json", run_dir, "--older-than", "0s")
+    report = json.loads(out)
+    assert code == 0 and report["deleted"] == ["run/step-30/__0_0.aaaaaaaaaaaa.distcp"] and not report["dry_run"]
+    assert _keys(boto3_client, bucket) == [k for k in before if not k.startswith("run/step-30/")]
+
+
+# ------------------------------------------------------------------------------ download
+def _assert_same(expected, actual, path="state"):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, path
+        assert torch.equal(actual, expected), path
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), path
+        for k in expected:
+            _assert_same(expected[k], actual[k], f"{path}.{k}")
+    else:
+        assert actual == expected, path
+
+
+def test_download_to_torch_save(capsys, bucket, s3_config, tmp_path):
+    uri = f"s3://{bucket}/run/step-1"
+    state = _state()
+    state["big"] = state["big"][:1000].clone()
+    _save(uri, state, s3_config)
+    out_file = tmp_path / "out.pt"
+    code, out, _ = run(capsys, "download", uri, "--to-torch-save", str(out_file))
+    assert code == 0 and "wrote" in out
+    _assert_same(state, torch.load(out_file, weights_only=True))
+    assert not (tmp_path / "out.pt.partial").exists()
+
+    code, _, err = run(capsys, "download", uri, "--to-torch-save", str(out_file))
+    assert code == 2 and "--force" in err
+    assert run(capsys, "download", uri, "--to-torch-save", str(out_file), "--force")[0] == 0
+    code, _, err = run(capsys, "download", f"s3://{bucket}/run/none", "--to-torch-save", str(tmp_path / "x.pt"))
+    assert code == 1 and "no checkpoint at" in err and not (tmp_path / "x.pt").exists()
+
+
+def test_download_unpickles_only_with_allow_pickle(capsys, bucket, s3_config, tmp_path):
+    uri = f"s3://{bucket}/run/step-1"
+    _save(uri, {"w": torch.ones(2), "when": datetime.timedelta(seconds=3)}, s3_config)
+    out_file = tmp_path / "out.pt"
+    code, _, err = run(capsys, "download", uri, "--to-torch-save", str(out_file))
+    assert code == 1 and "'when' could not be loaded safely" in err and "--allow-pickle" in err
+    assert not out_file.exists()
+    assert run(capsys, "download", uri, "--to-torch-save", str(out_file), "--allow-pickle")[0] == 0
+    assert torch.load(out_file, weights_only=False)["when"] == datetime.timedelta(seconds=3)
+
+
+# ------------------------------------------------------------------------------ server
+def test_server_command_runs_until_ctrl_c(capsys, monkeypatch):
+    proc = subprocess.Popen([BIN, "server", "--bucket", "demo"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        exports = {}
+        for line in proc.stdout:
+            if line.startswith("export "):
+                name, _, value = line[len("export "):].strip().partition("=")
+                exports[name] = value
+            if line.startswith("# Ctrl-C"):
+                break
+        assert exports["AWS_ENDPOINT_URL_S3"].startswith("http://127.0.0.1:")
+        for name, value in exports.items():
+            monkeypatch.setenv(name, value)
+        code, _, err = run(capsys, "ls", "s3://demo/")
+        assert code == 0 and "no checkpoints under s3://demo" in err
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

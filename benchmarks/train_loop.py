@@ -335,9 +335,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--state-mib", type=int, default=128,
                         help="checkpoint size per run: weights + AdamW state, all ranks together (default 128)")
-    parser.add_argument("--steps", type=int, default=45, help="training steps per mode (default 45)")
-    parser.add_argument("--every", type=int, default=15, help="checkpoint every N steps (default 15)")
-    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
+    parser.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")
+    parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
     parser.add_argument("--nproc", type=int, default=1, help="ranks, spawned with gloo on 127.0.0.1 (default 1)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--timeout-s", type=float, default=1800, help="give up on a rank after this long")

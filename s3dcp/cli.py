@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 from . import __version__, integrity, layout
 from .config import S3Config
-from .errors import CheckpointNotFoundError, ConfigError, S3DCPError
+from .errors import CheckpointNotFoundError, ConfigError, S3DCPError, UnsafePickleError, root_error
 from .manager import METADATA_NAME
 from .uri import S3Uri, parse_s3_uri
 
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - one line per error, a traceback only on --debug
         if isinstance(e, SystemExit):
             raise
-        err = _unwrap(e)
+        err = root_error(e)
         if args.debug:
             traceback.print_exception(type(e), e, e.__traceback__)
         if isinstance(err, (UsageError, ConfigError)):
@@ -73,17 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             code, text = 1, f"internal error: {type(err).__name__}: {err} (run with --debug for the traceback)"
         print(f"s3dcp: error: {' '.join(text.split())}", file=sys.stderr)
         return code
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """DCP wraps a rank's error in CheckpointException; the original says what went wrong."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else getattr(first, "exception", first)
-        if isinstance(inner, BaseException):
-            return inner
-    return e
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -457,13 +446,17 @@ def cmd_download(args) -> int:
     out = args.to_torch_save
     if os.path.exists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
-    reader = S3StorageReader(str(uri), client=_client(args))
+    reader = S3StorageReader(str(uri), client=_client(args), allow_pickle=args.allow_pickle)
     reader.read_metadata()  # a missing or incomplete checkpoint fails here, with its own message
     state_dict: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _load_state_dict(state_dict, storage_reader=reader, no_dist=True,
-                         planner=_empty_planner(_EmptyStateDictLoadPlanner, args.allow_pickle))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _load_state_dict(state_dict, storage_reader=reader, no_dist=True, planner=_EmptyStateDictLoadPlanner())
+    except BaseException as e:  # noqa: BLE001 - DCP wraps ours in a BaseException
+        if isinstance(root_error(e), UnsafePickleError):
+            raise UnsafePickleError(f"{root_error(e)} (here: --allow-pickle)") from e
+        raise
     partial = f"{out}.partial"
     try:
         torch.save(state_dict, partial)
@@ -473,32 +466,6 @@ def cmd_download(args) -> int:
             os.unlink(partial)
     print(f"wrote {out}: {len(state_dict)} top-level key(s), {_size(os.path.getsize(out))} from {uri}")
     return 0
-
-
-def _empty_planner(base: type, allow_pickle: bool):
-    """DCP's planner that rebuilds the state dict from the metadata, except that non-tensor
-    items (torch.save pickles) are loaded with ``weights_only=True`` unless allowed: DCP's
-    default unpickles them freely, and a checkpoint in a bucket is not necessarily trusted."""
-    import torch
-    from torch.distributed.checkpoint._traverse import set_element as set_path  # what DCP uses
-
-    from .errors import CheckpointError
-
-    class Planner(base):
-        def load_bytes(self, read_item, value) -> None:
-            fqn = read_item.dest_index.fqn
-            try:
-                obj = torch.load(value, weights_only=not allow_pickle)
-            except Exception as e:  # noqa: BLE001 - torch says why in many ways
-                raise CheckpointError(
-                    f"non-tensor item {fqn!r} could not be loaded safely ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:200]}); if you trust this checkpoint, pass --allow-pickle") from e
-            if self.flatten_state_dict:
-                set_path(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
-
-    return Planner()
 
 
 # ---------------------------------------------------------------------- server

@@ -12,7 +12,8 @@ message text.
     │   ├── IncompleteCheckpointError   data objects but no metadata (commit marker)
     │   ├── CheckpointExistsError       saving onto a committed checkpoint without overwrite=True
     │   ├── MetadataFormatError         metadata that is not ours, garbage, or of an unknown version
-    │   └── IntegrityError              checksum mismatch or truncated object
+    │   ├── IntegrityError              checksum mismatch or truncated object
+    │   └── UnsafePickleError           a non-tensor item holds more than plain data (see allow_pickle)
     └── S3Error                     a failed S3 request
         ├── AccessDeniedError           403: wrong or missing credentials, no permission
         ├── NoSuchBucketError           the bucket does not exist
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointExistsError",
     "MetadataFormatError",
     "IntegrityError",
+    "UnsafePickleError",
     "S3Error",
     "AccessDeniedError",
     "NoSuchBucketError",
@@ -75,6 +77,22 @@ class MetadataFormatError(CheckpointError):
 
 class IntegrityError(CheckpointError):
     """Stored bytes do not match their recorded checksum or length."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A non-tensor item would need arbitrary unpickling to load (the reader's ``allow_pickle``)."""
+
+
+def root_error(error: BaseException) -> BaseException:
+    """The original error inside DCP's ``CheckpointException`` (which wraps each failed rank's
+    error with its traceback); any other error as it is."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else getattr(first, "exception", first)
+        if isinstance(inner, BaseException):
+            return inner
+    return error
 
 
 class S3Error(S3DCPError):

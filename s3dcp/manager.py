@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .client import ObjectInfo, S3Client
 from .config import S3Config
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, root_error
 from .uri import S3Uri, parse_s3_uri
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class CheckpointManager:
             try:
                 metadata = f.result()
             except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
-                root = _root_error(e)
+                root = root_error(e)
                 log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
                           type(root).__name__, " ".join(str(root).split()))
                 outer.set_exception(e)
@@ -235,7 +235,8 @@ class CheckpointManager:
         try:
             stored = sum(loc.length for loc in (getattr(metadata, "storage_data", None) or {}).values())
             stall = writer.last_stats.stage_s if self.async_mode else stall_s
-            log.info("checkpoint step %d committed to %s: %d bytes, stall %.3fs, upload %.3fs, %.3f GB/s",
+            # DEBUG: the writer already logs the one INFO line of this checkpoint
+            log.debug("checkpoint step %d committed to %s: %d bytes, stall %.3fs, upload %.3fs, %.3f GB/s",
                      step, self.uri(step), stored, stall, upload_s, stored / upload_s / 1e9 if upload_s > 0 else 0.0)
             self._apply_retention(just_saved=step)
         except Exception:  # noqa: BLE001 - retention must never fail a committed save
@@ -391,17 +392,6 @@ def _name_pattern(name_format: str) -> re.Pattern:
     if sample.startswith("/") or sample.endswith("/") or "//" in sample:
         raise ConfigError(f"name_format={name_format!r} must be a relative path without empty segments")
     return re.compile("".join(parts) + r"\Z")
-
-
-def _root_error(e: BaseException) -> BaseException:
-    """DCP wraps each rank's error in a CheckpointException (whose text is a traceback)."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first
-        if isinstance(inner, BaseException):
-            return inner
-    return e
 
 
 def _dist_on() -> bool:

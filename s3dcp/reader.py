@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import re
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .errors import (
     IntegrityError,
     MetadataFormatError,
     NoSuchKeyError,
+    UnsafePickleError,
 )
 from .layout import ItemLocation, Segment
 from .metadata import decode_metadata, str_to_dtype
@@ -78,6 +80,11 @@ class S3StorageReader(StorageReader):
         config: :class:`S3Config`; default: resolved from the environment.
         client: an :class:`s3dcp.client.S3Client` to use.
         verify: check every item's checksum (default True).
+        allow_pickle: DCP stores non-tensor values (ints, strings, lists...) with
+            ``torch.save`` and its default planner unpickles them with ``weights_only=False``,
+            which can run code. By default the reader first checks each such item loads with
+            ``weights_only=True`` (plain data only) and refuses the checkpoint otherwise; pass
+            True for checkpoints you trust that hold other Python objects.
     """
 
     def __init__(
@@ -87,11 +94,13 @@ class S3StorageReader(StorageReader):
         config: S3Config | None = None,
         client: S3Client | None = None,
         verify: bool = True,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.config = config or (client.config if client is not None else S3Config())
         self._client = client
         self.verify = verify
+        self.allow_pickle = allow_pickle
         self._uri: S3Uri | None = parse_s3_uri(str(path)) if path is not None else None
         self._storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.last_read_s = 0.0
@@ -245,6 +254,8 @@ class S3StorageReader(StorageReader):
             self._verify(read)
         item, loc = read.item, read.location
         if item.type == LoadItemType.BYTE_IO:
+            if not self.allow_pickle:
+                self._check_plain_data(read)
             planner.load_bytes(item, io.BytesIO(read.bounce))
             return
         if read.bounce is not None:
@@ -261,6 +272,18 @@ class S3StorageReader(StorageReader):
                 src = read.bounce[:dtype.itemsize].view(dtype).reshape(())
             read.dest.copy_(src)
         planner.commit_tensor(item, read.dest)
+
+    def _check_plain_data(self, read: _Read) -> None:
+        """Refuse a non-tensor item that is more than plain data before the planner unpickles it."""
+        try:
+            torch.load(io.BytesIO(read.bounce), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler refused
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # torch colours its message
+            reason = text.splitlines()[0] if text else type(e).__name__
+            raise UnsafePickleError(
+                f"{self._uri}: item {read.item.storage_index.fqn!r} holds pickled Python objects beyond plain "
+                f"data ({reason[:200]}); unpickling it could run code. If you trust this checkpoint, pass "
+                "allow_pickle=True to S3StorageReader") from e
 
     def _verify(self, read: _Read) -> None:
         loc = read.location

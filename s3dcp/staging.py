@@ -90,26 +90,27 @@ class HostBufferPool:
     def acquire(self, nbytes: int, *, max_in_use: int = 1) -> Arena:
         """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken."""
         needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
-        with self._cond:
-            if self._in_use >= max_in_use:
-                log.debug("staging waits: %d checkpoint(s) still uploading (max_inflight_checkpoints=%d)",
-                          self._in_use, max_in_use)
-                waited = time.perf_counter()
-                while self._in_use >= max_in_use:
-                    self._cond.wait(0.05)
-                    self._reclaim_ended()
-                log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
-            self._in_use += 1
-            fits = [a for a in self._free if a.capacity >= needed]
-            if fits:
-                arena = min(fits, key=lambda a: a.capacity)
-                self._free.remove(arena)
+        waited = None
+        while True:
+            self._reclaim_ended()  # saves that are over give their arena back first
+            with self._cond:
+                if self._in_use < max_in_use:
+                    self._in_use += 1
+                    arena = self._take_free(needed)
+                    break
+                running = [s.save_thread for s in self._holders
+                           if s.save_thread is not None and s.save_thread.is_alive()]
+                if waited is None:
+                    waited = time.perf_counter()
+                    log.debug("staging waits: %d checkpoint(s) still uploading (max_inflight_checkpoints=%d)",
+                              self._in_use, max_in_use)
+            if running:
+                running[0].join(0.05)  # returns the moment that save is over
             else:
-                arena = None
-                if self._free:  # too small: drop the biggest so memory stays bounded
-                    dropped = max(self._free, key=lambda a: a.capacity)
-                    self._free.remove(dropped)
-                    self.bytes_allocated -= dropped.capacity
+                with self._cond:
+                    self._cond.wait(0.05)
+        if waited is not None:
+            log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
         if arena is None:
             try:
                 arena = Arena(needed, self.pin_memory)
@@ -124,6 +125,20 @@ class HostBufferPool:
         arena.cursor = 0
         arena.limit = max(nbytes, 1)
         return arena
+
+    def _take_free(self, needed: int) -> Arena | None:
+        """A free arena that fits (the smallest), or None; called with the lock held. A free
+        arena too small is dropped, so memory stays bounded when the state grows."""
+        fits = [a for a in self._free if a.capacity >= needed]
+        if fits:
+            arena = min(fits, key=lambda a: a.capacity)
+            self._free.remove(arena)
+            return arena
+        if self._free:
+            dropped = max(self._free, key=lambda a: a.capacity)
+            self._free.remove(dropped)
+            self.bytes_allocated -= dropped.capacity
+        return None
 
     def release(self, arena: Arena) -> None:
         with self._cond:

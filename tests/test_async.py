@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from s3dcp import HostBufferPool, S3StorageReader, S3StorageWriter
 from s3dcp.config import MiB

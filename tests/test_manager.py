@@ -82,9 +82,10 @@ def s3dcp_log():
 def test_keep_last_keeps_exactly_the_newest_committed(bucket, s3_config, boto3_client, s3dcp_log):
     with CheckpointManager(f"s3://{bucket}/run", config=s3_config, keep_last=3) as manager:
         futures = [manager.save(step, _state(step)) for step in range(1, 7)]
-    for step in range(1, 7):  # one line per checkpoint, with its figures
-        lines = [line for line in s3dcp_log if line.startswith(f"checkpoint step {step} committed")]
-        assert len(lines) == 1 and re.search(r": \d+ bytes, stall [\d.]+s, upload [\d.]+s, [\d.]+ GB/s$", lines[0])
+    for step in range(1, 7):  # one INFO line per checkpoint (the writer's), with its figures
+        lines = [line for line in s3dcp_log if f"step-{step:08d}" in line and "committed" in line]
+        assert len(lines) == 1 and re.search(
+            r": \d+ bytes from 1 rank\(s\); this rank: stall [\d.]+ s, upload [\d.]+ s, [\d.]+ GB/s$", lines[0]), lines
     assert not any(s3_config.secret_access_key in line for line in s3dcp_log)
     assert all(isinstance(f, Future) and f.done() and f.exception() is None for f in futures)
     dirs = _dirs(boto3_client, bucket)

@@ -15,6 +15,7 @@ from s3dcp.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     IntegrityError,
+    root_error,
 )
 from s3dcp.writer import METADATA_NAME
 
@@ -254,7 +255,23 @@ def test_validate_checkpoint_id():
     assert not S3StorageReader.validate_checkpoint_id("s3://Not_Valid/x")
 
 
-def _root(exc):
-    """DCP wraps rank failures in CheckpointException; return the original error."""
-    failures = getattr(exc, "failures", None)
-    return next(iter(failures.values()))[0] if failures else exc
+_root = root_error  # DCP wraps rank failures in CheckpointException
+
+
+class _Custom:
+    """Not plain data: unpickling it means importing and calling arbitrary code."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Custom) and other.value == self.value
+
+
+def test_non_tensor_items_beyond_plain_data_are_refused_unless_allowed(uri, small_parts):
+    save({"w": torch.ones(2), "obj": _Custom(3)}, uri, small_parts)
+    with pytest.raises(CheckpointException) as e:
+        load({"w": torch.empty(2), "obj": None}, uri, small_parts)
+    assert "'obj'" in str(e.value) and "allow_pickle=True" in str(e.value)
+    out = load({"w": torch.empty(2), "obj": None}, uri, small_parts, allow_pickle=True)
+    assert out["obj"] == _Custom(3)

@@ -186,15 +186,10 @@ def boto3_client_for(config, **overrides):
 
 def _is_loopback_url(url: str) -> bool:
     from urllib.parse import urlsplit
-    import ipaddress
 
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from s3dcp.config import is_loopback_host
+
+    return is_loopback_host(urlsplit(url).hostname or "")
 
 
 def unique_prefix(target: Target, *parts: str) -> str:

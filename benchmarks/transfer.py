@@ -34,36 +34,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-
-class _ReadView(io.RawIOBase):
-    """A seekable read-only file over a buffer, without copying it up front (unlike BytesIO of
-    a bytearray): what boto3 reads, the same memory s3dcp uploads from."""
-
-    def __init__(self, buf) -> None:
-        super().__init__()
-        self._view = memoryview(buf).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, min(base + offset, self._view.nbytes))
-        return self._pos
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = min(out.nbytes, self._view.nbytes - self._pos)
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
+from s3dcp.streams import BufferStream  # noqa: E402 - what S3Client.put reads from, for boto3 too
 
 
 class _WriteView(io.RawIOBase):
@@ -147,7 +118,7 @@ def main(argv=None) -> int:
             client.get_range_into(target.bucket, keys["s3dcp"], 0, dest).result()
 
         def boto3_put():
-            boto.upload_fileobj(_ReadView(source), target.bucket, keys["boto3"], Config=tcfg)
+            boto.upload_fileobj(BufferStream([source]), target.bucket, keys["boto3"], Config=tcfg)
 
         def boto3_get():
             boto.download_fileobj(target.bucket, keys["boto3"], _WriteView(dest), Config=tcfg)

@@ -4,9 +4,9 @@
     caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
     head / list / delete / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
 
-Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, in
-:func:`translate_error`, from HTTP status and S3 error code (never message text) into the
-:mod:`s3dcp.errors` hierarchy, keeping the original as ``__cause__``.
+Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, by
+:func:`s3dcp.responses.translate_error`, from HTTP status and S3 error code (never message
+text) into the :mod:`s3dcp.errors` hierarchy, keeping the original as ``__cause__``.
 
 The CRT client is created lazily, so an :class:`S3Client` pickles (DCP's process executor
 sends the writer to a child process) and each process builds its own native client.
@@ -17,12 +17,10 @@ from __future__ import annotations
 import base64
 import bisect
 import hashlib
-import heapq
 import io
 import itertools
 import logging
 import threading
-import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,44 +28,15 @@ from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
 from .config import S3Config
-from .errors import (
-    AccessDeniedError,
-    IntegrityError,
-    NoSuchBucketError,
-    NoSuchKeyError,
-    PreconditionFailedError,
-    S3ConnectionError,
-    S3Error,
-    S3ServerError,
-    ThrottlingError,
-)
+from .errors import IntegrityError, NoSuchKeyError, S3ConnectionError, S3Error
+from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
+from .streams import BufferStream, Deadlines, chain, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error"]
 
 log = logging.getLogger("s3dcp")
 
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
-_THROTTLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
-     "RequestThrottled", "503 SlowDown"}
-)
-_STATUS_TEXT = {403: "access denied (HTTP 403)", 404: "not found (HTTP 404)", 412: "precondition failed (HTTP 412)"}
-# Answers the CRT classifies itself and then reports without their status, headers or body
-# (observed with awscrt 0.38: 503 and 429 SlowDown -> SLOW_DOWN; 500, 502, 504 -> INTERNAL_ERROR;
-# 400 RequestTimeout -> REQUEST_TIMEOUT).
-_CRT_STATUS_ERRORS = {
-    "AWS_ERROR_S3_SLOW_DOWN": (
-        ThrottlingError, "the server kept answering SlowDown (HTTP 503/429: throttling); retries were exhausted"),
-    "AWS_ERROR_S3_INTERNAL_ERROR": (
-        S3ServerError, "the server kept answering with an HTTP 5xx error; retries were exhausted"),
-    "AWS_ERROR_S3_REQUEST_TIMEOUT": (
-        S3ConnectionError, "the server kept timing out waiting for the request (RequestTimeout); "
-        "retries were exhausted"),
-}
-_AUTH_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-     "TokenRefreshRequired", "AllAccessDisabled"}
-)
 
 
 @dataclass(frozen=True)
@@ -107,7 +76,7 @@ class S3Client:
         self._lock = threading.Lock()
         self._crt = None
         self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
-        self._deadlines = _Deadlines()
+        self._deadlines = Deadlines()
         parts = urlsplit(self.config.endpoint_url)
         self._tls = parts.scheme == "https"
         self._host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
@@ -145,7 +114,7 @@ class S3Client:
         from awscrt.s3 import S3RequestType
 
         buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
-        stream = _BufferStream(buffers)
+        stream = BufferStream(buffers)
         single_request = single_request or if_none_match
         headers = [("Host", self._host_for(bucket)), ("Content-Length", str(stream.size)),
                    ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
@@ -240,7 +209,7 @@ class S3Client:
         def result(status, headers, body) -> ObjectInfo:
             h = {name.lower(): value for name, value in headers}
             return ObjectInfo(key=key, size=int(h.get("content-length", 0)), etag=h.get("etag"),
-                              last_modified=_parse_http_date(h.get("last-modified")))
+                              last_modified=parse_http_date(h.get("last-modified")))
 
         inner = self._default("HeadObject", "HEAD", bucket, key, result=result,
                               extra_headers=self._owner_headers())
@@ -273,7 +242,7 @@ class S3Client:
         keys = list(keys)
         futures = [self._delete_batch(bucket, keys[i:i + _DELETE_BATCH])
                    for i in range(0, len(keys), _DELETE_BATCH)]
-        return _gather(futures, lambda results: None)
+        return gather(futures, lambda results: None)
 
     def list_uploads(self, bucket: str, prefix: str = "") -> "Future[list[UploadInfo]]":
         """Unfinished multipart uploads under ``prefix`` (every page)."""
@@ -287,15 +256,15 @@ class S3Client:
             if upload_marker:
                 query["upload-id-marker"] = upload_marker
             f = self._default("ListMultipartUploads", "GET", bucket, "", query=query,
-                              result=_xml_result, extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: _chain(f, outer, handle))
+                              result=xml_result, extra_headers=self._owner_headers())
+            f.add_done_callback(lambda f: chain(f, outer, handle))
 
         def handle(root) -> None:
-            for u in _children(root, "Upload"):
-                uploads.append(UploadInfo(key=_text(u, "Key"), upload_id=_text(u, "UploadId"),
-                                          initiated=_parse_iso(_text(u, "Initiated"))))
-            if _text(root, "IsTruncated") == "true":
-                page(_text(root, "NextKeyMarker"), _text(root, "NextUploadIdMarker"))
+            for u in children(root, "Upload"):
+                uploads.append(UploadInfo(key=text(u, "Key"), upload_id=text(u, "UploadId"),
+                                          initiated=parse_iso(text(u, "Initiated"))))
+            if text(root, "IsTruncated") == "true":
+                page(text(root, "NextKeyMarker"), text(root, "NextUploadIdMarker"))
             else:
                 outer.set_result(uploads)
 
@@ -423,18 +392,18 @@ class S3Client:
                 query["delimiter"] = delimiter
             if token:
                 query["continuation-token"] = token
-            f = self._default("ListObjectsV2", "GET", bucket, "", query=query, result=_xml_result,
+            f = self._default("ListObjectsV2", "GET", bucket, "", query=query, result=xml_result,
                               extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: _chain(f, outer, handle))
+            f.add_done_callback(lambda f: chain(f, outer, handle))
 
         def handle(root) -> None:
-            for c in _children(root, "Contents"):
-                objects.append(ObjectInfo(key=_text(c, "Key"), size=int(_text(c, "Size") or 0),
-                                          etag=_text(c, "ETag"), last_modified=_parse_iso(_text(c, "LastModified"))))
-            for p in _children(root, "CommonPrefixes"):
-                prefixes.append(_text(p, "Prefix"))
-            token = _text(root, "NextContinuationToken")
-            if _text(root, "IsTruncated") == "true" and token:
+            for c in children(root, "Contents"):
+                objects.append(ObjectInfo(key=text(c, "Key"), size=int(text(c, "Size") or 0),
+                                          etag=text(c, "ETag"), last_modified=parse_iso(text(c, "LastModified"))))
+            for p in children(root, "CommonPrefixes"):
+                prefixes.append(text(p, "Prefix"))
+            token = text(root, "NextContinuationToken")
+            if text(root, "IsTruncated") == "true" and token:
                 page(token)
             else:
                 outer.set_result((objects, prefixes))
@@ -451,19 +420,19 @@ class S3Client:
         md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
         outer: Future = Future()
         f = self._default("DeleteObjects", "POST", bucket, "", query={"delete": ""}, body=body,
-                          result=_xml_result,
+                          result=xml_result,
                           extra_headers=[("Content-MD5", md5), ("Content-Type", "application/xml"),
                                          *self._owner_headers()])
 
         def handle(resp) -> None:
-            errors = [(_text(e, "Key"), _text(e, "Code"), _text(e, "Message")) for e in _children(resp, "Error")]
+            errors = [(text(e, "Key"), text(e, "Code"), text(e, "Message")) for e in children(resp, "Error")]
             if errors:
                 key, code, message = errors[0]
                 raise S3Error(f"DeleteObjects failed for {len(errors)} key(s), first: {message}",
                               operation="DeleteObjects", bucket=bucket, key=key, code=code)
             outer.set_result(None)
 
-        f.add_done_callback(lambda f: _chain(f, outer, handle))
+        f.add_done_callback(lambda f: chain(f, outer, handle))
         return outer
 
     def _path(self, bucket: str, key: str) -> str:
@@ -564,235 +533,3 @@ def _make_crt_client(config: S3Config, tls: bool):
     )
 
 
-# ---------------------------------------------------------------------- error translation
-def translate_error(error: BaseException, *, operation: str, bucket: str | None, key: str | None) -> BaseException:
-    """Map a CRT failure to the s3dcp hierarchy by HTTP status and S3 error code.
-
-    Returns the new exception with ``__cause__`` set; anything that is not a CRT error (an
-    exception raised by our own callbacks) is returned unchanged.
-    """
-    from awscrt.exceptions import AwsCrtError
-    from awscrt.s3 import S3ResponseError
-
-    if isinstance(error, S3ResponseError):
-        status = error.status_code
-        headers = {name.lower(): value for name, value in (error.headers or [])}
-        fields = _error_fields(error.body)
-        code = fields.get("Code")
-        request_id = fields.get("RequestId") or headers.get("x-amz-request-id")
-        message = fields.get("Message") or _STATUS_TEXT.get(status, f"HTTP {status}")
-        op = error.operation_name or operation
-        cls, advice = _classify(status, code, op, key)
-        new = cls(f"{op} failed: {message}{advice}", operation=op, bucket=bucket, key=key or None,
-                  status=status, code=code, request_id=request_id)
-    elif isinstance(error, AwsCrtError):
-        if "CHECKSUM_MISMATCH" in error.name:
-            new = IntegrityError(f"{operation} s3://{bucket}/{key}: the data failed its wire checksum "
-                                 f"({error.name}); the object or the connection corrupted it")
-        elif error.name.startswith("AWS_AUTH_"):
-            # Signing failed before anything was sent: the credential chain found nothing usable.
-            new = AccessDeniedError(
-                f"{operation} could not be signed: {error.name} ({error.message}) — no usable credentials; "
-                "pass access_key_id and secret_access_key in S3Config, set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or name a profile that has credentials",
-                operation=operation, bucket=bucket, key=key or None)
-        elif error.name in _CRT_STATUS_ERRORS:
-            cls, text = _CRT_STATUS_ERRORS[error.name]
-            new = cls(f"{operation} failed: {text} ({error.name})", operation=operation,
-                      bucket=bucket, key=key or None)
-        else:
-            new = S3ConnectionError(
-                f"{operation} failed without an HTTP answer: {error.name} ({error.message}); "
-                "check that the endpoint is reachable and the server is running",
-                operation=operation, bucket=bucket, key=key or None)
-    else:
-        return error
-    new.__cause__ = error
-    return new
-
-
-def _classify(status: int | None, code: str | None, operation: str, key: str | None):
-    if status == 403 or code in _AUTH_CODES:
-        return AccessDeniedError, " — check the access key, secret and permissions for this bucket"
-    if code == "NoSuchBucket":
-        return NoSuchBucketError, " — create the bucket or fix the bucket name"
-    if code == "NoSuchKey" or (status == 404 and operation in ("HeadObject", "GetObject") and key):
-        return NoSuchKeyError, ""
-    if status == 404 and operation == "HeadBucket":
-        return NoSuchBucketError, " — create the bucket or fix the bucket name"
-    if status == 412 or code == "PreconditionFailed":
-        return PreconditionFailedError, ""
-    if status in (429, 503) or code in _THROTTLE_CODES:
-        return ThrottlingError, " — the server is throttling requests; retries were exhausted"
-    if status is not None and status >= 500:
-        return S3ServerError, " — the server kept failing; retries were exhausted"
-    return S3Error, ""
-
-
-def _error_fields(body: bytes | None) -> dict[str, str]:
-    if not body:
-        return {}
-    try:
-        root = ET.fromstring(body)
-    except ET.ParseError:
-        return {}
-    return {_local(child.tag): (child.text or "") for child in root}
-
-
-# ---------------------------------------------------------------------- small helpers
-class _BufferStream(io.RawIOBase):
-    """A read-only stream over buffers sent back to back; ``readinto`` copies straight from
-    the caller's memory into the CRT's part buffer (the only copy on the upload path)."""
-
-    def __init__(self, buffers: Sequence) -> None:
-        super().__init__()
-        self._views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-        self.size = sum(v.nbytes for v in self._views)
-        self._index = 0
-        self._offset = 0
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.size + offset}[whence]
-        target = max(0, min(target, self.size))
-        self._pos, self._index, self._offset = target, 0, target
-        while self._index < len(self._views) and self._offset >= self._views[self._index].nbytes:
-            self._offset -= self._views[self._index].nbytes
-            self._index += 1
-        return target
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = 0
-        while n < out.nbytes and self._index < len(self._views):
-            view = self._views[self._index]
-            take = min(out.nbytes - n, view.nbytes - self._offset)
-            out[n:n + take] = view[self._offset:self._offset + take]
-            n += take
-            self._offset += take
-            if self._offset == view.nbytes:
-                self._index, self._offset = self._index + 1, 0
-        self._pos += n
-        return n
-
-
-class _Deadlines:
-    """One daemon thread that runs callbacks at deadlines (request timeouts), instead of a
-    timer thread per request."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._cond = threading.Condition()
-        self._counter = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def add(self, delay_s: float, callback: Callable[[], None]) -> None:
-        with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._counter), callback))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="s3dcp-deadlines", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._heap:
-                    self._cond.wait()
-                when, _, callback = self._heap[0]
-                now = time.monotonic()
-                if when > now:
-                    self._cond.wait(when - now)
-                    continue
-                heapq.heappop(self._heap)
-            try:
-                callback()
-            except Exception:  # pragma: no cover - a cancel racing completion
-                log.debug("deadline callback failed", exc_info=True)
-
-
-def _chain(f: Future, outer: Future, handle: Callable) -> None:
-    """Pass ``f``'s value to ``handle`` (which completes ``outer`` or starts the next page);
-    any error lands on ``outer``."""
-    try:
-        handle(f.result())
-    except BaseException as e:  # noqa: BLE001
-        outer.set_exception(e)
-
-
-def _gather(futures: list[Future], combine: Callable) -> Future:
-    outer: Future = Future()
-    if not futures:
-        outer.set_result(combine([]))
-        return outer
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_f: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                outer.set_exception(errors[0])
-            else:
-                outer.set_result(combine([f.result() for f in futures]))
-
-    for f in futures:
-        f.add_done_callback(done)
-    return outer
-
-
-def _xml_result(status, headers, body: bytes):
-    """A ``_default`` result maker: the response body parsed as XML."""
-    try:
-        return ET.fromstring(body)
-    except ET.ParseError as e:
-        raise S3Error(f"the server sent a response that is not XML ({e})") from e
-
-
-def _local(tag: str) -> str:
-    return tag.rsplit("}", 1)[-1]
-
-
-def _children(root, name: str):
-    return [c for c in root if _local(c.tag) == name]
-
-
-def _text(node, name: str) -> str:
-    for c in node:
-        if _local(c.tag) == name:
-            return c.text or ""
-    return ""
-
-
-def _parse_iso(value: str) -> float | None:
-    if not value:
-        return None
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _parse_http_date(value: str | None) -> float | None:
-    if not value:
-        return None
-    from email.utils import parsedate_to_datetime
-
-    try:
-        return parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None

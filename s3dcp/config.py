@@ -141,7 +141,7 @@ def normalize_endpoint(endpoint: str) -> str:
     endpoint = endpoint.strip().rstrip("/")
     if "://" not in endpoint:
         host = endpoint.split("/")[0].rsplit(":", 1)[0].strip("[]")
-        endpoint = ("http://" if _is_loopback(host) else "https://") + endpoint
+        endpoint = ("http://" if is_loopback_host(host) else "https://") + endpoint
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"endpoint_url={endpoint!r} is not an http(s) URL with a host")
@@ -150,7 +150,8 @@ def normalize_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an IP literal) is this machine's loopback."""
     if host == "localhost":
         return True
     try:

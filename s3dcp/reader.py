@@ -30,7 +30,6 @@ from .client import S3Client
 from .config import S3Config
 from .errors import (
     CheckpointNotFoundError,
-    ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
     MetadataFormatError,
@@ -39,8 +38,8 @@ from .errors import (
 )
 from .layout import ItemLocation, Segment
 from .metadata import decode_metadata, str_to_dtype
+from .storage import S3CheckpointPath
 from .tensors import byte_view
-from .uri import S3Uri, is_s3_uri, parse_s3_uri
 from .writer import METADATA_NAME
 
 __all__ = ["S3StorageReader"]
@@ -63,7 +62,7 @@ class _Read:
     bounce: Any = None  # the bounce buffer, when the bytes do not land in dest directly
 
 
-class S3StorageReader(StorageReader):
+class S3StorageReader(S3CheckpointPath, StorageReader):
     """Reads a DCP checkpoint from ``s3://bucket/prefix``.
 
     Call order, as :func:`torch.distributed.checkpoint.load` makes it:
@@ -97,47 +96,19 @@ class S3StorageReader(StorageReader):
         allow_pickle: bool = False,
     ) -> None:
         super().__init__()
-        self.config = config or (client.config if client is not None else S3Config())
-        self._client = client
+        self._init_path(path, config, client)
         self.verify = verify
         self.allow_pickle = allow_pickle
-        self._uri: S3Uri | None = parse_s3_uri(str(path)) if path is not None else None
         self._storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.last_read_s = 0.0
         self.last_read_bytes = 0
 
-    @property
-    def checkpoint_id(self) -> str | None:
-        return str(self._uri) if self._uri is not None else None
-
-    @property
-    def client(self) -> S3Client:
-        if self._client is None:
-            self._client = S3Client(self.config)
-        return self._client
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        if not is_s3_uri(checkpoint_id):
-            return False
-        try:
-            parse_s3_uri(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
-
     def __repr__(self) -> str:
         return f"S3StorageReader({self.checkpoint_id!r})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_client"] = None
-        return state
-
     # ------------------------------------------------------------------ StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self._uri = parse_s3_uri(str(checkpoint_id))
+        self._reset_path(checkpoint_id)
         self._storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -205,12 +176,6 @@ class S3StorageReader(StorageReader):
         return fut
 
     # ------------------------------------------------------------------ helpers
-    def _require_uri(self) -> S3Uri:
-        if self._uri is None:
-            raise ConfigError("S3StorageReader has no path: pass 's3://bucket/prefix' to the reader "
-                              "or checkpoint_id= to dcp.load")
-        return self._uri
-
     def _location(self, item: ReadItem) -> ItemLocation:
         try:
             return self._storage_data[item.storage_index]

@@ -29,8 +29,8 @@ from .errors import CheckpointExistsError, ConfigError, PreconditionFailedError,
 from .layout import ItemLocation
 from .metadata import dtype_to_str, encode_metadata
 from .staging import StagingMixin
+from .storage import S3CheckpointPath
 from .tensors import byte_view, to_host_contiguous
-from .uri import S3Uri, is_s3_uri, parse_s3_uri
 
 __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
 
@@ -54,7 +54,7 @@ class SaveStats:
         return self.bytes / self.upload_s / 1e9 if self.upload_s > 0 else 0.0
 
 
-class S3StorageWriter(StagingMixin, StorageWriter):
+class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     """Writes a DCP checkpoint under ``s3://bucket/prefix``.
 
     Call order, as :func:`torch.distributed.checkpoint.save` makes it:
@@ -91,36 +91,13 @@ class S3StorageWriter(StagingMixin, StorageWriter):
         pool=None,
     ) -> None:
         super().__init__()
-        self.config = config or (client.config if client is not None else S3Config())
-        self._client = client
+        self._init_path(path, config, client)
         self.overwrite = overwrite
-        self._uri: S3Uri | None = parse_s3_uri(str(path)) if path is not None else None
         self._rank = 0
         self._is_coordinator = False
         self._token = _new_token()
         self.last_stats = SaveStats()
         self._init_staging(pool)
-
-    # ------------------------------------------------------------------ identity
-    @property
-    def checkpoint_id(self) -> str | None:
-        return str(self._uri) if self._uri is not None else None
-
-    @property
-    def client(self) -> S3Client:
-        if self._client is None:
-            self._client = S3Client(self.config)
-        return self._client
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        if not is_s3_uri(checkpoint_id):
-            return False
-        try:
-            parse_s3_uri(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
 
     def __repr__(self) -> str:
         return f"S3StorageWriter({self.checkpoint_id!r}, overwrite={self.overwrite})"
@@ -128,15 +105,13 @@ class S3StorageWriter(StagingMixin, StorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process executor pickles the writer: the CRT client and the staging pool stay
         # behind and are recreated lazily in the child.
-        state = self.__dict__.copy()
-        state["_client"] = None
+        state = super().__getstate__()
         state.update(self._staging_getstate())
         return state
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self._uri = parse_s3_uri(str(checkpoint_id))
+        self._reset_path(checkpoint_id)
         self._token = _new_token()
 
     def storage_meta(self) -> StorageMeta | None:
@@ -144,9 +119,7 @@ class S3StorageWriter(StagingMixin, StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._token)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._uri is None:
-            raise ConfigError("S3StorageWriter has no path: pass 's3://bucket/prefix' to the writer "
-                              "or checkpoint_id= to dcp.save")
+        self._require_uri()
         if kwargs.get("use_collectives") is False:
             raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator writes "
                               "the one metadata object that commits the checkpoint")

@@ -1,0 +1,164 @@
+"""Reading S3's answers: errors translated into the s3dcp hierarchy, and XML bodies.
+
+Errors are classified here, once, by HTTP status and S3 error code — never by message text —
+and keep the CRT's exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from .errors import (
+    AccessDeniedError,
+    IntegrityError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    PreconditionFailedError,
+    S3ConnectionError,
+    S3Error,
+    S3ServerError,
+    ThrottlingError,
+)
+
+__all__ = ["translate_error", "xml_result", "children", "text", "parse_iso", "parse_http_date"]
+
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+     "RequestThrottled", "503 SlowDown"}
+)
+_STATUS_TEXT = {403: "access denied (HTTP 403)", 404: "not found (HTTP 404)", 412: "precondition failed (HTTP 412)"}
+# Answers the CRT classifies itself and then reports without their status, headers or body
+# (observed with awscrt 0.38: 503 and 429 SlowDown -> SLOW_DOWN; 500, 502, 504 -> INTERNAL_ERROR;
+# 400 RequestTimeout -> REQUEST_TIMEOUT).
+_CRT_STATUS_ERRORS = {
+    "AWS_ERROR_S3_SLOW_DOWN": (
+        ThrottlingError, "the server kept answering SlowDown (HTTP 503/429: throttling); retries were exhausted"),
+    "AWS_ERROR_S3_INTERNAL_ERROR": (
+        S3ServerError, "the server kept answering with an HTTP 5xx error; retries were exhausted"),
+    "AWS_ERROR_S3_REQUEST_TIMEOUT": (
+        S3ConnectionError, "the server kept timing out waiting for the request (RequestTimeout); "
+        "retries were exhausted"),
+}
+_AUTH_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+     "TokenRefreshRequired", "AllAccessDisabled"}
+)
+
+
+def translate_error(error: BaseException, *, operation: str, bucket: str | None, key: str | None) -> BaseException:
+    """Map a CRT failure to the s3dcp hierarchy by HTTP status and S3 error code.
+
+    Returns the new exception with ``__cause__`` set; anything that is not a CRT error (an
+    exception raised by our own callbacks) is returned unchanged.
+    """
+    from awscrt.exceptions import AwsCrtError
+    from awscrt.s3 import S3ResponseError
+
+    if isinstance(error, S3ResponseError):
+        status = error.status_code
+        headers = {name.lower(): value for name, value in (error.headers or [])}
+        fields = _error_fields(error.body)
+        code = fields.get("Code")
+        request_id = fields.get("RequestId") or headers.get("x-amz-request-id")
+        message = fields.get("Message") or _STATUS_TEXT.get(status, f"HTTP {status}")
+        op = error.operation_name or operation
+        cls, advice = _classify(status, code, op, key)
+        new = cls(f"{op} failed: {message}{advice}", operation=op, bucket=bucket, key=key or None,
+                  status=status, code=code, request_id=request_id)
+    elif isinstance(error, AwsCrtError):
+        if "CHECKSUM_MISMATCH" in error.name:
+            new = IntegrityError(f"{operation} s3://{bucket}/{key}: the data failed its wire checksum "
+                                 f"({error.name}); the object or the connection corrupted it")
+        elif error.name.startswith("AWS_AUTH_"):
+            # Signing failed before anything was sent: the credential chain found nothing usable.
+            new = AccessDeniedError(
+                f"{operation} could not be signed: {error.name} ({error.message}) — no usable credentials; "
+                "pass access_key_id and secret_access_key in S3Config, set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or name a profile that has credentials",
+                operation=operation, bucket=bucket, key=key or None)
+        elif error.name in _CRT_STATUS_ERRORS:
+            cls, text = _CRT_STATUS_ERRORS[error.name]
+            new = cls(f"{operation} failed: {text} ({error.name})", operation=operation,
+                      bucket=bucket, key=key or None)
+        else:
+            new = S3ConnectionError(
+                f"{operation} failed without an HTTP answer: {error.name} ({error.message}); "
+                "check that the endpoint is reachable and the server is running",
+                operation=operation, bucket=bucket, key=key or None)
+    else:
+        return error
+    new.__cause__ = error
+    return new
+
+
+def _classify(status: int | None, code: str | None, operation: str, key: str | None):
+    if status == 403 or code in _AUTH_CODES:
+        return AccessDeniedError, " — check the access key, secret and permissions for this bucket"
+    if code == "NoSuchBucket":
+        return NoSuchBucketError, " — create the bucket or fix the bucket name"
+    if code == "NoSuchKey" or (status == 404 and operation in ("HeadObject", "GetObject") and key):
+        return NoSuchKeyError, ""
+    if status == 404 and operation == "HeadBucket":
+        return NoSuchBucketError, " — create the bucket or fix the bucket name"
+    if status == 412 or code == "PreconditionFailed":
+        return PreconditionFailedError, ""
+    if status in (429, 503) or code in _THROTTLE_CODES:
+        return ThrottlingError, " — the server is throttling requests; retries were exhausted"
+    if status is not None and status >= 500:
+        return S3ServerError, " — the server kept failing; retries were exhausted"
+    return S3Error, ""
+
+
+def _error_fields(body: bytes | None) -> dict[str, str]:
+    if not body:
+        return {}
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return {}
+    return {_local(child.tag): (child.text or "") for child in root}
+
+
+def xml_result(status, headers, body: bytes):
+    """A ``_default`` result maker: the response body parsed as XML."""
+    try:
+        return ET.fromstring(body)
+    except ET.ParseError as e:
+        raise S3Error(f"the server sent a response that is not XML ({e})") from e
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def children(root, name: str):
+    return [c for c in root if _local(c.tag) == name]
+
+
+def text(node, name: str) -> str:
+    for c in node:
+        if _local(c.tag) == name:
+            return c.text or ""
+    return ""
+
+
+def parse_iso(value: str) -> float | None:
+    if not value:
+        return None
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def parse_http_date(value: str | None) -> float | None:
+    if not value:
+        return None
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None

@@ -8,7 +8,7 @@
 The :class:`HostBufferPool` keeps its arenas across checkpoints and across writer instances
 (one pool per process by default), so only the first checkpoint pays for allocating and
 page-faulting host memory; later ones are a memcpy. Host memory taken by staging is
-``max_inflight_checkpoints × min(state bytes, staging_budget_bytes)``, rounded up to 64 MiB.
+``max_inflight_checkpoints × min(state bytes, staging_budget_bytes)``, rounded up to 8 MiB.
 
 Back-pressure: at most ``S3Config.max_inflight_checkpoints`` arenas are in use. A new
 ``async_save`` while that many uploads run waits in ``stage()`` for one to finish, instead of
@@ -39,7 +39,7 @@ __all__ = ["HostBufferPool", "Arena", "StagingMixin", "shared_pool", "release_st
 log = logging.getLogger("s3dcp")
 
 _ALIGN = 64  # bytes; every staged tensor starts on a cache line
-_ROUND = 64 * MiB  # arena sizes are rounded up so a slightly larger state reuses the arena
+_ROUND = 8 * MiB  # arena sizes are rounded up so a slightly larger state reuses the arena
 
 
 class Arena:

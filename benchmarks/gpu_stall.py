@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from s3dcp.config import S3Config
     from s3dcp.staging import HostBufferPool, StagingMixin
+    from s3dcp.tensors import byte_view
 
     class Stager(StagingMixin):  # the staging half of S3StorageWriter, without the S3 half
         def __init__(self, pool):
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             with open(os.path.join(tmp, "upload.bin"), "wb") as f:  # the stand-in for the S3 upload
                 for key, v in staged.items():
                     if isinstance(v, torch.Tensor):
-                        f.write(memoryview(v.reshape(-1).view(torch.uint8).numpy()))
+                        f.write(byte_view(v))
             write_s = time.perf_counter() - t1
             ok = all(torch.equal(staged[key], expected[key].cpu()) for key in expected)
             assert all(staged[key].is_pinned() for key in expected), "staged tensors must live in pinned memory"

@@ -310,20 +310,22 @@ class RawPath(Path):
     def _key(self, where):
         return f"{where}/raw-{self.ctx['rank']}.bin"
 
-    # A fresh S3Client per step, as S3StorageWriter/Reader make one per save/load: otherwise the
-    # CRT's buffer pool, kept from the previous step, would hide this path's peak-RSS rise.
+    # A new S3Client per step, as S3StorageWriter/Reader make one per save/load (both share the
+    # process's native CRT client for this config, so the two paths see the same buffer pool).
     def save(self, where):
         from s3dcp.client import S3Client
+        from s3dcp.tensors import byte_view
 
         client = S3Client(self.ctx["cfg"])
-        client.put(self.ctx["bucket"], self._key(where), memoryview(self.src.numpy())).result()
+        client.put(self.ctx["bucket"], self._key(where), byte_view(self.src)).result()
         client.close()
 
     def load(self, where):
         from s3dcp.client import S3Client
+        from s3dcp.tensors import byte_view
 
         client = S3Client(self.ctx["cfg"])
-        client.get_range_into(self.ctx["bucket"], self._key(where), 0, self.dst.numpy()).result()
+        client.get_range_into(self.ctx["bucket"], self._key(where), 0, byte_view(self.dst)).result()
         client.close()
 
     def reset(self):

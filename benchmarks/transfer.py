@@ -87,13 +87,14 @@ def main(argv=None) -> int:
     add_common_args(parser, repeats=3)
     args = parser.parse_args(argv)
 
-    import numpy as np
+    import random
+
     from boto3.s3.transfer import TransferConfig
 
     nbytes = args.size_mib * MiB
     part = args.part_mib * MiB
     print(f"# transfer: {args.size_mib} MiB object, {args.part_mib} MiB parts, {args.repeats} repeat(s)", flush=True)
-    source = bytearray(np.random.default_rng(1234).bytes(nbytes))  # incompressible, reproducible
+    source = bytearray(random.Random(1234).randbytes(nbytes))  # incompressible, reproducible
     dest = bytearray(nbytes)
     dest[:] = b"\x01" * nbytes  # fault the pages in now, not in the first timed download
 
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
             dest[:] = bytes(nbytes)
             get()
             if dest != source:
-                diff = int(np.flatnonzero(np.frombuffer(dest, np.uint8) != np.frombuffer(source, np.uint8))[0])
+                diff = next(i for i, (a, b) in enumerate(zip(dest, source)) if a != b)
                 raise SystemExit(f"error: {method} download differs from the upload at byte {diff}")
             print(f"# verified: {method} round trip of {nbytes} bytes is byte-exact", flush=True)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 __all__ = ["byte_view", "to_host_contiguous"]
@@ -10,17 +12,18 @@ __all__ = ["byte_view", "to_host_contiguous"]
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview over the bytes of a contiguous CPU tensor (no copy).
 
-    Works for every dtype, including bfloat16, float8 and complex, which numpy cannot
-    represent directly: the tensor is reinterpreted as uint8 first.
+    Works for every dtype (bfloat16, float8, complex...) and needs no numpy: the view is a
+    ctypes array over the tensor's memory that holds a reference to the tensor, so the memory
+    stays valid as long as the view (or any slice of it) is alive.
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    if tensor.numel() == 0:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return memoryview(bytearray(0))
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    raw = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
+    raw._owner = tensor  # keeps the storage alive for as long as the view
+    return memoryview(raw).cast("B")
 
 
 def to_host_contiguous(tensor: torch.Tensor) -> torch.Tensor:

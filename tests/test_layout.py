@@ -1,9 +1,10 @@
 """Pure layout logic: packing items into objects, sub-box byte ranges, read coalescing,
 item checksums. Checked against brute force with hypothesis."""
 
+import math
 import os
 
-import numpy as np
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,11 +40,12 @@ def boxes(draw):
 @given(boxes(), st.sampled_from([1, 2, 4, 8]))
 def test_box_byte_range_is_the_tightest_cover(box, itemsize):
     shape, offsets, lengths = box
-    flat = np.arange(int(np.prod(shape)) if shape else 1).reshape(shape)
+    flat = torch.arange(math.prod(shape)).reshape(shape)
     sel = flat[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].reshape(-1)
+    lo, hi = int(sel.min()), int(sel.max())
     start, end = box_byte_range(shape, itemsize, offsets, lengths)
-    assert start == sel.min() * itemsize and end == (sel.max() + 1) * itemsize
-    contiguous = (sel.max() - sel.min() + 1) == sel.size
+    assert start == lo * itemsize and end == (hi + 1) * itemsize
+    contiguous = (hi - lo + 1) == sel.numel()
     assert is_contiguous_box(shape, offsets, lengths) == contiguous
 
 

@@ -39,6 +39,7 @@ from s3dcp.errors import (
     IncompleteCheckpointError,
     NoSuchBucketError,
     S3ConnectionError,
+    S3Error,
     ThrottlingError,
 )
 from s3dcp.testing import SeaweedServer
@@ -628,3 +629,35 @@ def test_a_missing_bucket_is_named_through_dcp(s3_server, boto3_client):
         S3StorageReader("s3://no-such-bucket-s3dcp/ckpt", config=config).read_metadata()
     names = [b["Name"] for b in boto3_client.list_buckets()["Buckets"]]
     assert "no-such-bucket-s3dcp" not in names  # never created by the attempt
+
+
+# ------------------------------------------------------------------------------ headers passed through
+def test_sse_and_expected_bucket_owner_reach_the_server(s3_server, bucket, proxy):
+    """Server-side encryption on every upload request, the expected owner on every request
+    (seen on the wire by the proxy), and the save still round-trips."""
+    cfg = s3_server.s3_config(endpoint_url=proxy.endpoint_url, sse="AES256", part_size_bytes=5 * MiB,
+                              object_size_target_bytes=4 * MiB)
+    state = {"w": torch.randn(3 * MiB), "b": torch.randn(10)}  # 12 MiB: a multipart upload too
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/sse", config=cfg))
+    puts = [r for r in proxy.requests if r.method in ("PUT", "POST") and "partNumber" not in r.target
+            and "uploadId" not in r.target]  # PutObject and CreateMultipartUpload
+    assert puts and all(r.header("x-amz-server-side-encryption") == "AES256" for r in puts), \
+        [(r.method, r.target) for r in puts]
+
+    owner = "123456789012"
+    seen = len(proxy.requests)
+    cfg_owner = cfg.replace(sse=None, expected_bucket_owner=owner)
+    S3StorageReader(f"s3://{bucket}/sse", config=cfg_owner).read_metadata()
+    reads = proxy.requests[seen:]
+    assert reads and all(r.header("x-amz-expected-bucket-owner") == owner for r in reads)
+
+    # SSE-KMS: this server has no KMS, so the proxy answers the upload itself; the headers are
+    # what matters here.
+    proxy.add_rule(Rule(action="error", method="PUT", status=400, code="InvalidArgument"))
+    seen = len(proxy.requests)
+    kms = cfg.replace(sse="aws:kms", sse_kms_key_id="alias/ckpt", max_retries=0)
+    with pytest.raises(S3Error):
+        S3Client(kms).put(bucket, "kms-object", b"x" * 10).result()
+    put = next(r for r in proxy.requests[seen:] if r.method == "PUT")
+    assert put.header("x-amz-server-side-encryption") == "aws:kms"
+    assert put.header("x-amz-server-side-encryption-aws-kms-key-id") == "alias/ckpt"

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                    help="fixed staging overhead per checkpoint, s (default: measured stall minus memcpy)")
     p.add_argument("--part-size-mib", type=float, default=64.0)
     p.add_argument("--object-size-mib", type=float, default=512.0, help="S3Config.object_size_target_bytes")
-    p.add_argument("--prefixes", type=int, default=1, help="key prefixes the objects are spread over")
+    p.add_argument("--prefixes", type=int, default=1,
+                   help="key prefixes the objects are spread over (S3Config.key_prefix_spread; default 1)")
     p.add_argument("--prefix-limit", type=float, default=3500.0, help="S3 PUT/s per prefix (default 3,500)")
     p.add_argument("--baseline-stall-s", type=float, default=18 * 60.0, help="the seed's stall (18 min)")
     p.add_argument("--goal-s", type=float, default=10.0, help="stall goal (default 10 s)")
@@ -167,7 +168,8 @@ def main(argv=None) -> int:
         print(f"  {k.ljust(width)}  {v}")
     if not r["prefix_limit_ok"]:
         need = -(-int(r["put_rate_per_prefix"] * a.prefixes) // int(a.prefix_limit))
-        print(f"\n  spread the objects over >= {need} prefixes to stay under S3's per-prefix rate")
+        print(f"\n  spread the objects over >= {need} prefixes to stay under S3's per-prefix rate: "
+              f"S3Config(key_prefix_spread={need})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"assumptions": vars(a), "sources": sources, "projection": r}, f, indent=2)

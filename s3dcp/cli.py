@@ -28,12 +28,12 @@ from typing import Any, Callable, Sequence
 from . import __version__, integrity, layout
 from .config import S3Config
 from .errors import CheckpointNotFoundError, ConfigError, S3DCPError, UnsafePickleError, root_error
+from .layout import parse_object_name
 from .manager import METADATA_NAME
 from .uri import S3Uri, parse_s3_uri
 
 __all__ = ["main", "parse_duration"]
 
-_OBJECT_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9A-Za-z]+)\.distcp$")
 _READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one block
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -216,10 +216,10 @@ def cmd_inspect(args) -> int:
     objects: dict[str, dict[str, Any]] = {}
     for index, loc in md.storage_data.items():
         stored[index.fqn] = stored.get(index.fqn, 0) + loc.length
-        m = _OBJECT_RE.match(loc.object_name)
+        parsed = parse_object_name(loc.object_name)
         obj = objects.setdefault(loc.object_name, {
-            "object": loc.object_name, "rank": int(m.group(1)) if m else None,
-            "token": m.group(3) if m else None, "items": 0, "bytes": 0})
+            "object": loc.object_name, "rank": parsed.rank if parsed else None,
+            "token": parsed.token if parsed else None, "items": 0, "bytes": 0})
         obj["items"] += 1
         obj["bytes"] = max(obj["bytes"], loc.offset + loc.length)
     tensors, others = [], []

@@ -53,6 +53,7 @@ class S3Config:
     max_concurrency: int = 16  # requests s3dcp keeps in flight per process (objects / ranges)
     object_size_target_bytes: int = 512 * MiB  # how much one rank packs into one data object
     coalesce_gap_bytes: int = 1 * MiB  # read ranges closer than this are fetched as one GET
+    key_prefix_spread: int = 1  # data object names spread over this many key prefixes (S3 rates scale per prefix)
     crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: CRT default (2+ GiB)
 
     # Integrity.
@@ -236,6 +237,10 @@ def _validate(c: S3Config) -> list[str]:
             and c.crt_memory_limit_bytes > (c.part_size_bytes if is_int(c.part_size_bytes) else 0)),
         f"crt_memory_limit_bytes={c.crt_memory_limit_bytes!r} must be None or an int >= 256 MiB "
         "and above part_size_bytes (the CRT's own minimum)",
+    )
+    need(
+        is_int(c.key_prefix_spread) and 1 <= c.key_prefix_spread <= 256,
+        f"key_prefix_spread={c.key_prefix_spread!r} must be an int in [1, 256]",
     )
     need(c.checksum in CHECKSUMS, f"checksum={c.checksum!r} must be one of {CHECKSUMS}")
     need(

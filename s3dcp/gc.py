@@ -15,13 +15,13 @@ cost storage, and an interrupted multipart upload keeps its parts until it is ab
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 
 from .client import ObjectInfo, S3Client
 from .config import S3Config
 from .errors import MetadataFormatError
+from .layout import parse_object_name
 from .metadata import decode_metadata
 from .uri import parse_s3_uri
 
@@ -29,7 +29,6 @@ __all__ = ["gc", "GcReport"]
 
 log = logging.getLogger("s3dcp")
 
-_DATA_RE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]+)\.distcp$")
 _METADATA = ".metadata"
 
 
@@ -85,9 +84,9 @@ def gc(
                 continue  # never delete next to metadata we cannot read
         by_token: dict[str, list[ObjectInfo]] = {}
         for name, obj in names.items():
-            match = _DATA_RE.match(name)
-            if match and name not in referenced:
-                by_token.setdefault(match.group(3), []).append(obj)
+            parsed = parse_object_name(name)
+            if parsed and name not in referenced:
+                by_token.setdefault(parsed.token, []).append(obj)
         for group in by_token.values():
             newest = max((o.last_modified or now) for o in group)
             if newest < cutoff:

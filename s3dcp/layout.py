@@ -7,10 +7,11 @@ checkpoint metadata by :mod:`s3dcp.metadata` and read back to find each item on 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["ItemLocation", "pack", "object_name", "box_byte_range", "is_contiguous_box", "Segment", "coalesce"]
+__all__ = ["ItemLocation", "pack", "object_name", "ObjectName", "parse_object_name", "box_byte_range", "is_contiguous_box", "Segment", "coalesce"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,35 @@ def pack(sizes: Sequence[int], target_bytes: int) -> list[list[int]]:
     return groups
 
 
-def object_name(rank: int, index: int, token: str) -> str:
-    """Name of a rank's data object. ``token`` is unique per save, so the objects of two
-    saves (a retry, a concurrent job) never collide or mix."""
-    return f"__{rank}_{index}.{token}.distcp"
+def object_name(rank: int, index: int, token: str, spread: int = 1) -> str:
+    """Name of a rank's ``index``-th data object. ``token`` is unique per save, so the objects
+    of two saves (a retry, a concurrent job) never collide or mix.
+
+    With ``spread > 1`` the name starts with one of ``spread`` two-hex-digit prefixes
+    (``"03-__5_1.<token>.distcp"``), round-robin over ranks and objects: S3 scales request
+    rates per key prefix (~3,500 PUT/s each), and thousands of ranks uploading at once need
+    several. The objects stay in the checkpoint's directory.
+    """
+    name = f"__{rank}_{index}.{token}.distcp"
+    return f"{(rank + index) % spread:02x}-{name}" if spread > 1 else name
+
+
+@dataclass(frozen=True)
+class ObjectName:
+    """What a data object's name says: which rank wrote it, its number, the save's token."""
+
+    rank: int
+    index: int
+    token: str
+
+
+_OBJECT_RE = re.compile(r"^(?:[0-9a-f]{2}-)?__(\d+)_(\d+)\.([0-9a-f]+)\.distcp$")
+
+
+def parse_object_name(name: str) -> ObjectName | None:
+    """The parts of a name made by :func:`object_name`; None for any other name."""
+    match = _OBJECT_RE.match(name)
+    return ObjectName(int(match.group(1)), int(match.group(2)), match.group(3)) if match else None
 
 
 # ---------------------------------------------------------------------------- load side

@@ -270,7 +270,7 @@ class _Uploads:
     def put(self, pairs: list) -> None:
         """Upload ``(write item, data)`` pairs back to back as the rank's next object."""
         writer = self.writer
-        name = layout.object_name(self.rank, len(self.keys), writer._token)
+        name = layout.object_name(self.rank, len(self.keys), writer._token, writer.config.key_prefix_spread)
         views: list[memoryview] = []
         offset = 0
         for item, data in pairs:

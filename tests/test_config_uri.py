@@ -63,6 +63,7 @@ def test_key_building():
         ("endpoint_url", "ftp://x", "not an http(s) URL"),
         ("request_timeout_s", 0, "request_timeout_s=0"),
         ("max_inflight_checkpoints", 0, "max_inflight_checkpoints=0"),
+        ("key_prefix_spread", 300, "key_prefix_spread=300 must be an int in [1, 256]"),
         ("crt_memory_limit_bytes", 100 * MiB, "crt_memory_limit_bytes=104857600 must be None or an int >= 256 MiB"),
     ],
 )

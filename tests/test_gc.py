@@ -54,3 +54,10 @@ def test_gc_leaves_a_checkpoint_with_unreadable_metadata_alone(bucket, s3_config
     client.put(bucket, "c/__0_0.dddddddddddd.distcp", b"x").result()
     report = gc(f"s3://{bucket}/c", older_than_s=0, client=client, now=time.time() + 10)
     assert report.deleted == [] and report.unreadable_metadata == ["c/.metadata"]
+
+
+def test_gc_knows_spread_object_names(bucket, s3_config):
+    client = S3Client(s3_config)
+    client.put(bucket, "r/step-9/02-__3_1.eeeeeeeeeeee.distcp", b"x").result()
+    report = gc(f"s3://{bucket}/r", older_than_s=0, client=client, now=time.time() + 10)
+    assert report.deleted == ["r/step-9/02-__3_1.eeeeeeeeeeee.distcp"]

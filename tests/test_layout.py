@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from s3dcp import integrity
-from s3dcp.layout import Segment, box_byte_range, coalesce, is_contiguous_box, object_name, pack
+from s3dcp.layout import (
+    ObjectName,
+    Segment,
+    box_byte_range,
+    coalesce,
+    is_contiguous_box,
+    object_name,
+    pack,
+    parse_object_name,
+)
 
 
 @given(st.lists(st.integers(0, 1000), max_size=40), st.integers(1, 2000))
@@ -26,6 +35,15 @@ def test_pack_keeps_order_and_respects_target(sizes, target):
 
 def test_object_names_carry_rank_and_token():
     assert object_name(3, 1, "abc123") == "__3_1.abc123.distcp"
+    assert parse_object_name("__3_1.abc123.distcp") == ObjectName(3, 1, "abc123")
+    assert parse_object_name(".metadata") is None and parse_object_name("__x_1.ab.distcp") is None
+
+
+def test_spread_names_round_robin_over_prefixes_and_parse_back():
+    names = [object_name(rank, index, "f00d", spread=4) for rank in range(4) for index in range(2)]
+    assert names[:3] == ["00-__0_0.f00d.distcp", "01-__0_1.f00d.distcp", "01-__1_0.f00d.distcp"]
+    assert {n[:2] for n in names} == {"00", "01", "02", "03"}
+    assert [parse_object_name(n) for n in names] == [ObjectName(r, i, "f00d") for r in range(4) for i in range(2)]
 
 
 @st.composite

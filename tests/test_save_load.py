@@ -1,6 +1,7 @@
 """dcp.save / dcp.load through S3StorageWriter and S3StorageReader, single process, against
 the real server: every dtype and shape, exact bytes, commit semantics, integrity."""
 
+import time
 import warnings
 
 import pytest
@@ -275,3 +276,18 @@ def test_non_tensor_items_beyond_plain_data_are_refused_unless_allowed(uri, smal
     assert "'obj'" in str(e.value) and "allow_pickle=True" in str(e.value)
     out = load({"w": torch.empty(2), "obj": None}, uri, small_parts, allow_pickle=True)
     assert out["obj"] == _Custom(3)
+
+
+def test_key_prefix_spread_names_objects_under_several_prefixes(uri, bucket, small_parts, boto3_client):
+    from s3dcp import gc
+
+    cfg = small_parts.replace(key_prefix_spread=4)
+    state = {f"w{i}": torch.randn(1024 * 1024) for i in range(5)}  # 20 MiB at a 4 MiB target: 5 objects
+    save(state, uri, cfg)
+    keys = [o["Key"].removeprefix("ckpt/") for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="ckpt/")["Contents"]]
+    data = [k for k in keys if k.endswith(".distcp")]
+    assert len(data) == 5 and {k[:3] for k in data} == {"00-", "01-", "02-", "03-"}
+    out = load({k: torch.empty(1024 * 1024) for k in state}, uri, cfg)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    # gc recognises them as this checkpoint's (committed: untouched)
+    assert gc(uri, older_than_s=0, config=cfg, now=time.time() + 10).deleted == []

@@ -208,6 +208,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         uri = self._uri
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        if metadata.storage_meta is None:  # DCP's default planner leaves it out; keep where and which save
+            metadata.storage_meta = self.storage_meta()
         body = encode_metadata(metadata)
         key = uri.key(METADATA_NAME)
         try:

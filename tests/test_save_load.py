@@ -291,3 +291,10 @@ def test_key_prefix_spread_names_objects_under_several_prefixes(uri, bucket, sma
     assert all(torch.equal(out[k], v) for k, v in state.items())
     # gc recognises them as this checkpoint's (committed: untouched)
     assert gc(uri, older_than_s=0, config=cfg, now=time.time() + 10).deleted == []
+
+
+def test_metadata_records_the_checkpoint_and_save_id(uri, small_parts):
+    writer = S3StorageWriter(uri, config=small_parts)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer)
+    meta = S3StorageReader(uri, config=small_parts).read_metadata().storage_meta
+    assert meta.checkpoint_id == uri and meta.save_id == writer.storage_meta().save_id

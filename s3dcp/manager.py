@@ -137,20 +137,13 @@ class CheckpointManager:
 
         Async mode: returns a future that resolves to the DCP ``Metadata`` once the checkpoint
         is committed and retention has run; the training loop may change ``state_dict`` as
-        soon as this returns. A second save while one is uploading waits (in staging) for it;
-        under ``torch.distributed`` it waits until the previous one has committed.
+        soon as this returns. A second save while one is still running waits (in staging) for
+        it to end, commit and retention included.
         Sync mode: returns ``None`` once committed. Raises the error of an earlier failed
         asynchronous save that nobody has seen yet, before starting this one.
         """
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step={step!r} must be an int >= 0")
-        if _dist_on():
-            # DCP's save runs collectives on the save's own thread. The staging pool lets the
-            # next save start once the previous one has *uploaded*, while that one's commit
-            # collectives may still run: two threads' collectives on one group could then
-            # interleave differently on different ranks and deadlock. So under
-            # torch.distributed the previous save must have finished (committed) first.
-            self._drain()
         self._raise_finished_errors()
         import torch.distributed.checkpoint as dcp
 

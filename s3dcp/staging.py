@@ -274,7 +274,7 @@ class StagingMixin:
     def warm_up(self, state_dict: dict[str, Any]) -> None:
         """Allocate (and page-fault) the staging arena for ``state_dict`` before training."""
         pool = self._staging_pool()
-        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self.config.max_inflight_checkpoints)
+        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
         pool.release(arena)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +286,7 @@ class StagingMixin:
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self.config.max_inflight_checkpoints)
+        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
         staging = _Staging(pool, arena)
         pool._hold(staging)
         try:
@@ -344,6 +344,25 @@ class StagingMixin:
             if staging.event is not None:
                 staging.event.synchronize()
         return staging
+
+    def _max_in_flight(self) -> int:
+        """``max_inflight_checkpoints``, except with several ranks: each save runs DCP's
+        collectives on its own thread, and two saves' collectives on one process group from two
+        threads can be issued in different orders on different ranks and deadlock. So a
+        multi-rank job keeps one save in flight (and says so once)."""
+        wanted = self.config.max_inflight_checkpoints
+        if wanted > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                global _WARNED_INFLIGHT
+                if not _WARNED_INFLIGHT:
+                    _WARNED_INFLIGHT = True
+                    log.warning("max_inflight_checkpoints=%d needs a single process: with %d ranks the "
+                                "saves' collectives would run from two threads at once; keeping one in flight",
+                                wanted, dist.get_world_size())
+                return 1
+        return wanted
 
     def _staging_pool(self) -> HostBufferPool:
         if self._pool is None:
@@ -447,3 +466,4 @@ def _side_stream(state_dict: dict[str, Any]):
 
 
 _STREAM = None
+_WARNED_INFLIGHT = False

@@ -326,7 +326,9 @@ def _plain_worker(rank: int, world: int, uri: str, cfg: S3Config) -> dict:
         futures, snapshots = [], []
         for i in range(3):
             snapshots.append({k: v.clone() for k, v in state.items()})
-            futures.append(dcp.async_save(state, storage_writer=S3StorageWriter(f"{uri}-b2b{i}", config=cfg)))
+            # Asking for two in flight: with two ranks s3dcp must still keep one (see staging).
+            futures.append(dcp.async_save(state, storage_writer=S3StorageWriter(
+                f"{uri}-b2b{i}", config=cfg.replace(max_inflight_checkpoints=2))))
             for v in state.values():
                 v.add_(1)
         for f in futures:

@@ -24,6 +24,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -284,7 +285,7 @@ class SeaweedServer:
         ]
         with open(self.log_path, "ab") as log:
             self._state.proc = subprocess.Popen(
-                self._command(weed),
+                _die_with_this_thread() + self._command(weed),
                 cwd=self.data_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -361,6 +362,17 @@ def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
                 ports[f"{server}.port"] = grab()
                 ports[f"{server}.port.grpc"] = grab()
     return ports
+
+
+def _die_with_this_thread() -> list[str]:
+    """A command prefix that makes the server get SIGTERM if the process that started it dies
+    without stopping it (SIGKILL, a crash): `setpriv --pdeathsig` (util-linux). The signal follows
+    the *thread* that started it, so only the main thread asks for it; elsewhere, or without
+    setpriv, nothing (stop() and the exit hook still apply)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "TERM", "--"]
 
 
 def _terminate(proc: subprocess.Popen) -> None:

@@ -170,6 +170,32 @@ def test_unstopped_server_is_stopped_at_interpreter_exit():
     assert not os.path.exists(data_dir)
 
 
+def test_server_goes_when_its_starter_is_killed():
+    """SIGKILL leaves no exit hook to run: the server must still not outlive its starter."""
+    code = (
+        "import time\n"
+        "from s3dcp.testing import SeaweedServer\n"
+        "s = SeaweedServer().start()\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        assert not _gone(pid)  # running
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30  # weed takes a second or two to shut down on SIGTERM
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)  # do not leave it behind, but fail
+            pytest.fail("the server outlived the process that started it")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_port_clash_at_startup_is_retried_with_new_ports(tmp_path):
     # A stand-in for weed that fails like a port clash on its first run, then runs the real one.
     first_run = tmp_path / "first-run-done"

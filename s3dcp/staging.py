@@ -60,6 +60,14 @@ class Arena:
         self.cursor = start + nbytes
         return self.buffer[start:start + nbytes]
 
+    def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """An uninitialised tensor of ``tensor``'s dtype and shape in the arena, or None when
+        it does not fit."""
+        raw = self.carve(tensor.numel() * tensor.element_size())
+        if raw is None:
+            return None
+        return raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw.view(tensor.dtype).reshape(())
+
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and (
             tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
@@ -444,11 +452,10 @@ def _stage_tensor(t: torch.Tensor, staging: _Staging) -> torch.Tensor:
     nbytes = _nbytes(t)
     if nbytes == 0:
         return torch.empty(t.shape, dtype=t.dtype)
-    raw = staging.arena.carve(nbytes)
-    if raw is None:
+    out = staging.arena.carve_like(t)
+    if out is None:
         staging.pending = True
         return t
-    out = raw.view(t.dtype).view(t.shape) if t.dim() else raw.view(t.dtype).reshape(())
     out.copy_(t, non_blocking=t.device.type == "cuda" and staging.arena.pinned)
     return out
 

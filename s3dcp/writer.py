@@ -145,11 +145,14 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         uploads = _Uploads(self, rank)
         try:
             resolved = [(item, _resolve(planner, item)) for item in plan.items]
-            ready, deferred = resolved, []
-            if staging is not None and staging.pending:
-                ready = [(i, d) for i, d in resolved if not _is_tensor(d) or staging.arena.owns(d)]
-                deferred = [(i, d) for i, d in resolved if _is_tensor(d) and not staging.arena.owns(d)]
-            ready = [(i, to_host_contiguous(d) if _is_tensor(d) else d) for i, d in ready]
+            ready, deferred = [], []
+            for item, data in resolved:
+                if not _is_tensor(data):
+                    ready.append((item, data))
+                elif staging is not None and staging.pending and not staging.arena.owns(data):
+                    deferred.append((item, data))  # beyond the staging budget: copied in rounds
+                else:
+                    ready.append((item, to_host_contiguous(data)))
             for group in layout.pack([_nbytes(d) for _, d in ready], self.config.object_size_target_bytes):
                 uploads.put([ready[i] for i in group])
             if deferred:
@@ -179,23 +182,19 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         batch_bytes = 0
         for item, tensor in deferred:
             nbytes = _nbytes(tensor)
-            host = arena.carve(nbytes)
-            if host is None and nbytes <= arena.limit:
+            copied = arena.carve_like(tensor)
+            if copied is None and nbytes <= arena.limit:
                 if batch:
                     uploads.put(batch)
                     batch, batch_bytes = [], 0
                 uploads.drain()  # every earlier upload is done: the whole arena is free again
                 arena.cursor = 0
-                host = arena.carve(nbytes)
-            if host is None:  # larger than the whole budget: one temporary host copy, a real
+                copied = arena.carve_like(tensor)
+            if copied is None:  # larger than the whole budget: one temporary host copy, a real
                 # one even of a contiguous CPU tensor: the caller may change the original as
                 # soon as done is set below, while this copy is still uploading
                 copied = torch.empty(tensor.shape, dtype=tensor.dtype)
-                copied.copy_(tensor)
-            else:
-                copied = host.view(tensor.dtype).view(tensor.shape) if tensor.dim() else \
-                    host.view(tensor.dtype).reshape(())
-                copied.copy_(tensor)
+            copied.copy_(tensor)
             batch.append((item, copied))
             batch_bytes += nbytes
             if batch_bytes >= self.config.object_size_target_bytes:

@@ -30,7 +30,18 @@ _LAZY = {
     "CheckpointInfo": ".manager",
 }
 
-__all__ = ["S3Config", "__version__", *_LAZY, *_error_names]
+
+def close() -> None:
+    """Release what s3dcp holds process-wide: native CRT clients (idle ones at once, busy ones
+    when their last request ends) and idle staging memory. Safe to call any time; anything used
+    afterwards is made again on demand."""
+    from .client import close_native_clients
+    from .staging import release_staging_memory
+
+    close_native_clients()
+    release_staging_memory()
+
+__all__ = ["S3Config", "__version__", "close", *_LAZY, *_error_names]
 
 
 def __getattr__(name: str):

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import base64
 import bisect
+import collections
 import hashlib
 import io
 import itertools
 import logging
 import threading
+import weakref
 import xml.etree.ElementTree as ET
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,9 +30,9 @@ from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
 from .config import S3Config
-from .errors import IntegrityError, NoSuchKeyError, S3ConnectionError, S3Error
+from .errors import IntegrityError, NoSuchKeyError, S3ConnectionError, S3DCPError, S3Error
 from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
-from .streams import BufferStream, Deadlines, chain, gather
+from .streams import BufferStream, chain, deadlines, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error"]
 
@@ -66,17 +68,20 @@ class S3Client:
     """Futures-returning S3 operations over one lazily created awscrt ``S3Client``.
 
     ``put`` and ``get_range_into`` move data through the CRT's parallel multipart machinery;
-    the rest are single small requests. At most ``config.max_concurrency`` calls are in flight
-    per instance: a call made beyond that blocks until one finishes (back-pressure, not queues
-    of unbounded memory).
+    the rest are single small requests. At most ``config.max_concurrency`` requests are in
+    flight per process (S3Clients of equal configs share one native client and its limit);
+    requests beyond that wait in order for a free slot. No call blocks: each returns its future
+    at once, so calls may be chained from callbacks on CRT threads. A request holds the
+    caller's buffers only until it ends.
     """
 
     def __init__(self, config: S3Config | None = None) -> None:
-        self.config = (config or S3Config()).resolved()
+        config = config or S3Config()
+        self._profile_given = config.profile is not None  # a profile named in code beats env keys
+        self.config = config.resolved()
         self._lock = threading.Lock()
-        self._crt = None
-        self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
-        self._deadlines = Deadlines()
+        self._use = _NativeUse()
+        weakref.finalize(self, self._use.release)  # an S3Client dropped without close() lets go too
         parts = urlsplit(self.config.endpoint_url)
         self._tls = parts.scheme == "https"
         self._host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
@@ -85,10 +90,11 @@ class S3Client:
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
-        return {"config": self.config}
+        return {"config": self.config, "profile_given": self._profile_given}
 
     def __setstate__(self, state):
         self.__init__(state["config"])
+        self._profile_given = state.get("profile_given", False)
 
     def __repr__(self) -> str:
         return f"S3Client(endpoint_url={self.config.endpoint_url!r}, region={self.config.region!r})"
@@ -128,13 +134,15 @@ class S3Client:
                     etag[0] = value
 
         request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers), stream)
+        size = stream.size
         return self._submit(
             "PutObject", bucket, key,
             lambda crt, on_done: crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._put_checksum(),
                 multipart_upload_threshold=stream.size + 1 if single_request else None,
                 on_headers=on_headers, on_done=on_done),
-            result=lambda: PutResult(etag[0], stream.size),
+            result=lambda: PutResult(etag[0], size),
+            releases=[stream.release],
         )
 
     def get_range_into(self, bucket: str, key: str, offset: int, dest) -> "Future[int]":
@@ -159,6 +167,7 @@ class S3Client:
             done.set_result(0)
             return done
         sinks = sorted(((off, memoryview(v).cast("B")) for off, v in sinks), key=lambda s: s[0])
+        # a list, emptied when the request ends: the caller's buffers are not kept past it
         reach = list(itertools.accumulate((off + v.nbytes for off, v in sinks), max))  # max end so far
         received = [0]
 
@@ -193,6 +202,7 @@ class S3Client:
                 type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done,
                 part_size=self.config.download_part_size_bytes),
             result=result,
+            releases=[sinks.clear, reach.clear],
         )
 
     def get(self, bucket: str, key: str) -> "Future[bytes]":
@@ -288,62 +298,34 @@ class S3Client:
         return outer
 
     def close(self) -> None:
-        """Drop the native client (it shuts down when the last request releases it)."""
-        with self._lock:
-            self._crt = None
+        """Stop using the shared native client. It shuts down once no S3Client uses it and its
+        last request has ended (after a short linger, so back-to-back checkpoints reuse its
+        connections); requests in flight finish normally. Using this S3Client again is fine:
+        it takes a native client again."""
+        self._use.release()
 
     # ------------------------------------------------------------------ internals
-    def _crt_client(self):
+    def _native(self) -> "_NativeClient":
         with self._lock:
-            if self._crt is None:
-                self._crt = _shared_crt_client(self.config, self._tls)
-            return self._crt
+            native = self._use.native
+            if native is None or native.closed:
+                self._use.release()
+                native = self._use.native = _acquire_native(self.config, self._tls, self._profile_given)
+            return native
 
-    def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable) -> Future:
-        """Start one CRT meta request; return a future with its translated outcome.
+    def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable,
+                releases: Sequence[Callable[[], None]] = ()) -> Future:
+        """Queue one CRT meta request; return a future with its translated outcome. Never blocks:
+        it may be called from a CRT callback (the next page of a listing).
 
-        ``start(crt_client, on_done)`` makes the request. The slot taken here is given back
-        when the request ends, success or not; a request past ``request_timeout_s`` is
-        cancelled and fails with :class:`S3ConnectionError`.
+        ``start(crt_client, on_done)`` makes the request once a slot is free (at most
+        ``max_concurrency`` per process and configuration). When the request ends, success or
+        not, its slot goes to the next queued request, its deadline is dropped and ``releases``
+        run, so nothing keeps the caller's buffers alive after the future is done.
         """
-        crt = self._crt_client()
-        outer: Future = Future()
-        timed_out = threading.Event()
-        self._slots.acquire()
-        finished = threading.Event()
-
-        def on_done(error=None, status_code=None, **_):
-            # Runs on a CRT thread once; must not block.
-            if finished.is_set():
-                return
-            finished.set()
-            self._slots.release()
-            try:
-                if error is not None:
-                    if timed_out.is_set():
-                        raise S3ConnectionError(
-                            f"{operation} timed out after request_timeout_s={self.config.request_timeout_s}",
-                            operation=operation, bucket=bucket, key=key) from error
-                    raise translate_error(error, operation=operation, bucket=bucket, key=key)
-                outer.set_result(result())
-            except BaseException as e:  # noqa: BLE001 - every error must reach the future
-                outer.set_exception(e)
-
-        try:
-            request = start(crt, on_done)
-        except BaseException:
-            finished.set()
-            self._slots.release()
-            raise
-        if self.config.request_timeout_s is not None:
-            def expire() -> None:
-                if not finished.is_set():
-                    timed_out.set()
-                    request.cancel()
-            self._deadlines.add(self.config.request_timeout_s, expire)
-        # Keep the request (and its Python callbacks) alive until it completes.
-        outer.add_done_callback(lambda _f, r=request: None)
-        return outer
+        call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s)
+        self._native().submit(call)
+        return call.future
 
     def _default(self, operation: str, method: str, bucket: str, key: str, *, result: Callable,
                  query: dict | None = None, body: bytes | None = None, extra_headers=()) -> Future:
@@ -468,37 +450,228 @@ class S3Client:
         return [("x-amz-expected-bucket-owner", owner)] if owner else []
 
 
-# ---------------------------------------------------------------------- CRT construction
-_CRT_CLIENTS: dict = {}
-_CRT_CLIENTS_LOCK = threading.Lock()
+# ---------------------------------------------------------------------- requests in flight
+class _Call:
+    """One request from submission to its end: what starts it, the future it completes, and
+    the references (request, deadline, caller buffers) dropped the moment it ends."""
+
+    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s",
+                 "future", "_request", "_deadline", "_timed_out", "_finished", "_native")
+
+    def __init__(self, operation, bucket, key, start, result, releases, timeout_s) -> None:
+        self.operation, self.bucket, self.key = operation, bucket, key
+        self._start, self._result, self._releases = start, result, list(releases)
+        self._timeout_s = timeout_s
+        self.future: Future = Future()
+        self._request = None
+        self._deadline = None
+        self._timed_out = False
+        self._finished = False
+        self._native: _NativeClient | None = None
+
+    def start(self, native: "_NativeClient") -> bool:
+        """Make the CRT request; False if that failed (the call is then over, its future failed)."""
+        self._native = native
+        try:
+            self._request = self._start(native.crt, self._on_done)
+        except BaseException as e:  # noqa: BLE001 - reaches the future
+            self._end(error=e, free_slot=False)
+            return False
+        if self._timeout_s is not None:
+            self._deadline = deadlines().add(self._timeout_s, self._expire)
+        return True
+
+    def _expire(self) -> None:
+        request = self._request
+        if request is not None and not self._finished:
+            self._timed_out = True
+            request.cancel()
+
+    def _on_done(self, error=None, **_) -> None:
+        # Runs once on a CRT thread; must not block.
+        self._end(error=error, free_slot=True)
+
+    def _end(self, *, error, free_slot: bool) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if error is None:
+                value, failure = self._result(), None
+            elif self._timed_out:
+                value, failure = None, S3ConnectionError(
+                    f"{self.operation} timed out after request_timeout_s={self._timeout_s}",
+                    operation=self.operation, bucket=self.bucket, key=self.key)
+                failure.__cause__ = error
+            elif isinstance(error, S3DCPError):
+                value, failure = None, error
+            else:  # keeps the CRT error as __cause__
+                value, failure = None, translate_error(error, operation=self.operation,
+                                                       bucket=self.bucket, key=self.key)
+        except BaseException as e:  # noqa: BLE001 - e.g. a short read found by result()
+            value, failure = None, e
+        # Let go of everything this request held before anyone hears of its outcome.
+        if self._deadline is not None:
+            self._deadline.cancel()
+        for release in self._releases:
+            release()
+        self._start = self._result = self._request = self._deadline = None
+        self._releases = []
+        native, self._native = self._native, None
+        if free_slot and native is not None:
+            native.finished()
+        if failure is None:
+            self.future.set_result(value)
+        else:
+            self.future.set_exception(failure)
 
 
-def _shared_crt_client(config: S3Config, tls: bool):
-    """One native client per configuration and process, shared by every S3Client: writers and
-    readers are made per checkpoint, and a new native client would open new connections (and
-    TLS sessions) every time. Keyed by pid too: a forked child must build its own."""
+class _NativeClient:
+    """One awscrt S3Client shared by every S3Client of one configuration, credentials and
+    process, with its admission queue: at most ``limit`` requests in flight, the rest wait
+    their turn in order. Nothing here blocks, so it may be entered from CRT callbacks."""
+
+    def __init__(self, key, crt, limit: int) -> None:
+        self.key = key
+        self.crt = crt
+        self.limit = limit
+        self.users = 0  # S3Clients holding it
+        self.in_flight = 0
+        self.closed = False  # dropped from the registry; the CRT client goes with its last request
+        self._queue: collections.deque[_Call] = collections.deque()
+        self._lock = threading.Lock()
+
+    def submit(self, call: _Call) -> None:
+        with self._lock:
+            if self.in_flight >= self.limit:
+                self._queue.append(call)
+                return
+            self.in_flight += 1
+        self._launch(call)
+
+    def finished(self) -> None:
+        """A request ended: its slot goes to the next queued request, if any."""
+        self._launch(self._next())
+
+    def _next(self) -> _Call | None:
+        with self._lock:
+            if self._queue:
+                return self._queue.popleft()
+            self.in_flight -= 1
+            if self.closed and self.in_flight == 0:
+                self.crt = None
+            return None
+
+    def _launch(self, call: _Call | None) -> None:
+        while call is not None and not call.start(self):
+            call = self._next()  # it failed to start: the slot is still ours
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return self.users == 0 and self.in_flight == 0 and not self._queue
+
+
+_NATIVE: dict = {}  # key -> _NativeClient
+_NATIVE_LOCK = threading.Lock()
+_IDLE_LINGER_S = 10.0  # an unused native client waits this long for the next checkpoint's writer
+
+
+class _NativeUse:
+    """An S3Client's hold on a native client (separate from the S3Client so that a finalizer
+    can release it without keeping the S3Client alive)."""
+
+    __slots__ = ("native", "__weakref__")
+
+    def __init__(self) -> None:
+        self.native: _NativeClient | None = None
+
+    def release(self) -> None:
+        native, self.native = self.native, None
+        if native is not None:
+            _release_native(native)
+
+
+def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _NativeClient:
+    """The shared native client for ``config`` and the credentials in force now, made on first
+    use. Keyed by process (a forked child builds its own) and by a digest of static credentials,
+    so a secret changed in the environment is used by the next S3Client, as with boto3."""
     import os
 
-    key = (os.getpid(), config)
-    with _CRT_CLIENTS_LOCK:
-        crt = _CRT_CLIENTS.get(key)
-        if crt is None:
-            crt = _CRT_CLIENTS[key] = _make_crt_client(config, tls)
-        return crt
+    source = _credential_source(config, profile_given, os.environ)
+    key = (os.getpid(), config, source[0], hashlib.sha256(repr(source).encode()).hexdigest())
+    with _NATIVE_LOCK:
+        native = _NATIVE.get(key)
+        if native is None:
+            native = _NATIVE[key] = _NativeClient(key, _make_crt_client(config, tls, source),
+                                                  config.max_concurrency)
+        native.users += 1
+        return native
 
 
-def _make_crt_client(config: S3Config, tls: bool):
+def _release_native(native: _NativeClient) -> None:
+    with _NATIVE_LOCK:
+        native.users -= 1
+        unused = native.users == 0
+    if unused:
+        deadlines().add(_IDLE_LINGER_S, lambda: _drop_if_idle(native))
+
+
+def _drop_if_idle(native: _NativeClient) -> None:
+    with _NATIVE_LOCK:
+        if native.idle and _NATIVE.get(native.key) is native:
+            del _NATIVE[native.key]
+            native.closed = True
+            native.crt = None
+
+
+def close_native_clients() -> None:
+    """Release every native client of this process (``s3dcp.close()``): idle ones now, busy
+    ones when their last request ends. S3Clients still in use take a fresh one on their next
+    request."""
+    with _NATIVE_LOCK:
+        natives = list(_NATIVE.values())
+        _NATIVE.clear()
+    for native in natives:
+        with native._lock:
+            native.closed = True
+            if native.in_flight == 0:
+                native.crt = None
+
+
+def native_clients() -> int:
+    """How many native CRT clients this process holds (for tests and the soak benchmark)."""
+    with _NATIVE_LOCK:
+        return len(_NATIVE)
+
+
+def _credential_source(config: S3Config, profile_given: bool, environ) -> tuple:
+    """Where this client's credentials come from, in boto3's order: keys in the config, a
+    profile named in code, keys in the environment (read now, not when the process started),
+    the profile from the environment, then the CRT's default chain (web identity, ECS, IMDS)."""
+    if config.access_key_id is not None:
+        return ("static", config.access_key_id, config.secret_access_key, config.session_token)
+    if profile_given and config.profile:
+        return ("profile", config.profile)
+    key_id, secret = environ.get("AWS_ACCESS_KEY_ID"), environ.get("AWS_SECRET_ACCESS_KEY")
+    if key_id and secret:
+        return ("static", key_id, secret, environ.get("AWS_SESSION_TOKEN") or None)
+    if config.profile:
+        return ("profile", config.profile)
+    return ("default",)
+
+
+def _make_crt_client(config: S3Config, tls: bool, source: tuple):
     from awscrt.auth import AwsCredentialsProvider
     from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
     from awscrt.s3 import S3Client as CrtS3Client
     from awscrt.s3 import S3RequestTlsMode, S3RetryConfig, create_default_s3_signing_config
 
     bootstrap = ClientBootstrap.get_or_create_static_default()
-    if config.access_key_id is not None:
-        credentials = AwsCredentialsProvider.new_static(
-            config.access_key_id, config.secret_access_key, config.session_token)
-    elif config.profile:
-        credentials = AwsCredentialsProvider.new_profile(bootstrap, profile_name=config.profile)
+    if source[0] == "static":
+        credentials = AwsCredentialsProvider.new_static(*source[1:])
+    elif source[0] == "profile":
+        credentials = AwsCredentialsProvider.new_profile(bootstrap, profile_name=source[1])
     else:
         credentials = AwsCredentialsProvider.new_default_chain(bootstrap)
     signing = create_default_s3_signing_config(region=config.region, credential_provider=credentials)

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-__all__ = ["BufferStream", "Deadlines", "chain", "gather"]
+__all__ = ["BufferStream", "Deadline", "Deadlines", "deadlines", "chain", "gather"]
 
 log = logging.getLogger("s3dcp")
 
@@ -46,6 +46,11 @@ class BufferStream(io.RawIOBase):
             self._index += 1
         return target
 
+    def release(self) -> None:
+        """Drop every reference to the caller's buffers (the request is over); reads return 0."""
+        self._views = []
+        self._index = self._offset = 0
+
     def readinto(self, b) -> int:
         out = memoryview(b).cast("B")
         n = 0
@@ -61,9 +66,27 @@ class BufferStream(io.RawIOBase):
         return n
 
 
+class Deadline:
+    """A pending :class:`Deadlines` entry; ``cancel()`` drops its callback (and everything the
+    callback holds) at once, not when the deadline would have passed."""
+
+    __slots__ = ("when", "callback")
+
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when = when
+        self.callback: Callable[[], None] | None = callback
+
+    def cancel(self) -> None:
+        self.callback = None
+
+
 class Deadlines:
     """One daemon thread that runs callbacks at deadlines (request timeouts), instead of a
-    timer thread per request."""
+    timer thread per request. Shared by the whole process (:func:`deadlines`).
+
+    A cancelled entry keeps nothing alive; the heap is compacted when cancelled entries make up
+    most of it, so finished requests cost neither memory nor time until their deadline.
+    """
 
     def __init__(self) -> None:
         self._heap: list = []
@@ -71,29 +94,55 @@ class Deadlines:
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def add(self, delay_s: float, callback: Callable[[], None]) -> None:
+    def add(self, delay_s: float, callback: Callable[[], None]) -> Deadline:
+        entry = Deadline(time.monotonic() + delay_s, callback)
         with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._counter), callback))
-            if self._thread is None:
+            heapq.heappush(self._heap, (entry.when, next(self._counter), entry))
+            if len(self._heap) > 64 and len(self._heap) > 2 * self._live():
+                self._heap = [e for e in self._heap if e[2].callback is not None]
+                heapq.heapify(self._heap)
+            if self._thread is None or not self._thread.is_alive():  # none yet, or we are a forked child
                 self._thread = threading.Thread(target=self._run, name="s3dcp-deadlines", daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return entry
+
+    def __len__(self) -> int:
+        """Entries not cancelled yet (tests check that finished requests leave none)."""
+        with self._cond:
+            return self._live()
+
+    def _live(self) -> int:
+        return sum(1 for e in self._heap if e[2].callback is not None)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._heap:
+                while self._heap and self._heap[0][2].callback is None:
+                    heapq.heappop(self._heap)
+                if not self._heap:
                     self._cond.wait()
-                when, _, callback = self._heap[0]
+                    continue
+                when, _, entry = self._heap[0]
                 now = time.monotonic()
                 if when > now:
                     self._cond.wait(when - now)
                     continue
                 heapq.heappop(self._heap)
+                callback, entry.callback = entry.callback, None
             try:
-                callback()
+                if callback is not None:
+                    callback()
             except Exception:  # pragma: no cover - a cancel racing completion
                 log.debug("deadline callback failed", exc_info=True)
+
+
+_DEADLINES = Deadlines()
+
+
+def deadlines() -> Deadlines:
+    """The process-wide :class:`Deadlines` (one thread for every client)."""
+    return _DEADLINES
 
 
 def chain(f: Future, outer: Future, handle: Callable) -> None:

@@ -1,0 +1,195 @@
+"""Lifetimes in the client: a finished request keeps none of the caller's buffers, deadlines,
+slots or native clients; nothing blocks a CRT thread; credentials follow the environment."""
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import s3dcp
+from s3dcp import client as client_mod
+from s3dcp.client import S3Client
+from s3dcp.config import MiB, S3Config
+from s3dcp.errors import AccessDeniedError, NoSuchBucketError
+from s3dcp.streams import deadlines
+from s3dcp.tensors import byte_view
+
+PART = 5 * MiB
+
+
+def _gone(ref: weakref.ref, timeout_s: float = 10.0) -> bool:
+    """Whether ``ref``'s object is freed within ``timeout_s``: the CRT lets go of a request's
+    callbacks on its own thread shortly after the request's future completes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        gc.collect()
+        if ref() is None:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def client(s3_server):
+    c = S3Client(s3_server.s3_config(part_size_bytes=PART))
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("nbytes", [1 * MiB, 3 * PART + 123], ids=["single", "multipart"])
+def test_put_lets_go_of_the_source_buffer(client, bucket, nbytes):
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    ref = weakref.ref(source)
+    client.put(bucket, "k", [byte_view(source)]).result()
+    del source
+    assert _gone(ref), "a finished PUT still holds its source buffer"
+
+
+@pytest.mark.parametrize("nbytes", [1 * MiB, 3 * PART + 123], ids=["single", "ranged"])
+def test_get_lets_go_of_the_destination_buffer(client, bucket, nbytes):
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    client.put(bucket, "k", [byte_view(data)]).result()
+    dest = torch.empty(nbytes, dtype=torch.uint8)
+    ref = weakref.ref(dest)
+    client.get_range_into(bucket, "k", 0, byte_view(dest)).result()
+    assert torch.equal(dest, data)
+    del dest
+    assert _gone(ref), "a finished GET still holds its destination buffer"
+
+
+def test_failed_request_lets_go_of_buffers_and_keeps_its_error(client, bucket):
+    source = torch.zeros(2 * PART, dtype=torch.uint8)
+    dest = torch.zeros(1024, dtype=torch.uint8)
+    refs = weakref.ref(source), weakref.ref(dest)
+    put = client.put(f"{bucket}-missing", "k", [byte_view(source)])
+    get = client.get_range_into(bucket, "no-such-key", 0, byte_view(dest))
+    with pytest.raises(NoSuchBucketError):
+        put.result()
+    with pytest.raises(s3dcp.NoSuchKeyError):
+        get.result()
+    del source, dest
+    # the futures (and the errors they hold) stay alive here, on purpose
+    assert all(_gone(r) for r in refs), "a failed request's future holds the caller's buffers"
+    assert isinstance(put.exception(), NoSuchBucketError)
+
+
+def test_finished_requests_leave_no_deadlines(client, bucket):
+    before = len(deadlines())
+    for f in [client.put(bucket, f"k{i}", b"x" * 100) for i in range(20)]:
+        f.result()
+    for f in [client.get(bucket, "k0") for _ in range(5)] + [client.get(bucket, "gone") for _ in range(3)]:
+        f.exception()
+    assert len(deadlines()) == before
+
+
+def test_callbacks_never_block_crt_threads(s3_server, bucket):
+    """One slot, a paginated listing (each page is started from the previous page's CRT
+    callback) and puts from this thread competing for it: all must finish. A blocking
+    admission would park a CRT event-loop thread waiting for a slot that only that thread
+    can free."""
+    c = S3Client(s3_server.s3_config(max_concurrency=1))
+    try:
+        for i in range(12):
+            c.put(bucket, f"p/{i:02d}", b"y").result()
+        listings = [c.list(bucket, "p/", page_size=1) for _ in range(3)]
+        puts = [c.put(bucket, f"q/{i}", b"z" * 1000) for i in range(30)]
+        heads = [c.head(bucket, f"missing-{i}") for i in range(5)]  # HEAD 404 chains a HeadBucket
+        for f in listings:
+            objects, _ = f.result(timeout=60)
+            assert [o.key for o in objects] == [f"p/{i:02d}" for i in range(12)]
+        for f in puts:
+            f.result(timeout=60)
+        for f in heads:
+            with pytest.raises(s3dcp.NoSuchKeyError):
+                f.result(timeout=60)
+    finally:
+        c.close()
+
+
+def test_max_concurrency_is_per_process_not_per_client(s3_server, bucket):
+    config = s3_server.s3_config(max_concurrency=2)
+    a, b = S3Client(config), S3Client(config)
+    try:
+        assert a._native() is b._native()
+        native = a._native()
+        seen = []
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                seen.append(native.in_flight)
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        futures = [c.put(bucket, f"c/{i}", b"w" * 200_000) for i in range(20) for c in (a, b)]
+        for f in futures:
+            f.result()
+        stop.set()
+        sampler.join()
+        assert max(seen) <= 2
+        assert native.in_flight == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_native_client_released_when_unused(s3_server, bucket, monkeypatch):
+    monkeypatch.setattr(client_mod, "_IDLE_LINGER_S", 0.05)
+    config = s3_server.s3_config(max_concurrency=3)  # a config no other test's clients share
+    c = S3Client(config)
+    c.put(bucket, "n", b"1").result()
+    crt_done = c._native().crt.shutdown_event
+    c.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not crt_done.is_set():
+        time.sleep(0.02)
+    assert crt_done.is_set(), "an unused native CRT client was never shut down"
+    c.put(bucket, "n2", b"2").result()  # a closed S3Client takes a native client again
+    c.close()
+
+
+def test_dropped_client_releases_its_native_client(s3_server, bucket, monkeypatch):
+    monkeypatch.setattr(client_mod, "_IDLE_LINGER_S", 0.05)
+    c = S3Client(s3_server.s3_config(max_concurrency=5))
+    c.put(bucket, "d", b"1").result()
+    crt_done = c._native().crt.shutdown_event
+    del c
+    gc.collect()
+    assert crt_done.wait(10), "an S3Client dropped without close() kept its native client"
+
+
+def test_s3dcp_close_releases_every_native_client(s3_server, bucket):
+    c = S3Client(s3_server.s3_config(max_concurrency=6))
+    c.put(bucket, "e", b"1").result()
+    crt_done = c._native().crt.shutdown_event
+    s3dcp.close()
+    assert client_mod.native_clients() == 0
+    assert crt_done.wait(10)
+    assert c.get(bucket, "e").result() == b"1"  # still usable: it takes a fresh one
+    c.close()
+
+
+def test_credentials_follow_the_environment(s3_server, bucket, monkeypatch):
+    good = s3_server.s3_config()
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", good.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", good.secret_access_key)
+    keyless = S3Config(endpoint_url=good.endpoint_url, region=good.region, max_retries=0)
+    first = S3Client(keyless)
+    first.put(bucket, "env", b"1").result()
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    second = S3Client(keyless)
+    with pytest.raises(AccessDeniedError):
+        second.get(bucket, "env").result()
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", good.secret_access_key)
+    third = S3Client(keyless)
+    assert third.get(bucket, "env").result() == b"1"
+    for c in (first, second, third):
+        c.close()

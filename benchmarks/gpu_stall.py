@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             for v in state.values():  # the training loop goes on at once
                 if isinstance(v, torch.Tensor):
                     v.add_(1)
-            staging = stager._staging
+            staging = stager._lease
             t1 = time.perf_counter()
             with open(os.path.join(tmp, "upload.bin"), "wb") as f:  # the stand-in for the S3 upload
                 for key, v in staged.items():

@@ -211,7 +211,7 @@ def cmd_inspect(args) -> int:
     from .reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
-    md = S3StorageReader(str(uri), client=_client(args)).read_metadata()
+    md = S3StorageReader(str(uri), client=_client(args)).fetch_metadata()
     stored: dict[str, int] = {}
     objects: dict[str, dict[str, Any]] = {}
     for index, loc in md.storage_data.items():
@@ -296,7 +296,7 @@ def cmd_verify(args) -> int:
 
     uri = parse_s3_uri(args.uri)
     client = _client(args)
-    md = S3StorageReader(str(uri), client=client).read_metadata()
+    md = S3StorageReader(str(uri), client=client).fetch_metadata()
     checks: list[_ItemCheck] = []
     bad: list[dict[str, Any]] = []
     unchecked = 0
@@ -447,7 +447,7 @@ def cmd_download(args) -> int:
     if os.path.exists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     reader = S3StorageReader(str(uri), client=_client(args), allow_pickle=args.allow_pickle)
-    reader.read_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
     state_dict: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():

@@ -281,6 +281,34 @@ class S3Client:
         page("", "")
         return outer
 
+    def upload_activity(self, bucket: str, key: str, upload_id: str) -> "Future[float | None]":
+        """When an unfinished multipart upload last received a part (seconds since the epoch;
+        None when it has no parts yet), from ListParts, every page."""
+        newest: list[float | None] = [None]
+        outer: Future = Future()
+
+        def page(marker: str) -> None:
+            query = {"uploadId": upload_id}
+            if marker:
+                query["part-number-marker"] = marker
+            f = self._default("ListParts", "GET", bucket, key, query=query, result=xml_result,
+                              extra_headers=self._owner_headers())
+            f.add_done_callback(lambda f: chain(f, outer, handle))
+
+        def handle(root) -> None:
+            for part in children(root, "Part"):
+                stamp = parse_iso(text(part, "LastModified"))
+                if stamp is not None and (newest[0] is None or stamp > newest[0]):
+                    newest[0] = stamp
+            marker = text(root, "NextPartNumberMarker")
+            if text(root, "IsTruncated") == "true" and marker:
+                page(marker)
+            else:
+                outer.set_result(newest[0])
+
+        page("")
+        return outer
+
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":
         """Abort a multipart upload; an upload that is already gone is not an error."""
         outer: Future = Future()

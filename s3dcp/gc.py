@@ -3,13 +3,20 @@
 A save that dies (an exception on any rank, a killed process, a lost node) never writes its
 metadata object, so its data objects are not a checkpoint: loading refuses them. They still
 cost storage, and an interrupted multipart upload keeps its parts until it is aborted.
-:func:`gc` removes both, and nothing else:
+:func:`gc` removes both, and nothing else.
 
-- the data objects of one save (one token, see :func:`s3dcp.layout.object_name`) go only
-  when no committed metadata references them and the newest of them is older than
-  ``older_than_s``, so a save still being written (which keeps adding objects) is left alone;
-- a committed checkpoint's referenced objects and its metadata are never touched;
-- multipart uploads under the prefix started more than ``older_than_s`` ago are aborted.
+Leftovers are judged per *save*: every data object name carries the save's identity, chosen
+by the coordinator and the same on every rank (:func:`s3dcp.layout.object_name`), and so does
+the key of each of its unfinished multipart uploads. In each checkpoint directory:
+
+- a save's unreferenced objects and uploads go together, and only when the newest sign of
+  life of that save — an object's modification time, an upload's start or its newest part —
+  is older than ``older_than_s``. A slow rank still uploading keeps the objects that faster
+  ranks finished long ago, so its commit never points at deleted keys (and the commit checks
+  anyway: :meth:`s3dcp.S3StorageWriter.finish`);
+- objects that committed metadata references, and the metadata, are never touched; nothing is
+  deleted next to metadata that cannot be read;
+- an unfinished upload whose key is not a data object name is judged alone, by its own age.
 """
 
 from __future__ import annotations
@@ -18,18 +25,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .client import ObjectInfo, S3Client
+from .client import S3Client, UploadInfo
 from .config import S3Config
 from .errors import MetadataFormatError
-from .layout import parse_object_name
+from .layout import METADATA_NAME, parse_object_name
 from .metadata import decode_metadata
 from .uri import parse_s3_uri
 
 __all__ = ["gc", "GcReport"]
 
 log = logging.getLogger("s3dcp")
-
-_METADATA = ".metadata"
 
 
 @dataclass
@@ -39,8 +44,21 @@ class GcReport:
     deleted: list[str] = field(default_factory=list)
     deleted_bytes: int = 0
     aborted_uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id)
-    kept_recent: list[str] = field(default_factory=list)  # unreferenced but too young to judge
+    kept_recent: list[str] = field(default_factory=list)  # keys of unreferenced objects too young to judge
+    kept_recent_uploads: list[tuple[str, str]] = field(default_factory=list)  # uploads of saves too young
     unreadable_metadata: list[str] = field(default_factory=list)  # left alone, to be looked at
+
+
+@dataclass
+class _Save:
+    """One save's leftovers in one directory: objects, uploads, and its newest sign of life."""
+
+    objects: list = field(default_factory=list)
+    uploads: list[UploadInfo] = field(default_factory=list)
+    newest: float = float("-inf")
+
+    def saw(self, stamp: float | None, now: float) -> None:
+        self.newest = max(self.newest, now if stamp is None else stamp)
 
 
 def gc(
@@ -56,7 +74,8 @@ def gc(
 
     Args:
         uri: ``s3://bucket/prefix``; every checkpoint below it is examined.
-        older_than_s: only leftovers whose newest object (or upload start) is older than this.
+        older_than_s: only saves whose newest object, upload start or uploaded part is older
+            than this.
         dry_run: report, delete nothing.
         now: the current time in seconds since the epoch (tests pass one).
     """
@@ -67,46 +86,63 @@ def gc(
     report = GcReport()
 
     objects, _ = client.list(target.bucket, target.dir_prefix).result()
-    by_dir: dict[str, list[ObjectInfo]] = {}
+    uploads = client.list_uploads(target.bucket, target.dir_prefix).result()
+    by_dir: dict[str, dict[str, object]] = {}
     for obj in objects:
-        directory, _, _name = obj.key.rpartition("/")
-        by_dir.setdefault(directory, []).append(obj)
+        directory, _, name = obj.key.rpartition("/")
+        by_dir.setdefault(directory, {})[name] = obj
 
-    doomed: list[ObjectInfo] = []
-    for directory, entries in by_dir.items():
-        names = {o.key.rpartition("/")[2]: o for o in entries}
+    saves: dict[tuple[str, str], _Save] = {}  # (directory, save id) -> its leftovers
+    unreadable: set[str] = set()
+    for directory, names in by_dir.items():
         referenced: set[str] = set()
-        if _METADATA in names:
+        if METADATA_NAME in names:
             try:
-                referenced = _referenced(client, target.bucket, names[_METADATA].key)
+                referenced = _referenced(client, target.bucket, names[METADATA_NAME].key)
             except MetadataFormatError:
-                report.unreadable_metadata.append(names[_METADATA].key)
+                report.unreadable_metadata.append(names[METADATA_NAME].key)
+                unreadable.add(directory)
                 continue  # never delete next to metadata we cannot read
-        by_token: dict[str, list[ObjectInfo]] = {}
         for name, obj in names.items():
             parsed = parse_object_name(name)
             if parsed and name not in referenced:
-                by_token.setdefault(parsed.token, []).append(obj)
-        for group in by_token.values():
-            newest = max((o.last_modified or now) for o in group)
-            if newest < cutoff:
-                doomed.extend(group)
-            else:
-                report.kept_recent.extend(o.key for o in group)
+                save = saves.setdefault((directory, parsed.token), _Save())
+                save.objects.append(obj)
+                save.saw(obj.last_modified, now)
+
+    for upload in uploads:
+        directory, _, name = upload.key.rpartition("/")
+        if directory in unreadable:
+            continue
+        parsed = parse_object_name(name)
+        save = saves.setdefault((directory, parsed.token) if parsed else (directory, f"upload:{upload.upload_id}"),
+                                _Save())
+        save.uploads.append(upload)
+        save.saw(upload.initiated, now)
+        if save.newest < cutoff:  # started long ago: has it received a part since?
+            save.saw(client.upload_activity(target.bucket, upload.key, upload.upload_id).result() or cutoff - 1,
+                     now)
+
+    doomed = []
+    for save in saves.values():
+        if save.newest < cutoff:
+            doomed.extend(save.objects)
+            report.aborted_uploads.extend((u.key, u.upload_id) for u in save.uploads)
+        else:
+            report.kept_recent.extend(o.key for o in save.objects)
+            report.kept_recent_uploads.extend((u.key, u.upload_id) for u in save.uploads)
 
     report.deleted = sorted(o.key for o in doomed)
     report.deleted_bytes = sum(o.size for o in doomed)
-    for upload in client.list_uploads(target.bucket, target.dir_prefix).result():
-        if upload.initiated is not None and upload.initiated < cutoff:
-            report.aborted_uploads.append((upload.key, upload.upload_id))
-
+    report.kept_recent.sort()
     if not dry_run:
         client.delete(target.bucket, report.deleted).result()
         for key, upload_id in report.aborted_uploads:
             client.abort_upload(target.bucket, key, upload_id).result()
-    log.info("gc %s: %s %d object(s) (%d bytes) and %d multipart upload(s)", target,
+    log.info("gc %s: %s %d object(s) (%d bytes) and %d multipart upload(s); kept %d object(s) and %d "
+             "upload(s) of saves active in the last %.0f s", target,
              "would delete" if dry_run else "deleted", len(report.deleted), report.deleted_bytes,
-             len(report.aborted_uploads))
+             len(report.aborted_uploads), len(report.kept_recent), len(report.kept_recent_uploads), older_than_s)
     return report
 
 

@@ -8,10 +8,21 @@ checkpoint metadata by :mod:`s3dcp.metadata` and read back to find each item on 
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["ItemLocation", "pack", "object_name", "ObjectName", "parse_object_name", "box_byte_range", "is_contiguous_box", "Segment", "coalesce"]
+__all__ = [
+    "METADATA_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
+    "parse_object_name", "is_data_object", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
+    "coalesce",
+]
+
+# The names of a checkpoint directory's objects, defined here and nowhere else:
+#   <prefix>/.metadata                      the commit marker: written last, by the coordinator
+#   <prefix>/[NN-]__<rank>_<i>.<save id>.distcp   data objects (see object_name)
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
 
 
 @dataclass(frozen=True)
@@ -50,9 +61,16 @@ def pack(sizes: Sequence[int], target_bytes: int) -> list[list[int]]:
     return groups
 
 
+def new_save_id() -> str:
+    """A fresh save identity: 12 hex digits (48 random bits), chosen once per save by the
+    coordinator and carried to every rank in its plan."""
+    return uuid.uuid4().hex[:12]
+
+
 def object_name(rank: int, index: int, token: str, spread: int = 1) -> str:
-    """Name of a rank's ``index``-th data object. ``token`` is unique per save, so the objects
-    of two saves (a retry, a concurrent job) never collide or mix.
+    """Name of a rank's ``index``-th data object. ``token`` is the save's identity, the same
+    on every rank and new for every save, so the objects of two saves (a retry, an overwrite, a
+    concurrent job) never collide, and ``gc`` can tell which objects belong to one save.
 
     With ``spread > 1`` the name starts with one of ``spread`` two-hex-digit prefixes
     (``"03-__5_1.<token>.distcp"``), round-robin over ranks and objects: S3 scales request
@@ -79,6 +97,20 @@ def parse_object_name(name: str) -> ObjectName | None:
     """The parts of a name made by :func:`object_name`; None for any other name."""
     match = _OBJECT_RE.match(name)
     return ObjectName(int(match.group(1)), int(match.group(2)), match.group(3)) if match else None
+
+
+def is_data_object(name: str) -> bool:
+    """Whether ``name`` (relative to the checkpoint directory) is a data object s3dcp wrote."""
+    return parse_object_name(name) is not None
+
+
+def object_sizes(locations: Iterable[ItemLocation]) -> dict[str, int]:
+    """The size each data object must have: its items are packed back to back from offset 0,
+    so an object ends where its last item ends."""
+    sizes: dict[str, int] = {}
+    for loc in locations:
+        sizes[loc.object_name] = max(sizes.get(loc.object_name, 0), loc.offset + loc.length)
+    return sizes
 
 
 # ---------------------------------------------------------------------------- load side

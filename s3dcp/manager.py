@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .client import ObjectInfo, S3Client
 from .config import S3Config
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, root_error
+from .layout import METADATA_NAME, is_data_object
 from .uri import S3Uri, parse_s3_uri
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ __all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "scan_dir
 
 log = logging.getLogger("s3dcp")
 
-METADATA_NAME = ".metadata"  # = s3dcp.writer.METADATA_NAME, the commit marker
-_DATA_SUFFIX = ".distcp"
 
 
 @dataclass(frozen=True)
@@ -263,7 +262,7 @@ class CheckpointManager:
             if step is None:
                 continue
             names = {o.key.rpartition("/")[2] for o in objects}
-            if METADATA_NAME not in names and not any(n.endswith(_DATA_SUFFIX) for n in names):
+            if METADATA_NAME not in names and not any(is_data_object(n) for n in names):
                 continue
             stamps = [o.last_modified for o in objects if o.last_modified is not None]
             infos.append(CheckpointInfo(
@@ -350,7 +349,7 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
     Returns (objects deleted, bytes deleted)."""
     objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
     metadata = [o for o in objects if o.key.rpartition("/")[2] == METADATA_NAME]
-    data = [o for o in objects if o.key.endswith(_DATA_SUFFIX)]
+    data = [o for o in objects if is_data_object(o.key.rpartition("/")[2])]
     if metadata:
         client.delete(uri.bucket, [o.key for o in metadata]).result()
         if on_deleted:

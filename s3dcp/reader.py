@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import random
 import re
 import time
 from concurrent.futures import Future, wait
@@ -34,19 +35,39 @@ from .errors import (
     IntegrityError,
     MetadataFormatError,
     NoSuchKeyError,
+    S3ConnectionError,
+    S3ServerError,
+    ThrottlingError,
     UnsafePickleError,
 )
-from .layout import ItemLocation, Segment
+from .layout import METADATA_NAME, ItemLocation, Segment, is_data_object
 from .metadata import decode_metadata, str_to_dtype
 from .storage import S3CheckpointPath
 from .tensors import byte_view
-from .writer import METADATA_NAME
 
 __all__ = ["S3StorageReader"]
 
 log = logging.getLogger("s3dcp")
 
 _MAX_RUN_BYTES = 1 << 30  # one coalesced GET at most; the CRT splits it into parallel parts anyway
+_METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries inside
+_METADATA_BACKOFF_S = 0.2
+
+
+class _UnreadableMetadata(Metadata):
+    """What :meth:`S3StorageReader.read_metadata` returns when the metadata cannot be read:
+    any look at its contents raises the error (see read_metadata for why)."""
+
+    def __init__(self, error: BaseException) -> None:  # noqa: D107 - no dataclass fields on purpose
+        object.__setattr__(self, "error", error)
+
+    def __getattribute__(self, name: str):
+        if name in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"):
+            raise object.__getattribute__(self, "error")
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        return f"<unreadable checkpoint metadata: {object.__getattribute__(self, 'error')!r}>"
 
 
 @dataclass
@@ -111,14 +132,35 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         self._reset_path(checkpoint_id)
         self._storage_data = {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        """DCP's hook, on every rank. Never raises: a failure comes back inside the returned
+        object and is raised, typed, by :meth:`set_up_storage_reader` (or by the planner's first
+        look at the metadata) on that rank.
+
+        Why: DCP turns any exception from ``read_metadata`` into ``AssertionError("metadata is
+        None ...")``, and when the signature takes ``**kwargs`` it retries that one rank with
+        rank-local metadata *and switches that rank alone from collectives to a barrier*, which
+        hangs the others. Raised later, inside the same step on every rank, the error travels
+        through DCP's collective to every rank as itself (``CheckpointException.failures``).
+        Use :meth:`fetch_metadata` to read the metadata yourself.
+        """
+        try:
+            return self.fetch_metadata()
+        except Exception as e:  # noqa: BLE001 - raised again, typed, in set_up_storage_reader
+            return _UnreadableMetadata(e)
+
+    def fetch_metadata(self) -> Metadata:
+        """The checkpoint's metadata, or a typed error: :class:`IncompleteCheckpointError`
+        (data but no commit marker), :class:`CheckpointNotFoundError`, S3 errors, or
+        :class:`MetadataFormatError`. Throttling, 5xx answers and dropped connections are
+        retried (beyond the CRT's own retries) before giving up."""
         uri = self._require_uri()
         source = str(uri.child(METADATA_NAME))
         try:
-            raw = self.client.get(uri.bucket, uri.key(METADATA_NAME)).result()
+            raw = self._get_with_retries(uri.bucket, uri.key(METADATA_NAME))
         except NoSuchKeyError as e:
             objects, _ = self.client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-            data = [o for o in objects if o.key.endswith(".distcp")]
+            data = [o for o in objects if is_data_object(o.key.rpartition("/")[2])]
             if data:
                 raise IncompleteCheckpointError(
                     f"{uri} is incomplete: {len(data)} data object(s) but no {METADATA_NAME} (the commit "
@@ -135,7 +177,21 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         metadata.storage_meta.load_id = os.urandom(8).hex()
         return metadata
 
+    def _get_with_retries(self, bucket: str, key: str) -> bytes:
+        for attempt in range(_METADATA_ATTEMPTS):
+            try:
+                return self.client.get(bucket, key).result()
+            except (ThrottlingError, S3ServerError, S3ConnectionError) as e:
+                if attempt + 1 == _METADATA_ATTEMPTS:
+                    raise
+                delay = min(_METADATA_BACKOFF_S * 2 ** attempt, 5.0) * (0.5 + random.random() / 2)
+                log.info("reading s3://%s/%s failed (%s); retrying in %.2f s", bucket, key, type(e).__name__, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if isinstance(metadata, _UnreadableMetadata):
+            raise metadata.error
         self._storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

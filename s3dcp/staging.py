@@ -1,244 +1,139 @@
 """Staging for ``dcp.async_save``: the only part of a checkpoint the training loop waits for.
 
-    training thread: async_save ─► stage(): copy every tensor into an arena of the pool ─► resume
+    training thread: async_save ─► stage(): lease an arena of the pool, copy every tensor into it
                                      (CUDA: pinned arena, non_blocking copies on a side stream,
-                                      an event; synchronize_staging() waits for the event only)
-    background:      dcp.save(staged) ─► write_data uploads straight from the arena ─► release
+                                      an event) ─► synchronize_staging() ─► training resumes
+    background:      dcp.save(staged) ─► write_data uploads straight from the arena ─► commit
+                     ─► the save call returns ─► the lease is over: the arena goes back
 
-The :class:`HostBufferPool` keeps its arenas across checkpoints and across writer instances
-(one pool per process by default), so only the first checkpoint pays for allocating and
-page-faulting host memory; later ones are a memcpy. Host memory taken by staging is
-``max_inflight_checkpoints × min(state bytes, staging_budget_bytes)``, rounded up to 8 MiB.
+One save's hold on an arena is a :class:`Lease`. Its whole life, every path included:
 
-Back-pressure: at most ``S3Config.max_inflight_checkpoints`` arenas are in use. A new
-``async_save`` while that many uploads run waits in ``stage()`` for one to finish, instead of
-doubling memory.
+1. ``stage()`` takes an arena from the pool (waiting while ``max_inflight_checkpoints`` are in
+   use: back-pressure instead of doubling memory) and copies the state into it.
+2. The first writer call of the save, on whichever thread runs it (``reset``, ``storage_meta``,
+   ``set_up_storage_writer``, ..., or pickling for the process executor), *attaches* the lease
+   to that save call: the frame of DCP's save function on that thread's stack.
+3. ``write_data`` uploads from the arena. With ``staging_budget_bytes`` below the state size
+   it first copies the tensors that did not fit, in rounds, as uploads drain
+   (:meth:`StagingMixin._stage_rounds`); ``synchronize_staging`` holds the training thread
+   until the last round is copied.
+4. The lease is over when the save call it is attached to has returned — committed or failed,
+   at any step — and then the pool takes the arena back. Not earlier: after ``write_data`` the
+   commit's collectives still run, and the next save's collectives issued beside them from
+   another thread would deadlock a multi-rank job. Nothing here depends on which thread runs
+   the save or whether DCP's executor makes a new thread per save; a thread reused for the next
+   save has simply left the earlier save's frame.
+5. Safety nets: a lease never attached (the save died before calling the writer) ends when
+   the staged dict is garbage-collected; a writer driven by hand, outside DCP's save, releases
+   at the end of ``write_data``. ``synchronize_staging`` stops waiting for rounds the moment
+   the lease is over, so a save that fails early returns its error through its future.
 
-Bounded memory: with ``staging_budget_bytes`` smaller than the state, ``stage()`` copies what
-fits; the rest is copied into the arena in rounds by ``write_data`` as earlier uploads drain,
-and the training thread is held (in ``synchronize_staging``) until the last round is copied.
-The stall then includes uploading all rounds but the last: a trade of stall for memory.
+Host memory taken by staging is ``max_inflight_checkpoints × min(state bytes,
+staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.pool`).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from .config import MiB
+from . import statetree
+from .pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
 
-__all__ = ["HostBufferPool", "Arena", "StagingMixin", "shared_pool", "release_staging_memory"]
+__all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
 
 log = logging.getLogger("s3dcp")
 
-_ALIGN = 64  # bytes; every staged tensor starts on a cache line
-_ROUND = 8 * MiB  # arena sizes are rounded up so a slightly larger state reuses the arena
+_POLL_S = 0.05
+
+# DCP's functions that run one whole save on the thread that calls the writer; the outermost on
+# the stack is the save call a lease attaches to (thread executor, process executor, plain save).
+_SAVE_CALLS = {
+    ("torch.distributed.checkpoint._async_thread_executor", "save_wrapper"),
+    ("torch.distributed.checkpoint._async_process_executor", "_execute_save_impl"),
+    ("torch.distributed.checkpoint.state_dict_saver", "save"),
+    ("torch.distributed.checkpoint.state_dict_saver", "_save_state_dict"),
+}
 
 
-class Arena:
-    """One contiguous host buffer (pinned when CUDA is there) carved into staged tensors."""
+class _SaveCall:
+    """DCP's save function running on some thread: its frame, and whether it still runs."""
 
-    def __init__(self, capacity: int, pinned: bool) -> None:
-        self.capacity = capacity
-        self.pinned = pinned
-        self.buffer = _allocate(capacity, pinned)
-        self.cursor = 0
-        self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
+    __slots__ = ("thread_id", "frame")
 
-    def carve(self, nbytes: int) -> torch.Tensor | None:
-        """The next ``nbytes`` of the arena as a uint8 tensor, or None when it does not fit."""
-        start = -(-self.cursor // _ALIGN) * _ALIGN
-        if start + nbytes > self.limit:
-            return None
-        self.cursor = start + nbytes
-        return self.buffer[start:start + nbytes]
+    def __init__(self, thread_id: int, frame) -> None:
+        self.thread_id = thread_id
+        self.frame = frame
 
-    def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """An uninitialised tensor of ``tensor``'s dtype and shape in the arena, or None when
-        it does not fit."""
-        raw = self.carve(tensor.numel() * tensor.element_size())
-        if raw is None:
-            return None
-        return raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw.view(tensor.dtype).reshape(())
+    @classmethod
+    def of_caller(cls) -> "_SaveCall | None":
+        """The outermost DCP save call on the current thread's stack, or None (not in a save)."""
+        found = None
+        frame = sys._getframe(1)
+        while frame is not None:
+            if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _SAVE_CALLS:
+                found = frame
+            frame = frame.f_back
+        return cls(threading.get_ident(), found) if found is not None else None
 
-    def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and (
-            tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+    def running(self) -> bool:
+        frame = sys._current_frames().get(self.thread_id)
+        while frame is not None:
+            if frame is self.frame:
+                return True
+            frame = frame.f_back
+        return False
 
 
-def _allocate(capacity: int, pinned: bool) -> torch.Tensor:
-    buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
-    buf.zero_()  # pre-fault every page now, not during the first checkpoint's copy
-    return buf
+class Lease:
+    """One save's hold on an arena of the pool (see the module docstring for its life)."""
 
+    def __init__(self, pool: HostBufferPool, arena: Arena) -> None:
+        self.pool = pool
+        self.arena = arena
+        self.event: Any = None  # torch.cuda.Event when copies ran on a side stream
+        self.pending = False  # tensors beyond the budget: write_data copies them in rounds
+        self.copied = threading.Event()  # every original is copied: the caller may change them
+        self._save: _SaveCall | None = None
+        self._released = False
+        self._lock = threading.Lock()
 
-class HostBufferPool:
-    """Reusable staging arenas (see the module docstring).
-
-    ``allocations`` counts arenas ever allocated: after the first checkpoint of a steady
-    training job it stops growing.
-    """
-
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._cond = threading.Condition()
-        self._free: list[Arena] = []
-        self._in_use = 0
-        self._holders: set = set()  # the _Staging of each arena in use
-        self.allocations = 0
-        self.bytes_allocated = 0
-
-    def acquire(self, nbytes: int, *, max_in_use: int = 1) -> Arena:
-        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken."""
-        needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
-        waited = None
-        while True:
-            self._reclaim_ended()  # saves that are over give their arena back first
-            with self._cond:
-                if self._in_use < max_in_use:
-                    self._in_use += 1
-                    arena = self._take_free(needed)
-                    break
-                running = [s.save_thread for s in self._holders
-                           if s.save_thread is not None and s.save_thread.is_alive()]
-                if waited is None:
-                    waited = time.perf_counter()
-                    log.debug("staging waits: %d checkpoint(s) still uploading (max_inflight_checkpoints=%d)",
-                              self._in_use, max_in_use)
-            if running:
-                running[0].join(0.05)  # returns the moment that save is over
-            else:
-                with self._cond:
-                    self._cond.wait(0.05)
-        if waited is not None:
-            log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
-        if arena is None:
-            try:
-                arena = Arena(needed, self.pin_memory)
-            except BaseException:
-                with self._cond:
-                    self._in_use -= 1
-                    self._cond.notify_all()
-                raise
-            with self._cond:
-                self.allocations += 1
-                self.bytes_allocated += needed
-        arena.cursor = 0
-        arena.limit = max(nbytes, 1)
-        return arena
-
-    def _take_free(self, needed: int) -> Arena | None:
-        """A free arena that fits (the smallest), or None; called with the lock held. A free
-        arena too small is dropped, so memory stays bounded when the state grows."""
-        fits = [a for a in self._free if a.capacity >= needed]
-        if fits:
-            arena = min(fits, key=lambda a: a.capacity)
-            self._free.remove(arena)
-            return arena
-        if self._free:
-            dropped = max(self._free, key=lambda a: a.capacity)
-            self._free.remove(dropped)
-            self.bytes_allocated -= dropped.capacity
-        return None
-
-    def release(self, arena: Arena) -> None:
-        with self._cond:
-            self._free.append(arena)
-            self._in_use -= 1
-            self._cond.notify_all()
-
-    def _hold(self, staging: "_Staging") -> None:
-        with self._cond:
-            self._holders.add(staging)
-
-    def _unhold(self, staging: "_Staging") -> None:
-        with self._cond:
-            self._holders.discard(staging)
-
-    def _reclaim_ended(self) -> None:
-        """Take back the arenas of saves that have ended: their thread is gone. That is how a
-        save that succeeded is released too (after its commit and the collectives around it),
-        and how one that failed anywhere, even before write_data, never holds memory."""
-        with self._cond:
-            ended = [s for s in self._holders if s.ended()]
-        for staging in ended:
-            staging.release()
-
-    def clear(self) -> None:
-        """Free the arenas not in use (their memory goes back to the system)."""
-        with self._cond:
-            self.bytes_allocated -= sum(a.capacity for a in self._free)
-            self._free.clear()
+    def attach(self) -> None:
+        """Tie the lease to the DCP save call running on this thread (first call wins)."""
+        if self._save is None and not self._released:
+            self._save = _SaveCall.of_caller()
 
     @property
-    def in_use(self) -> int:
-        self._reclaim_ended()
-        return self._in_use
+    def attached(self) -> bool:
+        return self._save is not None
 
-
-_shared: HostBufferPool | None = None
-_shared_lock = threading.Lock()
-
-
-def shared_pool() -> HostBufferPool:
-    """The process-wide pool that writers use unless given one."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = HostBufferPool()
-        return _shared
-
-
-def release_staging_memory() -> None:
-    """Free the shared pool's idle arenas (e.g. when training is over)."""
-    if _shared is not None:
-        _shared.clear()
-
-
-# ---------------------------------------------------------------------------- the stager
-@dataclass(eq=False)
-class _Staging:
-    """One checkpoint's staging: its arena, the CUDA event, the items left for rounds."""
-
-    pool: HostBufferPool
-    arena: Arena
-    event: Any = None  # torch.cuda.Event when copies ran on a side stream
-    pending: bool = False  # some tensors did not fit the budget: write_data copies them in rounds
-    done: threading.Event = field(default_factory=threading.Event)  # originals no longer needed
-    released: bool = False
-    save_thread: threading.Thread | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def over(self) -> bool:
+        """The save is over: released, or the save call it is attached to has returned."""
+        if self._released:
+            return True
+        save = self._save
+        return save is not None and not save.running()
 
     def release(self) -> None:
-        """Give the arena back (once) and let the training thread go."""
-        self.done.set()
-        with self.lock:
-            if self.released:
+        """Give the arena back, once, and let the training thread go."""
+        self.copied.set()
+        with self._lock:
+            if self._released:
                 return
-            self.released = True
-        self.pool._unhold(self)
-        self.pool.release(self.arena)
-
-    def uploaded(self) -> None:
-        """write_data is over: the training thread may go on (rounds done). The arena is given
-        back when the whole save has ended — its thread is gone — and not now, because the
-        commit's collectives still run: a next async_save starting its own collectives on the
-        same process group from another thread would interleave with them and deadlock."""
-        self.done.set()
-        if self.save_thread is None:  # no save thread of its own (a direct call): nothing else ends it
-            self.release()
-
-    def ended(self) -> bool:
-        """The save that owns this staging is over (its thread is gone) and not yet released."""
-        thread = self.save_thread
-        return not self.released and thread is not None and not thread.is_alive()
+            self._released = True
+            # Taken out under the lock, dropped outside it: dropping the save call's frame can
+            # free the staged dict, whose finalizer calls release() again.
+            save, self._save = self._save, None  # the frame (and what it holds) is not ours to keep
+            arena, self.arena = self.arena, None  # a writer kept around does not keep the memory
+        del save
+        self.pool.unhold(self)
+        self.pool.release(arena)
 
 
 class _StagedDict(dict):
@@ -248,32 +143,25 @@ class _StagedDict(dict):
 class StagingMixin:
     """DCP's ``AsyncStager`` protocol for :class:`s3dcp.S3StorageWriter`.
 
-    ``stage()`` runs on the training thread; everything else of the save runs in DCP's
-    background executor. See the module docstring for memory and back-pressure.
+    ``stage()`` and ``synchronize_staging()`` run on the training thread; the writer's other
+    methods run where DCP runs the save and call :meth:`_attach` first.
     """
 
     _synchronize_after_execute: bool = True
 
     def _init_staging(self, pool: HostBufferPool | None) -> None:
         self._pool = pool
-        self._staging: _Staging | None = None
+        self._lease: Lease | None = None
         self._stage_started = 0.0
         self._stage_s = 0.0  # the last stall: stage() plus synchronize_staging()
 
     def _staging_getstate(self) -> dict[str, Any]:
-        # In DCP's process executor the child gets the staged tensors (shared memory) and a
-        # copy of the writer without the pool; rounds need the parent's arena, so say so.
-        # The thread pickling us is the parent's side of that save: when it is gone, so is
-        # the save, and the arena can be reclaimed.
-        self._note_save_thread()
-        pending = self._staging is not None and self._staging.pending
-        return {"_pool": None, "_staging": None, "_needs_rounds": pending}
-
-    def _note_save_thread(self) -> None:
-        staging = self._staging
-        if staging is not None and staging.save_thread is None and \
-                threading.current_thread() is not threading.main_thread():
-            staging.save_thread = threading.current_thread()
+        # DCP's process executor pickles the writer on the parent's side of the save: the child
+        # gets the staged tensors (shared memory) and a writer without pool or lease. Rounds need
+        # the parent's arena, so the child is told to refuse them.
+        self._attach()
+        lease = self._lease
+        return {"_pool": None, "_lease": None, "_needs_rounds": lease is not None and lease.pending}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -285,6 +173,7 @@ class StagingMixin:
         arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
         pool.release(arena)
 
+    # ------------------------------------------------------------ training thread
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict``'s tensors into the pool and return the staged copy.
 
@@ -295,50 +184,61 @@ class StagingMixin:
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
         arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
-        staging = _Staging(pool, arena)
-        pool._hold(staging)
+        lease = Lease(pool, arena)
+        pool.hold(lease)
         try:
+            previous = self._lease
+            if previous is not None and not previous.over():
+                from .errors import ConfigError
+
+                raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
+                                  "writer per async_save in flight")
             stream = _side_stream(state_dict)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    staged = _copy_tree(state_dict, lambda t: _stage_tensor(t, staging))
-                staging.event = torch.cuda.Event()
-                staging.event.record(stream)
+                    staged = statetree.copy_tree(state_dict, lambda t: _stage_tensor(t, lease))
+                lease.event = torch.cuda.Event()
+                lease.event.record(stream)
             else:
-                staged = _copy_tree(state_dict, lambda t: _stage_tensor(t, staging))
+                staged = statetree.copy_tree(state_dict, lambda t: _stage_tensor(t, lease))
         except BaseException:
-            staging.release()
+            lease.release()
             raise
         result = _StagedDict(staged)
-        weakref.finalize(result, staging.release)  # safety net: a save that died before write_data
-        if not staging.pending:
-            staging.done.set()
-        self._staging = staging
+        weakref.finalize(result, lease.release)  # a save that died before it ever called the writer
+        if not lease.pending:
+            lease.copied.set()
+        self._lease = lease
         self._stage_s = time.perf_counter() - self._stage_started
         return result
 
     def synchronize_staging(self) -> None:
-        """Return once the staged copy is complete and the originals may change again."""
-        staging = self._staging
-        if staging is None:
+        """Return once the staged copy is complete and the originals may change again — or
+        once the save is over (it failed before its last round: the error is on its future)."""
+        lease = self._lease
+        if lease is None:
             return
-        if staging.event is not None:
-            staging.event.synchronize()
-        while not staging.done.wait(0.05):
-            # A save that failed before write_data never releases the originals: stop
-            # waiting when its thread is gone.
-            if staging.ended():
-                staging.release()
+        if lease.event is not None:
+            lease.event.synchronize()
+        while not lease.copied.wait(_POLL_S):
+            if lease.over():
+                lease.release()
                 break
         self._stage_s = time.perf_counter() - self._stage_started
 
     def close(self) -> None:
         """Nothing to free: the pool outlives writers (see :func:`release_staging_memory`)."""
 
-    # ---------------------------------------------------------------- used by write_data
-    def _staging_begin(self) -> "_Staging | None":
-        """Called first thing in the save (on its thread): wait for the copies to land."""
+    # ------------------------------------------------------------ the save's thread
+    def _attach(self) -> None:
+        """Every writer call of a save starts here: the lease learns which save call holds it."""
+        lease = self._lease
+        if lease is not None:
+            lease.attach()
+
+    def _staging_begin(self) -> Lease | None:
+        """First thing in write_data: the lease of this save, its device copies landed."""
         if getattr(self, "_needs_rounds", False):
             from .errors import ConfigError
 
@@ -346,13 +246,56 @@ class StagingMixin:
                 "staging_budget_bytes is smaller than the state, which needs the writer's own "
                 "thread to copy the rest in rounds: use the thread executor, or raise the budget "
                 "to fit the whole state for AsyncCheckpointerType.PROCESS")
-        staging = self._staging
-        if staging is not None:
-            self._note_save_thread()
-            if staging.event is not None:
-                staging.event.synchronize()
-        return staging
+        self._attach()
+        lease = self._lease
+        if lease is not None and lease.event is not None:
+            lease.event.synchronize()
+        return lease
 
+    def _staging_end(self, lease: Lease | None) -> None:
+        """Last thing in write_data, success or failure: the originals are no longer needed. A
+        lease not attached to a DCP save call (the writer driven by hand) ends here too."""
+        if lease is None:
+            return
+        lease.copied.set()
+        if not lease.attached:
+            lease.release()
+
+    def _stage_rounds(self, deferred: list, lease: Lease, put: Callable[[list], None],
+                      drain: Callable[[], None]) -> None:
+        """Copy the ``(item, tensor)`` pairs that did not fit the staging budget into the
+        arena as it frees up, handing each batch to ``put``; ``drain()`` waits for every
+        upload so far (then the whole arena is free again). The training thread is let go once
+        the last original is copied."""
+        arena = lease.arena
+        target = self.config.object_size_target_bytes
+        batch: list = []
+        batch_bytes = 0
+        for item, tensor in deferred:
+            nbytes = statetree.nbytes(tensor)
+            copied = arena.carve_like(tensor)
+            if copied is None and nbytes <= arena.limit:
+                if batch:
+                    put(batch)
+                    batch, batch_bytes = [], 0
+                drain()
+                arena.cursor = 0
+                copied = arena.carve_like(tensor)
+            if copied is None:  # larger than the whole budget: one temporary host copy, a real
+                # one even of a contiguous CPU tensor: the caller may change the original as
+                # soon as the lease says copied, while this copy is still uploading
+                copied = torch.empty(tensor.shape, dtype=tensor.dtype)
+            copied.copy_(tensor)
+            batch.append((item, copied))
+            batch_bytes += nbytes
+            if batch_bytes >= target:
+                put(batch)
+                batch, batch_bytes = [], 0
+        lease.copied.set()  # every original has been copied: training may go on
+        if batch:
+            put(batch)
+
+    # ------------------------------------------------------------ sizing
     def _max_in_flight(self) -> int:
         """``max_inflight_checkpoints``, except with several ranks: each save runs DCP's
         collectives on its own thread, and two saves' collectives on one process group from two
@@ -379,84 +322,23 @@ class StagingMixin:
 
     def _arena_bytes(self, state_dict: dict[str, Any]) -> int:
         total = 0
-        for t in _tensors(state_dict):
-            total += -(-_nbytes(t) // _ALIGN) * _ALIGN
+        for t in statetree.tensors(state_dict):
+            total += -(-statetree.nbytes(t) // ALIGN_BYTES) * ALIGN_BYTES
         budget = self.config.staging_budget_bytes
         return min(total, budget) if budget is not None else total
 
 
-# ---------------------------------------------------------------------------- tree copying
-def _copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        local = stage_tensor(value._local_tensor)
-        return DTensor(local, value._spec, requires_grad=False)
-    if _is_sharded_tensor(value):
-        return _copy_sharded_tensor(value, stage_tensor)
-    if isinstance(value, torch.Tensor):
-        return stage_tensor(value)
-    if isinstance(value, dict):
-        return {k: _copy_tree(v, stage_tensor) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy_tree(v, stage_tensor) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_copy_tree(v, stage_tensor) for v in value)
-    if isinstance(value, (int, float, str, bytes, bool, type(None))):
-        return value
-    return copy.deepcopy(value)
-
-
-def _tensors(value: Any):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        yield value._local_tensor
-    elif _is_sharded_tensor(value):
-        for shard in value.local_shards():
-            yield shard.tensor
-    elif isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _is_sharded_tensor(value: Any) -> bool:
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(value, ShardedTensor)
-
-
-def _copy_sharded_tensor(st, stage_tensor):
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    shards = [Shard(stage_tensor(s.tensor), s.metadata) for s in st.local_shards()]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, st.metadata(), process_group=st._process_group)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _stage_tensor(t: torch.Tensor, staging: _Staging) -> torch.Tensor:
+def _stage_tensor(t: torch.Tensor, lease: Lease) -> torch.Tensor:
     """Copy ``t`` into the arena; when it does not fit (budget), keep the original for the
     rounds in write_data."""
     t = t.detach()
-    nbytes = _nbytes(t)
-    if nbytes == 0:
+    if statetree.nbytes(t) == 0:
         return torch.empty(t.shape, dtype=t.dtype)
-    out = staging.arena.carve_like(t)
+    out = lease.arena.carve_like(t)
     if out is None:
-        staging.pending = True
+        lease.pending = True
         return t
-    out.copy_(t, non_blocking=t.device.type == "cuda" and staging.arena.pinned)
+    out.copy_(t, non_blocking=t.device.type == "cuda" and lease.arena.pinned)
     return out
 
 
@@ -464,7 +346,7 @@ def _side_stream(state_dict: dict[str, Any]):
     """A dedicated CUDA stream for the device-to-host copies, when any tensor is on CUDA."""
     if not torch.cuda.is_available():
         return None
-    if not any(t.device.type == "cuda" for t in _tensors(state_dict)):
+    if not any(t.device.type == "cuda" for t in statetree.tensors(state_dict)):
         return None
     global _STREAM
     if _STREAM is None:

@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import threading
 import time
-import uuid
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,9 +26,17 @@ from torch.futures import Future as TorchFuture
 from . import integrity, layout
 from .client import S3Client
 from .config import S3Config
-from .errors import CheckpointExistsError, ConfigError, PreconditionFailedError, S3DCPError
-from .layout import ItemLocation
-from .metadata import dtype_to_str, encode_metadata
+from .errors import (
+    CheckpointExistsError,
+    ConfigError,
+    IncompleteCheckpointError,
+    MetadataFormatError,
+    NoSuchKeyError,
+    PreconditionFailedError,
+    S3DCPError,
+)
+from .layout import METADATA_NAME, ItemLocation
+from .metadata import decode_metadata, dtype_to_str, encode_metadata
 from .staging import StagingMixin
 from .storage import S3CheckpointPath
 from .tensors import byte_view, to_host_contiguous
@@ -36,7 +45,14 @@ __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
 
 log = logging.getLogger("s3dcp")
 
-METADATA_NAME = ".metadata"  # the commit marker; see docs/architecture.md
+
+@dataclass(frozen=True)
+class SavePlanData:
+    """What the coordinator tells each rank in its plan (``SavePlan.storage_data``): the rank's
+    number in object names and the save's identity, chosen once per save for all ranks."""
+
+    rank: int
+    save_id: str
 
 
 @dataclass(frozen=True)
@@ -95,7 +111,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self.overwrite = overwrite
         self._rank = 0
         self._is_coordinator = False
-        self._token = _new_token()
+        self._save_id: str | None = None  # this rank's identity of the save in progress
         self.last_stats = SaveStats()
         self._init_staging(pool)
 
@@ -111,14 +127,15 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
 
     # ------------------------------------------------------------------ StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._attach()
         self._reset_path(checkpoint_id)
-        self._token = _new_token()
 
     def storage_meta(self) -> StorageMeta | None:
-        self._note_save_thread()  # the first call DCP makes on the save's thread
-        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._token)
+        self._attach()
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._attach()
         self._require_uri()
         if kwargs.get("use_collectives") is False:
             raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator writes "
@@ -131,85 +148,69 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 "S3StorageWriter to replace it, or save to a new path")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._attach()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Each rank's index names its objects. Per-save identity (the token) is writer state,
-        # not plan data, because DCP may reuse a cached plan's storage_data on later saves.
-        return [replace(plan, storage_data=i) for i, plan in enumerate(plans)]
+        self._attach()
+        # The coordinator chooses the save's identity, once, for every rank.
+        save_id = layout.new_save_id()
+        return [replace(plan, storage_data=SavePlanData(i, save_id)) for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        staging = self._staging_begin()
+        lease = self._staging_begin()
         start = time.perf_counter()
-        rank = plan.storage_data if isinstance(plan.storage_data, int) else self._rank
-        uploads = _Uploads(self, rank)
+        rank, self._save_id = _identity(plan.storage_data, self._rank)
+        uploads = _Uploads(self, rank, self._save_id)
         try:
-            resolved = [(item, _resolve(planner, item)) for item in plan.items]
             ready, deferred = [], []
-            for item, data in resolved:
+            for item in plan.items:
+                data = _resolve(planner, item)
                 if not _is_tensor(data):
                     ready.append((item, data))
-                elif staging is not None and staging.pending and not staging.arena.owns(data):
+                elif lease is not None and lease.pending and not lease.arena.owns(data):
                     deferred.append((item, data))  # beyond the staging budget: copied in rounds
                 else:
                     ready.append((item, to_host_contiguous(data)))
             for group in layout.pack([_nbytes(d) for _, d in ready], self.config.object_size_target_bytes):
                 uploads.put([ready[i] for i in group])
             if deferred:
-                self._upload_in_rounds(deferred, staging, uploads)
+                self._stage_rounds(deferred, lease, uploads.put, uploads.drain)
             results = uploads.wait()
             elapsed = time.perf_counter() - start
-            self.last_stats = SaveStats(stage_s=self._stage_s if staging is not None else 0.0, upload_s=elapsed,
+            self.last_stats = SaveStats(stage_s=self._stage_s if lease is not None else 0.0, upload_s=elapsed,
                                         bytes=uploads.bytes, objects=len(uploads.keys))
         except BaseException:
             uploads.discard()
             raise
         finally:
-            if staging is not None:
-                staging.uploaded()
-                self._staging = None
+            self._staging_end(lease)
         log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs",
                   rank, uploads.bytes, len(uploads.keys), self._uri, elapsed)
         fut: TorchFuture = TorchFuture()
         fut.set_result(results)
         return fut
 
-    def _upload_in_rounds(self, deferred, staging, uploads: "_Uploads") -> None:
-        """Copy tensors that did not fit the staging budget into the arena as it frees up,
-        and upload them; the training thread is released once the last one is copied."""
-        arena = staging.arena
-        batch: list = []
-        batch_bytes = 0
-        for item, tensor in deferred:
-            nbytes = _nbytes(tensor)
-            copied = arena.carve_like(tensor)
-            if copied is None and nbytes <= arena.limit:
-                if batch:
-                    uploads.put(batch)
-                    batch, batch_bytes = [], 0
-                uploads.drain()  # every earlier upload is done: the whole arena is free again
-                arena.cursor = 0
-                copied = arena.carve_like(tensor)
-            if copied is None:  # larger than the whole budget: one temporary host copy, a real
-                # one even of a contiguous CPU tensor: the caller may change the original as
-                # soon as done is set below, while this copy is still uploading
-                copied = torch.empty(tensor.shape, dtype=tensor.dtype)
-            copied.copy_(tensor)
-            batch.append((item, copied))
-            batch_bytes += nbytes
-            if batch_bytes >= self.config.object_size_target_bytes:
-                uploads.put(batch)
-                batch, batch_bytes = [], 0
-        staging.done.set()  # every original has been copied: training may go on
-        if batch:
-            uploads.put(batch)
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit (coordinator only, after every rank's writes succeeded): check that every
+        object the metadata references is there with its size, then write the metadata with
+        ``If-None-Match: *``; with ``overwrite=True``, then delete the replaced checkpoint's
+        own objects."""
+        self._attach()
         uri = self._uri
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         if metadata.storage_meta is None:  # DCP's default planner leaves it out; keep where and which save
             metadata.storage_meta = self.storage_meta()
-        body = encode_metadata(metadata)
+        metadata.storage_meta.checkpoint_id = self.checkpoint_id
+        metadata.storage_meta.save_id = self._save_id or ""
+        try:
+            self._check_objects(metadata.storage_data.values())
+            replaced = self._replaced_objects() if self.overwrite else set()
+            body = encode_metadata(metadata)
+        except BaseException:
+            # Nothing was committed: this save's objects are garbage now, delete them.
+            self._delete_own({loc.object_name for loc in metadata.storage_data.values()})
+            raise
         key = uri.key(METADATA_NAME)
         try:
             self.client.put(uri.bucket, key, body, if_none_match=not self.overwrite,
@@ -217,14 +218,15 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         except PreconditionFailedError as e:
             # A commit whose answer was lost (connection reset after the server stored it) is
             # retried by the CRT and then fails its own If-None-Match: it is ours if the stored
-            # body is byte for byte what we sent (the body holds this save's unique token).
+            # body is byte for byte what we sent (the body holds this save's unique identity).
             if not self._stored_metadata_is(key, body):
                 raise CheckpointExistsError(
                     f"{uri}: another save committed this checkpoint first; this save's data objects "
                     "are left for `s3dcp gc` (nothing was overwritten)") from e
             log.info("commit of %s was retried after a lost answer; the stored metadata is this save's", uri)
-        if self.overwrite:
-            self._delete_unreferenced(metadata)
+        stale = replaced - {loc.object_name for loc in metadata.storage_data.values()}
+        if stale:
+            self._delete_replaced(sorted(stale))
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
         stats = self.last_stats  # the coordinator's own rank
         log.info("committed %s: %d bytes from %d rank(s); this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
@@ -247,21 +249,68 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             log.debug("could not read back %s after a failed conditional commit", key, exc_info=True)
             return False
 
-    def _delete_unreferenced(self, metadata: Metadata) -> None:
+    def _check_objects(self, locations) -> None:
+        """Refuse to commit unless every object the metadata references is in the checkpoint
+        directory with the size its items add up to (one LIST). Catches objects deleted by
+        someone else (a misjudged cleanup) between upload and commit."""
         uri = self._uri
-        referenced = {uri.key(loc.object_name) for loc in metadata.storage_data.values()}
+        expected = layout.object_sizes(locations)
         objects, _ = self.client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-        stale = [o.key for o in objects if o.key.endswith(".distcp") and o.key not in referenced]
-        if stale:
-            self.client.delete(uri.bucket, stale).result()
+        found = {o.key[len(uri.dir_prefix):]: o.size for o in objects}
+        missing = sorted(name for name in expected if name not in found)
+        wrong = sorted(f"{name} ({found[name]} bytes, expected {size})"
+                       for name, size in expected.items() if name in found and found[name] != size)
+        if missing or wrong:
+            problems = []
+            if missing:
+                problems.append(f"{len(missing)} missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            if wrong:
+                problems.append(f"{len(wrong)} of the wrong size: {', '.join(wrong[:5])}")
+            raise IncompleteCheckpointError(
+                f"refusing to commit {uri}: objects the metadata references are not all there "
+                f"({'; '.join(problems)}). Something deleted or replaced them during the save (a "
+                "cleanup run with a short --older-than?); nothing was committed — save again")
+
+    def _replaced_objects(self) -> set[str]:
+        """The data objects of the committed checkpoint this save replaces (overwrite=True),
+        read from its metadata before the new commit; empty when there is none or it cannot be
+        read (then nothing is deleted)."""
+        uri = self._uri
+        try:
+            raw = self.client.get(uri.bucket, uri.key(METADATA_NAME)).result()
+            old = decode_metadata(raw, source=str(uri.child(METADATA_NAME)))
+        except NoSuchKeyError:
+            return set()
+        except MetadataFormatError:
+            log.warning("overwrite of %s: the replaced metadata cannot be read; its data objects are "
+                        "left in place (`s3dcp gc` removes them once unreferenced)", uri, exc_info=True)
+            return set()
+        return {loc.object_name for loc in (old.storage_data or {}).values() if "/" not in loc.object_name}
+
+    def _delete_own(self, names: set[str]) -> None:
+        uri = self._uri
+        try:
+            self.client.delete(uri.bucket, [uri.key(n) for n in sorted(names)]).result()
+        except S3DCPError:
+            log.warning("could not delete the %d object(s) of the failed commit of %s; `s3dcp gc` will",
+                        len(names), uri, exc_info=True)
+
+    def _delete_replaced(self, names: list[str]) -> None:
+        uri = self._uri
+        try:
+            self.client.delete(uri.bucket, [uri.key(n) for n in names]).result()
+        except S3DCPError:
+            log.warning("committed %s, but could not delete %d object(s) of the checkpoint it replaced; "
+                        "`s3dcp gc` will", uri, len(names), exc_info=True)
 
 
 class _Uploads:
     """The objects one rank's write_data is uploading: futures, keys and write results."""
 
-    def __init__(self, writer: S3StorageWriter, rank: int) -> None:
+    def __init__(self, writer: S3StorageWriter, rank: int, save_id: str) -> None:
         self.writer = writer
         self.rank = rank
+        self.save_id = save_id
         self.futures: list[Future] = []
         self.keys: list[str] = []
         self.results: list[WriteResult] = []
@@ -271,7 +320,7 @@ class _Uploads:
     def put(self, pairs: list) -> None:
         """Upload ``(write item, data)`` pairs back to back as the rank's next object."""
         writer = self.writer
-        name = layout.object_name(self.rank, len(self.keys), writer._token, writer.config.key_prefix_spread)
+        name = layout.object_name(self.rank, len(self.keys), self.save_id, writer.config.key_prefix_spread)
         views: list[memoryview] = []
         offset = 0
         for item, data in pairs:
@@ -326,8 +375,28 @@ def _nbytes(data: Any) -> int:
     return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
 
 
-def _new_token() -> str:
-    return uuid.uuid4().hex[:12]
+_USED_SAVE_IDS: dict[str, int] = {}  # save ids this process has written, and how often
+_USED_LOCK = threading.Lock()
+
+
+def _identity(plan_data: Any, rank: int) -> tuple[int, str]:
+    """(rank, save id) of the save whose plan this rank got.
+
+    Normally the coordinator's fresh id from this save's plan. Two cases get a new one here:
+    no plan data (the writer driven by hand, not by DCP), and an id this process has already
+    written — a plan reused from DCP's plan cache (``enable_plan_caching``), which carries the
+    id of the save that made it. Then the id is derived from that one and how often this
+    process has reused it, which ranks that saved in step agree on. Either way no save writes
+    an object name an earlier save used.
+    """
+    if not isinstance(plan_data, SavePlanData):
+        return rank, layout.new_save_id()
+    with _USED_LOCK:
+        uses = _USED_SAVE_IDS.get(plan_data.save_id, 0)
+        _USED_SAVE_IDS[plan_data.save_id] = uses + 1
+    if uses == 0:
+        return plan_data.rank, plan_data.save_id
+    return plan_data.rank, hashlib.sha256(f"{plan_data.save_id}:{uses}".encode()).hexdigest()[:12]
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> Any:

@@ -168,7 +168,7 @@ def test_an_upload_failure_lands_on_the_future_and_the_next_save_works(s3_server
     assert pool.allocations == 1
     # nothing committed for the failed one
     with pytest.raises(Exception, match="no checkpoint at"):
-        S3StorageReader(f"s3://{bucket}/x", config=config).read_metadata()
+        S3StorageReader(f"s3://{bucket}/x", config=config).fetch_metadata()
 
 
 def test_a_save_that_fails_before_writing_releases_the_training_loop(bucket, config):

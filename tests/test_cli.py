@@ -186,7 +186,7 @@ def test_verify_passes_then_names_a_corrupted_item(capsys, bucket, s3_config, bo
     # flip one byte in the second 16 MiB block of "big", and one in "model.w"
     from s3dcp.reader import S3StorageReader
 
-    md = S3StorageReader(uri, config=s3_config).read_metadata()
+    md = S3StorageReader(uri, config=s3_config).fetch_metadata()
     locs = {index.fqn: loc for index, loc in md.storage_data.items()}
     big, w = locs["big"], locs["model.w"]
     _flip(boto3_client, bucket, f"run/step-1/{big.object_name}", big.offset + 17 * MiB + 5)

@@ -369,7 +369,7 @@ def plain_checkpoint(s3_server, tmp_path_factory):
 def test_two_ranks_plain_save_load_dedups_replicated(plain_checkpoint):
     uri, cfg, results = plain_checkpoint
     stats = _outcome(results, "plain")  # each rank loaded everything back, bitwise
-    md = S3StorageReader(uri, config=cfg).read_metadata()
+    md = S3StorageReader(uri, config=cfg).fetch_metadata()
 
     fqns = [index.fqn for index in md.storage_data]
     for key in ("shared", "shared_scalar", "config.lr", "config.steps"):  # replicated: written once
@@ -404,7 +404,7 @@ def test_each_rank_uploads_only_its_own_objects(plain_checkpoint, boto3_client):
         tokens = {n.split(".")[1] for n in by_rank[rank]}
         assert len(tokens) == 1, f"rank {rank} objects from several saves: {by_rank[rank]}"
     # Every object is referenced by the metadata, and every reference exists.
-    md = S3StorageReader(uri, config=cfg).read_metadata()
+    md = S3StorageReader(uri, config=cfg).fetch_metadata()
     assert {loc.object_name for loc in md.storage_data.values()} == set(data)
 
 
@@ -414,7 +414,7 @@ def test_overwrite_leaves_only_the_new_objects_of_every_rank(plain_checkpoint, b
     bucket, prefix = uri.removeprefix("s3://").split("/", 1)
     listed = boto3_client.list_objects_v2(Bucket=bucket, Prefix=prefix + "-ow/")
     names = {o["Key"].removeprefix(prefix + "-ow/") for o in listed.get("Contents", [])}
-    md = S3StorageReader(uri + "-ow", config=cfg).read_metadata()
+    md = S3StorageReader(uri + "-ow", config=cfg).fetch_metadata()
     referenced = {loc.object_name for loc in md.storage_data.values()}
     assert names - {".metadata"} == referenced, f"left over: {sorted(names - referenced)}"
     for rank in range(2):  # each rank's objects: one save (its writer's token)
@@ -499,7 +499,7 @@ def test_dtensor_save_load(world, s3_server, bucket, tmp_path):
     cfg = s3_server.s3_config()
     run_jobs(tmp_path, Job(f"dtensor{world}", _dtensor_worker, world, (bucket, cfg)))
     # Replicated DTensors are stored once, shards once per chunk.
-    md = S3StorageReader(f"s3://{bucket}/dtensor-{world}", config=cfg).read_metadata()
+    md = S3StorageReader(f"s3://{bucket}/dtensor-{world}", config=cfg).fetch_metadata()
     fqns = [i.fqn for i in md.storage_data]
     assert fqns.count("rep") == 1
     assert fqns.count("row") == world  # 10 rows split over 2 or 4 ranks: every rank has some
@@ -596,7 +596,7 @@ def test_resharding_matrix(s3_server, bucket, tmp_path):
             _assert_bitwise(dest[k], v, f"{src} -> plain: {k}")
 
     # The block-checksummed chunks are really there (else the partial verification went untested).
-    md = S3StorageReader(f"s3://{bucket}/rows-w2", config=cfg).read_metadata()
+    md = S3StorageReader(f"s3://{bucket}/rows-w2", config=cfg).fetch_metadata()
     big = [loc for i, loc in md.storage_data.items() if i.fqn == "big"]
     assert len(big) == 2 and all(loc.block_checksums for loc in big)
 

@@ -128,7 +128,7 @@ def _assert_committed_cleanly(boto3_client, bucket: str, prefix: str, config: S3
     """What a committed checkpoint leaves: its metadata and the objects it references, nothing
     else, and no unfinished multipart upload."""
     uri = f"s3://{bucket}/{prefix}"
-    md = S3StorageReader(uri, config=config).read_metadata()
+    md = S3StorageReader(uri, config=config).fetch_metadata()
     referenced = {f"{prefix}/{loc.object_name}" for loc in md.storage_data.values()}
     assert _keys(boto3_client, bucket, f"{prefix}/") == sorted(referenced | {f"{prefix}/{METADATA_NAME}"})
     assert _uploads(boto3_client, bucket, f"{prefix}/") == []
@@ -365,7 +365,7 @@ def test_server_stopped_mid_save_fails_the_future_and_loses_no_data(tmp_path):
         _assert_same(earlier, _load(earlier, "s3://crashy/step-1", direct))  # nothing lost
         _assert_committed_cleanly(b3, "crashy", "step-1", direct)
         with pytest.raises((CheckpointNotFoundError, IncompleteCheckpointError)):
-            S3StorageReader("s3://crashy/step-2", config=direct).read_metadata()  # never committed
+            S3StorageReader("s3://crashy/step-2", config=direct).fetch_metadata()  # never committed
         report = gc("s3://crashy", older_than_s=0, now=time.time() + 10, config=direct)  # what the outage left
         print(f"[left by the outage] objects: {report.deleted}, multipart uploads: {report.aborted_uploads}")
         _assert_nothing_left(b3, "crashy", "step-2")
@@ -407,7 +407,7 @@ def test_a_killed_save_is_incomplete_and_gc_removes_it(s3_server, bucket, boto3_
     uploads = _uploads(boto3_client, bucket, "ckpt/")
     assert data and uploads and f"ckpt/{METADATA_NAME}" not in _keys(boto3_client, bucket, "ckpt/")
     with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
-        S3StorageReader(f"s3://{bucket}/ckpt", config=config).read_metadata()
+        S3StorageReader(f"s3://{bucket}/ckpt", config=config).fetch_metadata()
     with pytest.raises(CheckpointException, match="is incomplete"):
         _load(_state(0, small=3, large_elems=0), f"s3://{bucket}/ckpt", config)
 
@@ -416,7 +416,7 @@ def test_a_killed_save_is_incomplete_and_gc_removes_it(s3_server, bucket, boto3_
     assert sorted(u for _, u in report.aborted_uploads) == sorted(u["UploadId"] for u in uploads)
     _assert_nothing_left(boto3_client, bucket, "ckpt")
     with pytest.raises(CheckpointNotFoundError):
-        S3StorageReader(f"s3://{bucket}/ckpt", config=config).read_metadata()
+        S3StorageReader(f"s3://{bucket}/ckpt", config=config).fetch_metadata()
 
 
 # ---------------------------------------------------------------------------- 7. reads that never get through
@@ -626,7 +626,7 @@ def test_a_missing_bucket_is_named_through_dcp(s3_server, boto3_client):
     with pytest.raises(CheckpointException, match="bucket does not exist.*create the bucket"):
         _load(_state(32, small=1, large_elems=0), "s3://no-such-bucket-s3dcp/ckpt", config)
     with pytest.raises(NoSuchBucketError, match="create the bucket"):
-        S3StorageReader("s3://no-such-bucket-s3dcp/ckpt", config=config).read_metadata()
+        S3StorageReader("s3://no-such-bucket-s3dcp/ckpt", config=config).fetch_metadata()
     names = [b["Name"] for b in boto3_client.list_buckets()["Buckets"]]
     assert "no-such-bucket-s3dcp" not in names  # never created by the attempt
 
@@ -647,7 +647,7 @@ def test_sse_and_expected_bucket_owner_reach_the_server(s3_server, bucket, proxy
     owner = "123456789012"
     seen = len(proxy.requests)
     cfg_owner = cfg.replace(sse=None, expected_bucket_owner=owner)
-    S3StorageReader(f"s3://{bucket}/sse", config=cfg_owner).read_metadata()
+    S3StorageReader(f"s3://{bucket}/sse", config=cfg_owner).fetch_metadata()
     reads = proxy.requests[seen:]
     assert reads and all(r.header("x-amz-expected-bucket-owner") == owner for r in reads)
 

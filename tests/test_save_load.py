@@ -18,6 +18,7 @@ from s3dcp.errors import (
     IntegrityError,
     root_error,
 )
+from s3dcp.layout import parse_object_name
 from s3dcp.writer import METADATA_NAME
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -164,14 +165,14 @@ def test_missing_checkpoint_and_incomplete_checkpoint_are_told_apart(uri, bucket
     with pytest.raises(CheckpointException, match="no checkpoint at"):
         load({"w": torch.empty(3)}, uri, small_parts)
     with pytest.raises(CheckpointNotFoundError):
-        S3StorageReader(uri, config=small_parts).read_metadata()
+        S3StorageReader(uri, config=small_parts).fetch_metadata()
     save({"w": torch.ones(3)}, uri, small_parts)
     boto3_client.delete_object(Bucket=bucket, Key=f"ckpt/{METADATA_NAME}")  # as if the commit never happened
     with pytest.raises(CheckpointException) as e:
         load({"w": torch.empty(3)}, uri, small_parts)
     assert "is incomplete" in str(e.value) and "s3dcp gc" in str(e.value)
     with pytest.raises(IncompleteCheckpointError):
-        S3StorageReader(uri, config=small_parts).read_metadata()
+        S3StorageReader(uri, config=small_parts).fetch_metadata()
 
 
 def _corrupt(boto3_client, bucket, key, offset, *, truncate=False):
@@ -236,7 +237,7 @@ def test_without_checksums_nothing_is_recorded(uri, small_parts):
     cfg = small_parts.replace(checksum=None)
     save({"w": torch.ones(5)}, uri, cfg)
     reader = S3StorageReader(uri, config=cfg)
-    md = reader.read_metadata()
+    md = reader.fetch_metadata()
     assert all(loc.checksum is None for loc in md.storage_data.values())
     assert torch.equal(load({"w": torch.empty(5)}, uri, cfg)["w"], torch.ones(5))
 
@@ -244,7 +245,7 @@ def test_without_checksums_nothing_is_recorded(uri, small_parts):
 def test_crc64nvme_checksums(uri, small_parts):
     cfg = small_parts.replace(checksum="crc64nvme")
     save({"w": torch.ones(5)}, uri, cfg)
-    md = S3StorageReader(uri, config=cfg).read_metadata()
+    md = S3StorageReader(uri, config=cfg).fetch_metadata()
     assert all(loc.checksum.startswith("crc64nvme:") for loc in md.storage_data.values())
     assert torch.equal(load({"w": torch.empty(5)}, uri, cfg)["w"], torch.ones(5))
 
@@ -296,5 +297,7 @@ def test_key_prefix_spread_names_objects_under_several_prefixes(uri, bucket, sma
 def test_metadata_records_the_checkpoint_and_save_id(uri, small_parts):
     writer = S3StorageWriter(uri, config=small_parts)
     dcp.save({"w": torch.ones(2)}, storage_writer=writer)
-    meta = S3StorageReader(uri, config=small_parts).read_metadata().storage_meta
-    assert meta.checkpoint_id == uri and meta.save_id == writer.storage_meta().save_id
+    md = S3StorageReader(uri, config=small_parts).fetch_metadata()
+    meta = md.storage_meta
+    tokens = {parse_object_name(loc.object_name).token for loc in md.storage_data.values()}
+    assert meta.checkpoint_id == uri and tokens == {meta.save_id}  # the save id named every object

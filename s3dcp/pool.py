@@ -1,0 +1,195 @@
+"""Host memory for staging: arenas, and the pool that keeps them across checkpoints.
+
+An :class:`Arena` is one contiguous host buffer (pinned where CUDA is available) that one
+checkpoint's tensors are carved from. The :class:`HostBufferPool` hands arenas out and takes
+them back, so only the first checkpoint of a job pays for allocating and page-faulting host
+memory; later ones are a memcpy. It also bounds how many arenas are in use at once
+(``max_inflight_checkpoints``): :meth:`HostBufferPool.acquire` waits for a free one.
+
+Who holds an arena, and when it comes back, is the stager's business (:mod:`s3dcp.staging`):
+the pool only asks each holder whether it is over (:meth:`Holder.over`) and takes back the
+arenas of those that are.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+from .config import MiB
+
+__all__ = ["Arena", "HostBufferPool", "Holder", "shared_pool", "release_staging_memory", "ALIGN_BYTES"]
+
+log = logging.getLogger("s3dcp")
+
+ALIGN_BYTES = 64  # every staged tensor starts on a cache line
+_ROUND = 8 * MiB  # arena sizes are rounded up so a slightly larger state reuses the arena
+_POLL_S = 0.05
+
+
+class Arena:
+    """One contiguous host buffer (pinned when CUDA is there) carved into staged tensors."""
+
+    def __init__(self, capacity: int, pinned: bool) -> None:
+        self.capacity = capacity
+        self.pinned = pinned
+        self.buffer = _allocate(capacity, pinned)
+        self.cursor = 0
+        self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
+
+    def carve(self, nbytes: int) -> torch.Tensor | None:
+        """The next ``nbytes`` of the arena as a uint8 tensor, or None when it does not fit."""
+        start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
+        if start + nbytes > self.limit:
+            return None
+        self.cursor = start + nbytes
+        return self.buffer[start:start + nbytes]
+
+    def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """An uninitialised tensor of ``tensor``'s dtype and shape in the arena, or None when
+        it does not fit."""
+        raw = self.carve(tensor.numel() * tensor.element_size())
+        if raw is None:
+            return None
+        return raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw.view(tensor.dtype).reshape(())
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and (
+            tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+
+
+def _allocate(capacity: int, pinned: bool) -> torch.Tensor:
+    buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
+    buf.zero_()  # pre-fault every page now, not during the first checkpoint's copy
+    return buf
+
+
+class Holder(Protocol):
+    """What holds an arena of the pool (a save's staging lease)."""
+
+    def over(self) -> bool:
+        """Whether the save is over, so its arena may be taken back."""
+
+    def release(self) -> None:
+        """Give the arena back (idempotent)."""
+
+
+class HostBufferPool:
+    """Reusable staging arenas (see the module docstring).
+
+    ``allocations`` counts arenas ever allocated: after the first checkpoint of a steady
+    training job it stops growing.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._cond = threading.Condition()
+        self._free: list[Arena] = []
+        self._in_use = 0
+        self._holders: set = set()
+        self.allocations = 0
+        self.bytes_allocated = 0
+
+    def acquire(self, nbytes: int, *, max_in_use: int = 1) -> Arena:
+        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken."""
+        needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+        waited = None
+        while True:
+            self.reclaim()  # saves that are over give their arena back first
+            with self._cond:
+                if self._in_use < max_in_use:
+                    self._in_use += 1
+                    arena = self._take_free(needed)
+                    break
+                if waited is None:
+                    waited = time.perf_counter()
+                    log.debug("staging waits: %d checkpoint(s) still uploading (max_inflight_checkpoints=%d)",
+                              self._in_use, max_in_use)
+                self._cond.wait(_POLL_S)  # woken at once by release(); the poll sees saves that ended
+        if waited is not None:
+            log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
+        if arena is None:
+            try:
+                arena = Arena(needed, self.pin_memory)
+            except BaseException:
+                with self._cond:
+                    self._in_use -= 1
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                self.allocations += 1
+                self.bytes_allocated += needed
+        arena.cursor = 0
+        arena.limit = max(nbytes, 1)
+        return arena
+
+    def _take_free(self, needed: int) -> Arena | None:
+        """A free arena that fits (the smallest), or None; called with the lock held. A free
+        arena too small is dropped, so memory stays bounded when the state grows."""
+        fits = [a for a in self._free if a.capacity >= needed]
+        if fits:
+            arena = min(fits, key=lambda a: a.capacity)
+            self._free.remove(arena)
+            return arena
+        if self._free:
+            dropped = max(self._free, key=lambda a: a.capacity)
+            self._free.remove(dropped)
+            self.bytes_allocated -= dropped.capacity
+        return None
+
+    def release(self, arena: Arena) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._in_use -= 1
+            self._cond.notify_all()
+
+    def hold(self, holder: Holder) -> None:
+        with self._cond:
+            self._holders.add(holder)
+
+    def unhold(self, holder: Holder) -> None:
+        with self._cond:
+            self._holders.discard(holder)
+
+    def reclaim(self) -> None:
+        """Take back the arenas of holders whose save is over (succeeded or failed anywhere)."""
+        with self._cond:
+            holders = list(self._holders)
+        for holder in holders:
+            if holder.over():
+                holder.release()
+
+    def clear(self) -> None:
+        """Free the arenas not in use (their memory goes back to the system)."""
+        self.reclaim()
+        with self._cond:
+            self.bytes_allocated -= sum(a.capacity for a in self._free)
+            self._free.clear()
+
+    @property
+    def in_use(self) -> int:
+        self.reclaim()
+        return self._in_use
+
+
+_shared: HostBufferPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool() -> HostBufferPool:
+    """The process-wide pool that writers use unless given one."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = HostBufferPool()
+        return _shared
+
+
+def release_staging_memory() -> None:
+    """Free the shared pool's idle arenas (e.g. when training is over)."""
+    if _shared is not None:
+        _shared.clear()

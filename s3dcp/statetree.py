@@ -1,0 +1,96 @@
+"""Walking a state dict: copying it with every tensor replaced, and listing its tensors.
+
+DTensors and ShardedTensors are copied as the same kind of object around staged local
+tensors; other values (ints, strings, optimizer hyper-parameters) are deep-copied, so the
+training loop may change anything once the copy is made.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["copy_tree", "tensors", "nbytes"]
+
+
+def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor ``t`` (local shards of distributed tensors too) replaced
+    by ``stage_tensor(t)``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = stage_tensor(value._local_tensor)
+        return DTensor(local, value._spec, requires_grad=False)
+    if _is_sharded_tensor(value):
+        return _copy_sharded_tensor(value, stage_tensor)
+    if isinstance(value, torch.Tensor):
+        return stage_tensor(value)
+    if isinstance(value, dict):
+        return {k: copy_tree(v, stage_tensor) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copy_tree(v, stage_tensor) for v in value]
+    if isinstance(value, tuple):
+        return tuple(copy_tree(v, stage_tensor) for v in value)
+    if isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return value
+    return copy.deepcopy(value)
+
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor ``copy_tree`` would stage, in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        yield value._local_tensor
+    elif _is_sharded_tensor(value):
+        for shard in value.local_shards():
+            yield shard.tensor
+    elif isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors(v)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, ShardedTensor)
+
+
+def _copy_sharded_tensor(st, stage_tensor):
+    """A ShardedTensor around staged copies of ``st``'s local shards.
+
+    Its global metadata is rewritten to describe the copies: torch checks every local shard
+    against it (device, ``pin_memory``, ``requires_grad``), and a staged shard lives in host
+    memory — pinned or not — and does not require grad, whatever the original did.
+    """
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed.remote_device import _remote_device
+
+    local = [stage_tensor(s.tensor) for s in st.local_shards()]
+    metadata = copy.deepcopy(st.metadata())
+    props = metadata.tensor_properties
+    props.pin_memory = bool(local) and local[0].is_pinned()
+    props.requires_grad = False
+    for shard_md in metadata.shards_metadata:
+        if shard_md.placement is not None:
+            shard_md.placement = _remote_device(f"rank:{shard_md.placement.rank()}/cpu")
+    shards = []
+    for s, t in zip(st.local_shards(), local):
+        md = copy.deepcopy(s.metadata)
+        md.placement = _remote_device(f"rank:{md.placement.rank()}/{t.device}")
+        shards.append(Shard(t, md))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=st._process_group)

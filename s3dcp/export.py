@@ -11,10 +11,14 @@
     model.safetensors.index.json written last
 
 Memory: the placeholders are one private anonymous mapping that is only ever read, so its
-pages are the kernel's shared zero page and cost no RAM; what the export holds is the tensors
-downloading or waiting to be written: at most ``max(largest tensor, window_bytes)`` plus one
-tensor. The header comes from the ``safetensors`` package (no hand-written format), at the cost
-of writing each shard file's bytes twice into the page cache (zeros, then data).
+pages are the kernel's shared zero page and cost no RAM. Tensors download into one ring buffer
+the export owns, of ``max(window_bytes, largest tensor)`` bytes (a tensor saved column-sharded
+also needs room for its chunks: twice its size), so the export holds at most that much tensor
+data, whatever the model's size; the CRT adds its download part buffers. For an ``s3://``
+destination each shard file is spooled to a local temporary file and uploaded from a read-only
+memory map of it (page cache, reclaimable). The header comes from the ``safetensors`` package
+(no hand-written format), at the cost of writing each shard file's bytes twice into the page
+cache (zeros, then data).
 """
 
 from __future__ import annotations
@@ -100,7 +104,9 @@ def export_safetensors(
     ``strip_prefix``: remove it from the names written (``model.`` → Hugging Face names).
     Non-tensor items are left out (listed in ``ExportReport.skipped``). Every chunk's checksum
     is verified; a mismatch raises :class:`IntegrityError` and leaves no index behind.
-    ``on_progress(done_bytes, total_bytes)`` is called after each tensor is written.
+    ``window_bytes``: tensor bytes downloading ahead of the writer (the ring buffer's size; a
+    larger tensor gets a buffer of its own size). ``on_progress(done_bytes, total_bytes)`` is
+    called after each tensor is written.
     """
     from .reader import S3StorageReader
 
@@ -130,11 +136,13 @@ def export_safetensors(
         if on_progress is not None:
             on_progress(done[0], total)
 
+    # Tensors download into one ring buffer: at most max(window, the largest tensor) bytes.
+    arena = _RingArena(max(window_bytes, max(_footprint(t) for t in tensors)))
     try:
         for name, group in zip(names, groups):
             shard = [tensors[i] for i in group]
             path = target.local_path(name)
-            _write_shard(path, shard, src, client, window_bytes, report, progress)
+            _write_shard(path, shard, src, client, arena, report, progress)
             size = os.path.getsize(path)
             target.finish_file(name, path)
             report.files.append({"name": name, "bytes": size, "tensors": len(shard)})
@@ -183,7 +191,7 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
 
 
 # ---------------------------------------------------------------------- one shard file
-def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, window_bytes: int,
+def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, arena: "_RingArena",
                  report: ExportReport, on_progress) -> None:
     from safetensors.torch import save_file
 
@@ -211,52 +219,101 @@ def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, 
         header = parse_header(first + f.read(header_len), source=path, file_size=os.path.getsize(path))
         where = {e.name: e for e in header.tensors}
         ordered = sorted(shard, key=lambda t: where[t.name].start)  # file order: sequential writes
-        pending: deque = deque()  # (tensor, buffer, futures) in file order
-        buffered = 0
+        pending: deque = deque()  # (tensor, its arena span, its GETs) in file order
 
         def drain_one() -> None:
-            nonlocal buffered
-            t, buf, futures = pending.popleft()
-            _finish_tensor(t, buf, futures, src, report)
+            t, span, jobs = pending.popleft()
+            buf = arena.view(span)[:t.nbytes]
+            _finish_tensor(t, buf, jobs, src, report)
             view = byte_view(buf)
             entry = where[t.name]
             written = 0
             while written < view.nbytes:
                 written += os.pwrite(f.fileno(), view[written:], entry.start + written)
-            buffered -= t.nbytes
+            arena.free(span)
             on_progress(t.nbytes)
 
         for t in ordered:
-            while pending and buffered + t.nbytes > window_bytes:
+            while (span := arena.allocate(_footprint(t))) is None:
                 drain_one()
-            buf = torch.empty(t.nbytes, dtype=torch.uint8)
-            pending.append((t, buf, _start_tensor(t, buf, src, client)))
-            buffered += t.nbytes
-            report.peak_buffered_bytes = max(report.peak_buffered_bytes, buffered)
+            pending.append((t, span, _start_tensor(t, arena.view(span), src, client)))
+            report.peak_buffered_bytes = max(report.peak_buffered_bytes, arena.used_bytes)
         while pending:
             drain_one()
         f.flush()
         os.fsync(f.fileno())
 
 
+def _footprint(t: "_Tensor") -> int:
+    """Arena bytes a tensor needs: itself, plus a bounce buffer per chunk that is not one run of
+    its bytes (a column-sharded save)."""
+    bounce = sum(loc.length for offsets, sizes, loc in t.chunks if not layout.is_contiguous_box(t.shape, offsets, sizes))
+    return _align(t.nbytes) + _align(bounce)
+
+
+class _RingArena:
+    """One host buffer the export owns, handed out first in, first out: tensors are allocated
+    in file order and freed in the same order after they are written, so the live spans are
+    one circular run. Owning the memory (rather than a tensor per download) makes the bound
+    exact: however long a finished request keeps its views, no new memory is touched."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = _align(max(capacity_bytes, 1))
+        self._memory = torch.empty(self.capacity, dtype=torch.uint8)
+        self._spans: deque = deque()  # (start, end) live, oldest first
+        self.used_bytes = 0
+
+    def allocate(self, n: int) -> tuple[int, int] | None:
+        """A span of ``n`` bytes, or None until the oldest span is freed."""
+        n = _align(max(n, 1))
+        if n > self.capacity:
+            raise ValueError(f"{n} bytes do not fit a {self.capacity}-byte arena")
+        if not self._spans:
+            start = 0
+        else:
+            tail, head = self._spans[0][0], self._spans[-1][1]
+            if head > tail:  # not wrapped: free space is [head, capacity) and [0, tail)
+                start = head if head + n <= self.capacity else (0 if n <= tail else None)
+            else:  # wrapped: the free space is [head, tail)
+                start = head if head + n <= tail else None
+            if start is None:
+                return None
+        span = (start, start + n)
+        self._spans.append(span)
+        self.used_bytes += n
+        return span
+
+    def view(self, span: tuple[int, int]) -> torch.Tensor:
+        return self._memory[span[0]:span[1]]
+
+    def free(self, span: tuple[int, int]) -> None:
+        oldest = self._spans.popleft()
+        assert oldest == span, "arena spans are freed in allocation order"
+        self.used_bytes -= span[1] - span[0]
+
+
 def _align(n: int, to: int = 64) -> int:
     return -(-n // to) * to
 
 
-def _start_tensor(t: _Tensor, buf: torch.Tensor, src: S3Uri, client: S3Client) -> list:
-    """Start the GETs of every chunk of ``t``: straight into ``buf`` where the chunk is one run of
-    the tensor's bytes (a whole tensor, rows of a Shard(0) save), else into a bounce buffer."""
+def _start_tensor(t: _Tensor, span: torch.Tensor, src: S3Uri, client: S3Client) -> list:
+    """Start the GETs of every chunk of ``t`` into its arena ``span``: straight to the chunk's
+    place in the tensor's bytes where the chunk is one run of them (a whole tensor, rows of a
+    Shard(0) save), else into a bounce area after the tensor (copied into place when done)."""
     jobs = []
     itemsize = t.dtype.itemsize
+    bounce_at = _align(t.nbytes)
     for offsets, sizes, loc in t.chunks:
         if loc.length != math.prod(sizes) * itemsize:
             raise MetadataFormatError(f"{src}: chunk of {t.fqn!r} at {offsets} has {loc.length} bytes, "
                                       f"expected {math.prod(sizes) * itemsize}")
         if layout.is_contiguous_box(t.shape, offsets, sizes):
             lo, hi = layout.box_byte_range(t.shape, itemsize, offsets, sizes)
-            sink, bounce = byte_view(buf)[lo:hi], None
+            bounce = None
+            sink = byte_view(span)[lo:hi] if hi > lo else memoryview(bytearray(0))
         else:
-            bounce = torch.empty(loc.length, dtype=torch.uint8)
+            bounce = span[bounce_at:bounce_at + loc.length]
+            bounce_at += loc.length
             sink = byte_view(bounce)
         fut: Future = client.get_range_into(src.bucket, src.key(loc.object_name), loc.offset, sink)
         jobs.append((offsets, sizes, loc, sink, bounce, fut))

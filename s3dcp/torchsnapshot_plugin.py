@@ -69,6 +69,7 @@ class S3CRTStoragePlugin(StoragePlugin):
         self._own_client = client is None
         self.client: S3Client = client if client is not None else S3Client(config)
         self._slots: asyncio.Semaphore | None = None
+        self._buffers = _ReadBuffers()
 
     def __repr__(self) -> str:
         return f"S3CRTStoragePlugin({PROTOCOL}://{self.uri.bucket}/{self.uri.prefix})"
@@ -84,17 +85,23 @@ class S3CRTStoragePlugin(StoragePlugin):
             start, end = 0, info.size
         else:
             start, end = read_io.byte_range
-        buf = bytearray(end - start)
-        if buf:
-            await self._request(lambda: self.client.get_range_into(self.uri.bucket, key, start, buf))
-        # TorchSnapshot's consumers take bytes (getvalue()): one copy, as with its own plugins.
-        read_io.buf = io.BytesIO(buf)
+        n = end - start
+        buf = self._buffers.take(n)
+        try:
+            view = memoryview(buf)[:n]
+            if n:
+                await self._request(lambda: self.client.get_range_into(self.uri.bucket, key, start, view))
+            # TorchSnapshot's consumers take bytes (getvalue()): one copy, as with its own plugins.
+            read_io.buf = io.BytesIO(view)
+        finally:
+            self._buffers.give(buf)
 
     async def delete(self, path: str) -> None:
         key = self.uri.key(path)
         await self._request(lambda: self.client.delete(self.uri.bucket, [key]))
 
     async def close(self) -> None:
+        self._buffers.clear()
         if self._own_client:
             self.client.close()
 
@@ -105,6 +112,30 @@ class S3CRTStoragePlugin(StoragePlugin):
         async with self._slots:
             future: Awaitable = asyncio.wrap_future(start())
             return await future
+
+
+class _ReadBuffers:
+    """Download buffers reused across reads: the bytes are copied out into the BytesIO that
+    TorchSnapshot consumes, so a buffer is free again as soon as that copy is made. Reusing
+    them keeps a restore's memory at about what is in flight, independent of when the client
+    lets go of a finished request's views. Kept until ``close``, at most ``max_free_bytes``."""
+
+    def __init__(self, max_free_bytes: int = 1 << 30) -> None:
+        self._free: list[bytearray] = []
+        self._max_free_bytes = max_free_bytes
+
+    def take(self, n: int) -> bytearray:
+        fits = [i for i, b in enumerate(self._free) if len(b) >= n]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))  # by position: == compares bytes
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        if sum(map(len, self._free)) + len(buf) <= self._max_free_bytes:
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
 
 
 def create_plugin(root: str, storage_options: Optional[dict[str, Any]] = None) -> S3CRTStoragePlugin:

@@ -3,7 +3,8 @@
     Snapshot.take / async_take ── WriteIO(path, buf) ──► S3Client.put: multipart from ``buf`` itself
                                                          (no copy), checksummed parts, retries
     Snapshot.restore / read_object ── ReadIO(path, byte_range) ──► S3Client.get_range_into: parallel
-                                                         ranged GETs into one buffer ──► BytesIO
+                                                         ranged GETs into one bytearray, handed over
+                                                         as it is (getvalue() makes no copy)
 
 TorchSnapshot's own ``s3://`` plugin (aiobotocore, one PUT per object) is built in and cannot be
 replaced, so this plugin registers under its own protocol, ``s3dcp``, through TorchSnapshot's
@@ -69,7 +70,6 @@ class S3CRTStoragePlugin(StoragePlugin):
         self._own_client = client is None
         self.client: S3Client = client if client is not None else S3Client(config)
         self._slots: asyncio.Semaphore | None = None
-        self._buffers = _ReadBuffers()
 
     def __repr__(self) -> str:
         return f"S3CRTStoragePlugin({PROTOCOL}://{self.uri.bucket}/{self.uri.prefix})"
@@ -85,23 +85,16 @@ class S3CRTStoragePlugin(StoragePlugin):
             start, end = 0, info.size
         else:
             start, end = read_io.byte_range
-        n = end - start
-        buf = self._buffers.take(n)
-        try:
-            view = memoryview(buf)[:n]
-            if n:
-                await self._request(lambda: self.client.get_range_into(self.uri.bucket, key, start, view))
-            # TorchSnapshot's consumers take bytes (getvalue()): one copy, as with its own plugins.
-            read_io.buf = io.BytesIO(view)
-        finally:
-            self._buffers.give(buf)
+        buf = bytearray(end - start)
+        if buf:
+            await self._request(lambda: self.client.get_range_into(self.uri.bucket, key, start, buf))
+        read_io.buf = _Downloaded(buf)
 
     async def delete(self, path: str) -> None:
         key = self.uri.key(path)
         await self._request(lambda: self.client.delete(self.uri.bucket, [key]))
 
     async def close(self) -> None:
-        self._buffers.clear()
         if self._own_client:
             self.client.close()
 
@@ -114,28 +107,41 @@ class S3CRTStoragePlugin(StoragePlugin):
             return await future
 
 
-class _ReadBuffers:
-    """Download buffers reused across reads: the bytes are copied out into the BytesIO that
-    TorchSnapshot consumes, so a buffer is free again as soon as that copy is made. Reusing
-    them keeps a restore's memory at about what is in flight, independent of when the client
-    lets go of a finished request's views. Kept until ``close``, at most ``max_free_bytes``."""
+class _Downloaded(io.BytesIO):
+    """What ``read`` hands TorchSnapshot: its scheduler calls ``getvalue()`` and its consumers
+    use the value as a bytes-like object (``memoryview``, ``torch.frombuffer``, ``BytesIO``,
+    ``.decode``). ``getvalue()`` returns the downloaded bytearray itself instead of a copy;
+    reading it as a stream works too (from a copy made on first use)."""
 
-    def __init__(self, max_free_bytes: int = 1 << 30) -> None:
-        self._free: list[bytearray] = []
-        self._max_free_bytes = max_free_bytes
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._data: bytearray | None = data
+        self._streamed = False
 
-    def take(self, n: int) -> bytearray:
-        fits = [i for i, b in enumerate(self._free) if len(b) >= n]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))  # by position: == compares bytes
-        return bytearray(n)
+    def getvalue(self) -> bytearray:  # type: ignore[override]
+        return self._data if not self._streamed else super().getvalue()
 
-    def give(self, buf: bytearray) -> None:
-        if sum(map(len, self._free)) + len(buf) <= self._max_free_bytes:
-            self._free.append(buf)
+    def _stream(self) -> None:
+        if not self._streamed:
+            super().write(self._data)
+            super().seek(0)
+            self._streamed, self._data = True, None
 
-    def clear(self) -> None:
-        self._free.clear()
+    def read(self, size: int | None = -1) -> bytes:
+        self._stream()
+        return super().read(size)
+
+    def readinto(self, buffer) -> int:
+        self._stream()
+        return super().readinto(buffer)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._stream()
+        return super().seek(pos, whence)
+
+    def tell(self) -> int:
+        self._stream()
+        return super().tell()
 
 
 def create_plugin(root: str, storage_options: Optional[dict[str, Any]] = None) -> S3CRTStoragePlugin:

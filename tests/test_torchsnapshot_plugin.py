@@ -154,3 +154,15 @@ def test_bf16_behaves_as_with_torchsnapshots_own_fs_plugin(shape, s3_config, buc
     local = attempt(f"fs://{tmp_path}/snap", None)
     ours = attempt(f"s3dcp://{bucket}/bf16", {"config": s3_config})
     assert ours == local, f"fs:// gave {local}, s3dcp:// gave {ours}"
+
+
+def test_downloaded_buffer_is_handed_over_without_a_copy_and_still_streams():
+    from s3dcp.torchsnapshot_plugin import _Downloaded
+
+    data = bytearray(b"0123456789")
+    d = _Downloaded(data)
+    assert d.getvalue() is data  # what TorchSnapshot's scheduler takes
+    d = _Downloaded(bytearray(b"0123456789"))
+    assert d.read(3) == b"012" and d.tell() == 3
+    d.seek(0)
+    assert d.read() == b"0123456789" and d.getvalue() == b"0123456789"

@@ -28,6 +28,7 @@ _LAZY = {
     "GcReport": ".gc",
     "CheckpointManager": ".manager",
     "CheckpointInfo": ".manager",
+    "S3SafetensorsReader": ".hf_reader",
 }
 
 __all__ = ["S3Config", "__version__", *_LAZY, *_error_names]

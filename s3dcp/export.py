@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from . import integrity, layout
 from .client import S3Client
-from .config import MiB, S3Config
+from .config import S3Config
 from .errors import CheckpointExistsError, ConfigError, IntegrityError, MetadataFormatError
 from .safetensors_format import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
 from .tensors import byte_view

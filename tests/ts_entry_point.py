@@ -10,8 +10,8 @@ put on ``sys.path`` / ``PYTHONPATH``. Returns None when the environment already 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
-import tomllib
 from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
@@ -20,9 +20,13 @@ GROUP = "storage_plugins"
 
 def declared_entry_point() -> tuple[str, str]:
     """(name, value) of the storage_plugins entry point in pyproject.toml."""
-    doc = tomllib.loads(PYPROJECT.read_text())
-    ((name, value),) = doc["project"]["entry-points"][GROUP].items()
-    return name, value
+    # (a regex, not tomllib: Python 3.10 has no TOML parser and the section is two lines)
+    section = re.search(r'^\[project\.entry-points\."?' + GROUP + r'"?\]\n(.*?)(?=^\[|\Z)', PYPROJECT.read_text(),
+                        re.M | re.S)
+    entries = re.findall(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', section.group(1), re.M) if section else []
+    if len(entries) != 1:
+        raise AssertionError(f"{PYPROJECT}: expected one [project.entry-points.\"{GROUP}\"] entry, found {entries}")
+    return entries[0]
 
 
 def entry_point_dir() -> str | None:

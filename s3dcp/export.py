@@ -348,6 +348,7 @@ class _Destination:
 
     def __init__(self, dest: str, client: S3Client, overwrite: bool, temp_dir: str | None) -> None:
         self.client, self.overwrite = client, overwrite
+        self._partials: list[str] = []
         if is_s3_uri(dest):
             self.uri: S3Uri | None = parse_s3_uri(dest)
             self.dir = tempfile.mkdtemp(prefix="s3dcp-export-", dir=temp_dir)
@@ -374,7 +375,9 @@ class _Destination:
                                         f"{', ...' if len(clash) > 3 else ''}); pass overwrite=True (--force)")
 
     def local_path(self, name: str) -> str:
-        return os.path.join(self.dir, name + (".partial" if self.uri is None else ""))
+        path = os.path.join(self.dir, name + (".partial" if self.uri is None else ""))
+        self._partials.append(path)
+        return path
 
     def finish_file(self, name: str, path: str) -> None:
         if self.uri is None:
@@ -389,7 +392,7 @@ class _Destination:
 
     def write_small(self, name: str, data: bytes) -> None:
         if self.uri is None:
-            partial = os.path.join(self.dir, name + ".partial")
+            partial = self.local_path(name)
             with open(partial, "wb") as f:
                 f.write(data)
             os.replace(partial, os.path.join(self.dir, name))
@@ -400,7 +403,7 @@ class _Destination:
     def close(self) -> None:
         if self.uri is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
-        else:
-            for n in os.listdir(self.dir):
-                if n.endswith(".partial"):
-                    os.unlink(os.path.join(self.dir, n))
+        else:  # only what this export started and did not finish
+            for path in self._partials:
+                if os.path.exists(path):
+                    os.unlink(path)

@@ -45,6 +45,7 @@ from .client import S3Client
 from .config import S3Config
 from .errors import CheckpointExistsError, ConfigError, IntegrityError, MetadataFormatError
 from .safetensors_format import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
+from .ring_buffer import RingArena, align as _align
 from .tensors import byte_view
 from .uri import S3Uri, is_s3_uri, parse_s3_uri
 
@@ -138,7 +139,7 @@ def export_safetensors(
             on_progress(done[0], total)
 
     # Tensors download into one ring buffer: at most max(window, the largest tensor) bytes.
-    arena = _RingArena(max(window_bytes, max(_footprint(t) for t in tensors)))
+    arena = RingArena(max(window_bytes, max(_footprint(t) for t in tensors)))
     try:
         for name, group in zip(names, groups):
             shard = [tensors[i] for i in group]
@@ -192,7 +193,7 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
 
 
 # ---------------------------------------------------------------------- one shard file
-def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, arena: "_RingArena",
+def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, arena: "RingArena",
                  report: ExportReport, on_progress) -> None:
     from safetensors.torch import save_file
 
@@ -250,51 +251,6 @@ def _footprint(t: "_Tensor") -> int:
     its bytes (a column-sharded save)."""
     bounce = sum(loc.length for offsets, sizes, loc in t.chunks if not layout.is_contiguous_box(t.shape, offsets, sizes))
     return _align(t.nbytes) + _align(bounce)
-
-
-class _RingArena:
-    """One host buffer the export owns, handed out first in, first out: tensors are allocated
-    in file order and freed in the same order after they are written, so the live spans are
-    one circular run. Owning the memory (rather than a tensor per download) makes the bound
-    exact: however long a finished request keeps its views, no new memory is touched."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = _align(max(capacity_bytes, 1))
-        self._memory = torch.empty(self.capacity, dtype=torch.uint8)
-        self._spans: deque = deque()  # (start, end) live, oldest first
-        self.used_bytes = 0
-
-    def allocate(self, n: int) -> tuple[int, int] | None:
-        """A span of ``n`` bytes, or None until the oldest span is freed."""
-        n = _align(max(n, 1))
-        if n > self.capacity:
-            raise ValueError(f"{n} bytes do not fit a {self.capacity}-byte arena")
-        if not self._spans:
-            start = 0
-        else:
-            tail, head = self._spans[0][0], self._spans[-1][1]
-            if head > tail:  # not wrapped: free space is [head, capacity) and [0, tail)
-                start = head if head + n <= self.capacity else (0 if n <= tail else None)
-            else:  # wrapped: the free space is [head, tail)
-                start = head if head + n <= tail else None
-            if start is None:
-                return None
-        span = (start, start + n)
-        self._spans.append(span)
-        self.used_bytes += n
-        return span
-
-    def view(self, span: tuple[int, int]) -> torch.Tensor:
-        return self._memory[span[0]:span[1]]
-
-    def free(self, span: tuple[int, int]) -> None:
-        oldest = self._spans.popleft()
-        assert oldest == span, "arena spans are freed in allocation order"
-        self.used_bytes -= span[1] - span[0]
-
-
-def _align(n: int, to: int = 64) -> int:
-    return -(-n // to) * to
 
 
 def _start_tensor(t: _Tensor, span: torch.Tensor, src: S3Uri, client: S3Client) -> list:

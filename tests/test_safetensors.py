@@ -272,9 +272,9 @@ def test_export_memory_is_bounded_by_the_largest_tensor_plus_the_window(bucket, 
 
 
 def test_ring_arena_hands_out_spans_first_in_first_out():
-    from s3dcp.export import _RingArena
+    from s3dcp.ring_buffer import RingArena
 
-    arena = _RingArena(640)
+    arena = RingArena(640)
     a, b = arena.allocate(256), arena.allocate(256)
     assert (a, b) == ((0, 256), (256, 512))
     assert arena.allocate(256) is None  # 128 left at the end, the start is taken

@@ -8,10 +8,18 @@
                 and copies it into its state
     raw         each rank S3Client.put of as many bytes as its shard (one buffer) and
                 get_range_into back: the floor any S3 checkpoint path pays
+    ts-s3dcp    TorchSnapshot Snapshot.take / restore through s3dcp's plugin (s3dcp://, the CRT
+                client); needs torchsnapshot (pip install -e '.[torchsnapshot]')
+    ts-s3       TorchSnapshot's built-in s3:// plugin (aiobotocore), same state, same server;
+                needs torchsnapshot and aiobotocore (not an s3dcp dependency: it pins botocore)
+
+The TorchSnapshot rows run by default when their packages import; the state is the same flat
+set of tensors as a TorchSnapshot ``StateDict`` (one per rank).
 
     python benchmarks/throughput.py                              # 256 MiB, --nproc 1 2, 3 repeats
     python benchmarks/throughput.py --state-mib 32 --repeats 1
     python benchmarks/throughput.py --modes s3dcp raw --nproc 2
+    python benchmarks/throughput.py --modes ts-s3dcp ts-s3 raw --state-mib 64
 
 Each rank holds its own shard of the state (keys carry the rank, ``r<rank>.``): mixed large and
 small tensors, fp32 and bf16 parameters, Adam-like ``exp_avg`` / ``exp_avg_sq`` (fp32) and a
@@ -59,7 +67,16 @@ from common import (  # noqa: E402
     write_json,
 )
 
-MODES = ("s3dcp", "fs", "monolithic", "raw")
+MODES = ("s3dcp", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3")
+
+
+def available_modes() -> list[str]:
+    """Every mode whose packages import (the TorchSnapshot rows are optional)."""
+    import importlib.util
+
+    have = {name: importlib.util.find_spec(name) is not None for name in ("torchsnapshot", "aiobotocore")}
+    return [m for m in MODES
+            if not m.startswith("ts-") or (have["torchsnapshot"] and (m != "ts-s3" or have["aiobotocore"]))]
 HIDDEN = 1024
 LAYERS = 8
 
@@ -337,12 +354,77 @@ class RawPath(Path):
         return None if torch.equal(self.src, self.dst) else "raw bytes differ"
 
 
-PATHS = {"s3dcp": S3DCPPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath}
+class TorchSnapshotPath(Path):
+    """Snapshot.take / Snapshot.restore of the state as one StateDict per rank, through
+    ``protocol`` (``s3dcp``: this project's plugin; ``s3``: TorchSnapshot's aiobotocore one)."""
+
+    protocol = "s3dcp"
+
+    def __init__(self, ctx, state, dest):
+        super().__init__(ctx, state, dest)
+        from importlib_metadata import entry_points  # what TorchSnapshot looks plugins up with
+
+        if self.protocol == "s3dcp" and "s3dcp" not in {ep.name for ep in entry_points(group="storage_plugins")}:
+            raise RuntimeError("TorchSnapshot does not know s3dcp:// here: the entry point is registered at install "
+                               "time, so reinstall s3dcp (pip install -e '.[torchsnapshot]')")
+
+    def _url(self, where):
+        return f"{self.protocol}://{self.ctx['bucket']}/{where}"
+
+    def _options(self):
+        return {"config": self.ctx["cfg"]} if self.protocol == "s3dcp" else None
+
+    def _flat(self, tree):
+        return {".".join(path): leaf for path, leaf in tree_items(tree)}
+
+    def save(self, where):
+        from torchsnapshot import Snapshot, StateDict
+
+        Snapshot.take(self._url(where), {"state": StateDict(**self._flat(self.state))},
+                      storage_options=self._options())
+
+    def load(self, where):
+        from torchsnapshot import Snapshot, StateDict
+
+        flat = StateDict(**self._flat(self.dest))  # tensors restore in place
+        Snapshot(self._url(where), storage_options=self._options()).restore({"state": flat})
+        for path, _ in tree_items(self.dest):  # non-tensor leaves come back as new objects
+            parent = self.dest
+            for k in path[:-1]:
+                parent = parent[k]
+            if not hasattr(parent[path[-1]], "copy_"):
+                parent[path[-1]] = flat[".".join(path)]
+
+
+class TorchSnapshotBuiltinS3Path(TorchSnapshotPath):
+    protocol = "s3"
+
+    def __init__(self, ctx, state, dest):
+        super().__init__(ctx, state, dest)
+        cfg = ctx["cfg"]  # aiobotocore reads the endpoint and credentials from the environment only
+        os.environ.update({"AWS_ENDPOINT_URL_S3": cfg.endpoint_url, "AWS_REGION": cfg.region,
+                           "AWS_DEFAULT_REGION": cfg.region})
+        if cfg.access_key_id:
+            os.environ.update({"AWS_ACCESS_KEY_ID": cfg.access_key_id, "AWS_SECRET_ACCESS_KEY": cfg.secret_access_key})
+        if cfg.use_path_style:  # a local server: no bucket.host names
+            path = os.path.join(ctx["tmpdir"], f"aws-config-{ctx['rank']}")
+            with open(path, "w") as f:
+                f.write("[default]\ns3 =\n    addressing_style = path\n")
+            os.environ["AWS_CONFIG_FILE"] = path
+            os.environ.pop("AWS_PROFILE", None)
+
+
+PATHS = {"s3dcp": S3DCPPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
+         "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path}
 
 
 # ---------------------------------------------------------------------------- ranks
 def _worker(rank: int, world: int, port: int, spec: dict) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "ts-s3" in spec["modes"]:
+        # botocore's CRT signer (used when awscrt is installed, as it is with s3dcp) fails on
+        # TorchSnapshot's memoryview request bodies; botocore reads this before it is imported.
+        os.environ["BOTO_DISABLE_CRT"] = "true"
     import torch
     import torch.distributed as dist
 
@@ -460,12 +542,14 @@ def summarize_mode(runs: list[dict], total: int, shards: list[int]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description="dcp save/load of a synthetic training state: s3dcp vs DCP filesystem vs a monolithic "
-                    "torch.save + boto3 baseline vs raw S3Client transfer, on 1 and 2 ranks.")
+                    "torch.save + boto3 baseline vs raw S3Client transfer (and TorchSnapshot through s3dcp's "
+                    "plugin and its own S3 plugin), on 1 and 2 ranks.")
     parser.add_argument("--state-mib", type=int, default=256, metavar="N",
                         help="total state size over all ranks (default 256)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], metavar="N",
                         help="rank counts to run (default: 1 2)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=available_modes(),
+                        help="default: all whose packages are installed")
     parser.add_argument("--part-mib", type=int, default=None, metavar="N",
                         help="part size for s3dcp, raw and boto3 (default: S3Config's)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up round")

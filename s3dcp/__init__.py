@@ -28,6 +28,7 @@ _LAZY = {
     "GcReport": ".gc",
     "CheckpointManager": ".manager",
     "CheckpointInfo": ".manager",
+    "S3SafetensorsReader": ".hf_reader",
 }
 
 

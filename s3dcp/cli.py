@@ -6,6 +6,7 @@
     s3dcp rm s3://bucket/run/step-1000 --yes  delete (.metadata first)
     s3dcp gc s3://bucket/run/ --older-than 1h remove leftovers of failed saves
     s3dcp download URI --to-torch-save out.pt one torch.save file
+    s3dcp export URI --to-safetensors DIR     Hugging Face sharded safetensors (local or s3://)
     s3dcp server --bucket demo                a local S3 server for trying things out
 
 S3 settings come from the environment as for the library (``AWS_ENDPOINT_URL_S3``,
@@ -133,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true",
                    help="unpickle non-tensor items without torch.load's weights_only safety (only for "
                         "checkpoints you trust: unpickling can run code)")
+
+    from .export_cli import register_cli as register_export  # s3dcp export (its own module)
+    register_export(command)
 
     p = command("server", cmd_server, "run a local SeaweedFS S3 server on 127.0.0.1 until Ctrl-C")
     p.add_argument("--bucket", action="append", default=[], metavar="NAME", help="create this bucket (repeatable)")

@@ -1,0 +1,148 @@
+"""What s3dcp needs to know about Hugging Face safetensors files. Pure: no I/O.
+
+    file:   [8-byte little-endian header length N][N bytes of JSON header][data section]
+    header: {"name": {"dtype": "BF16", "shape": [4096, 4096], "data_offsets": [begin, end]}, ...,
+             "__metadata__": {"format": "pt"}}          offsets relative to the data section
+    index:  model.safetensors.index.json = {"metadata": {"total_size": N}, "weight_map": {"name": "file"}}
+
+Reading needs only the header, so :class:`s3dcp.hf_reader.S3SafetensorsReader` fetches it with a
+ranged GET and then fetches exactly the tensor bytes each rank needs. Writing goes through the
+``safetensors`` package (:mod:`s3dcp.export`); this module only parses what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .errors import MetadataFormatError
+
+__all__ = [
+    "HEADER_LENGTH_BYTES", "INDEX_NAME", "SUFFIX", "DTYPES", "TensorEntry", "Header",
+    "header_length", "parse_header", "parse_index", "safetensors_dtype", "shard_file_name",
+]
+
+HEADER_LENGTH_BYTES = 8
+INDEX_NAME = "model.safetensors.index.json"
+SUFFIX = ".safetensors"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library refuses larger headers too
+
+# safetensors dtype names -> torch dtypes (those this torch build has)
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr)
+    for name, attr in (
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"),
+        ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"), ("U64", "uint64"),
+        ("F16", "float16"), ("BF16", "bfloat16"), ("F32", "float32"), ("F64", "float64"),
+        ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    )
+    if hasattr(torch, attr)
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its bytes are in the file (absolute offsets)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed header: the tensors in data order, the free-text metadata, the data start."""
+
+    tensors: tuple[TensorEntry, ...]
+    metadata: Mapping[str, str]
+    data_start: int  # 8 + header length
+
+
+def header_length(first_bytes: bytes | bytearray | memoryview, *, source: str) -> int:
+    """The JSON header's length from a file's first 8 bytes (validated)."""
+    if len(first_bytes) < HEADER_LENGTH_BYTES:
+        raise MetadataFormatError(f"{source}: {len(first_bytes)} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", bytes(first_bytes[:HEADER_LENGTH_BYTES]))
+    if n == 0 or n > _MAX_HEADER_BYTES:
+        raise MetadataFormatError(f"{source}: header length {n} is not that of a safetensors file")
+    return n
+
+
+def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size: int | None = None) -> Header:
+    """Parse a safetensors header from the file's first ``8 + N`` bytes (more may follow).
+
+    Checks what a reader relies on: every tensor's byte count matches its dtype and shape, its
+    range lies in the data section (and in the file, when ``file_size`` is known)."""
+    n = header_length(raw, source=source)
+    if len(raw) < HEADER_LENGTH_BYTES + n:
+        raise MetadataFormatError(f"{source}: header says {n} bytes, only {len(raw) - HEADER_LENGTH_BYTES} given")
+    try:
+        doc = json.loads(bytes(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MetadataFormatError(f"{source}: the safetensors header is not JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise MetadataFormatError(f"{source}: the safetensors header is not a JSON object")
+    data_start = HEADER_LENGTH_BYTES + n
+    metadata = doc.pop("__metadata__", None) or {}
+    entries = []
+    for name, spec in doc.items():
+        try:
+            dtype_name, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise MetadataFormatError(f"{source}: tensor {name!r} has a malformed header entry {spec!r}") from e
+        dtype = DTYPES.get(dtype_name)
+        if dtype is None:
+            raise MetadataFormatError(f"{source}: tensor {name!r} has dtype {dtype_name!r}, which this torch "
+                                      f"cannot hold (known: {', '.join(sorted(DTYPES))})")
+        expected = math.prod(shape) * dtype.itemsize
+        if not (isinstance(begin, int) and isinstance(end, int)) or begin < 0 or end - begin != expected:
+            raise MetadataFormatError(f"{source}: tensor {name!r} ({dtype_name} {list(shape)}) has data_offsets "
+                                      f"{[begin, end]}, expected a range of {expected} bytes")
+        if file_size is not None and data_start + end > file_size:
+            raise MetadataFormatError(f"{source}: tensor {name!r} ends at byte {data_start + end}, past the end of "
+                                      f"the {file_size}-byte file (truncated upload?)")
+        entries.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
+    entries.sort(key=lambda e: e.start)
+    return Header(tuple(entries), dict(metadata), data_start)
+
+
+def parse_index(raw: bytes, *, source: str) -> dict[str, str]:
+    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> file name."""
+    try:
+        doc = json.loads(raw)
+        weight_map = doc["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise MetadataFormatError(f"{source}: not a safetensors index (JSON with a 'weight_map')") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MetadataFormatError(f"{source}: 'weight_map' must map tensor names to file names")
+    return dict(weight_map)
+
+
+def safetensors_dtype(dtype: torch.dtype, *, what: str) -> str:
+    """The safetensors name of a torch dtype; an error naming ``what`` when it has none."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise MetadataFormatError(f"{what}: dtype {dtype} has no safetensors equivalent") from None
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """Hugging Face's shard name: ``model-00001-of-00003.safetensors`` (1-based)."""
+    return f"model-{index:05d}-of-{count:05d}{SUFFIX}"
+
+
+def index_document(weight_map: Mapping[str, str], total_size_bytes: int) -> dict[str, Any]:
+    """The ``model.safetensors.index.json`` content Hugging Face writes."""
+    return {"metadata": {"total_size": total_size_bytes}, "weight_map": dict(sorted(weight_map.items()))}

@@ -1,0 +1,289 @@
+"""Hugging Face safetensors in and out of S3: S3SafetensorsReader (dcp.load) and `s3dcp export`.
+
+Multi-rank loads (DTensor Shard(0), bytes read per rank) are in test_interop_multirank.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from s3dcp import S3StorageWriter, cli
+from s3dcp.errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError, MetadataFormatError
+from s3dcp.export import export_safetensors
+from s3dcp.export_cli import parse_size
+from s3dcp.hf_reader import S3SafetensorsReader
+from s3dcp.safetensors_format import parse_header
+
+MODEL_FILES = {  # file -> tensors, as Hugging Face shards a model
+    "model-00001-of-00002.safetensors": ("embed.weight", "norm.scale"),
+    "model-00002-of-00002.safetensors": ("layer.0.weight", "layer.0.bias", "step_ids"),
+}
+
+
+def hf_model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(13)
+    return {
+        "embed.weight": torch.randn(96, 40, generator=g).to(torch.bfloat16),
+        "norm.scale": torch.tensor(1.5, dtype=torch.float16),
+        "layer.0.weight": torch.randn(40, 72, generator=g),
+        "layer.0.bias": torch.randn(72, generator=g).to(torch.float64),
+        "step_ids": torch.randint(-100, 100, (33,), generator=g, dtype=torch.int8),
+    }
+
+
+def upload_hf_model(boto3_client, bucket: str, prefix: str, tmp_path, *, index: bool = True) -> dict:
+    """Write the model with ``safetensors`` as Hugging Face does (shards + index) and upload it."""
+    model = hf_model()
+    files = MODEL_FILES if index else {"model.safetensors": tuple(model)}
+    weight_map = {}
+    for name, keys in files.items():
+        save_file({k: model[k] for k in keys}, tmp_path / name, metadata={"format": "pt"})
+        boto3_client.upload_file(str(tmp_path / name), bucket, f"{prefix}/{name}")
+        weight_map.update({k: name for k in keys})
+    if index:
+        doc = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+        boto3_client.put_object(Bucket=bucket, Key=f"{prefix}/model.safetensors.index.json", Body=json.dumps(doc))
+    return model
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+    assert torch.equal(actual, expected), f"{what}: values differ"
+
+
+# ------------------------------------------------------------------------------ format
+def test_parse_header_refuses_what_a_reader_cannot_trust(tmp_path):
+    save_file({"a": torch.ones(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)}, tmp_path / "x.safetensors")
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    header = parse_header(raw, source="x", file_size=len(raw))
+    by_name = {t.name: t for t in header.tensors}
+    assert (by_name["a"].dtype, by_name["a"].shape, by_name["a"].nbytes) == (torch.float32, (3, 4), 48)
+    assert raw[by_name["b"].start:by_name["b"].end] == bytes(4)
+
+    with pytest.raises(MetadataFormatError, match="past the end"):
+        parse_header(raw, source="x", file_size=len(raw) - 1)  # truncated
+    n = struct.unpack("<Q", raw[:8])[0]
+    doc = json.loads(raw[8:8 + n])
+    doc["a"]["data_offsets"][1] -= 4  # a range that does not match dtype x shape
+    bad = json.dumps(doc).encode()
+    with pytest.raises(MetadataFormatError, match="'a'.*expected a range of 48 bytes"):
+        parse_header(struct.pack("<Q", len(bad)) + bad, source="x")
+    with pytest.raises(MetadataFormatError, match="not that of a safetensors file"):
+        parse_header(b"\xff" * 16, source="x")
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1000") == 1000
+    for bad in ("5 parsecs", "", "-1GB", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+# ------------------------------------------------------------------------------ reader
+def test_reader_loads_index_and_shards_bitwise_with_dtype_conversion(bucket, s3_config, boto3_client, tmp_path):
+    model = upload_hf_model(boto3_client, bucket, "models/tiny", tmp_path)
+    dest = {k: torch.zeros_like(v) for k, v in model.items()}
+    dest["embed.weight"] = torch.zeros(96, 40, dtype=torch.float32)  # the state asks for fp32
+    reader = S3SafetensorsReader(f"s3://{bucket}/models/tiny/", config=s3_config)
+    dcp.load(dest, storage_reader=reader)
+    for k, v in model.items():
+        assert_bitwise(dest[k], v.to(dest[k].dtype), k)
+    tensor_bytes = sum(v.numel() * v.element_size() for v in model.values())
+    assert reader.last_read_bytes == tensor_bytes  # exactly the tensors: no header bytes twice, no holes
+    # index + at most the first 64 KiB of each file (one GET per file finds the header)
+    assert 0 < reader.last_header_bytes <= 2 * 64 * 1024 + 1024
+
+    # A subset of the model reads only that subset.
+    part = {"layer.0.weight": torch.zeros(40, 72)}
+    dcp.load(part, storage_reader=S3SafetensorsReader(f"s3://{bucket}/models/tiny", config=s3_config))
+    assert_bitwise(part["layer.0.weight"], model["layer.0.weight"], "subset")
+
+
+def test_reader_without_index_reads_every_file(bucket, s3_config, boto3_client, tmp_path):
+    model = upload_hf_model(boto3_client, bucket, "single", tmp_path, index=False)
+    dest = {k: torch.zeros_like(v) for k, v in model.items()}
+    dcp.load(dest, storage_reader=S3SafetensorsReader(f"s3://{bucket}/single", config=s3_config))
+    for k, v in model.items():
+        assert_bitwise(dest[k], v, k)
+
+
+def test_reader_errors_name_what_is_wrong(bucket, s3_config, boto3_client, tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no model.safetensors.index.json and no"):
+        S3SafetensorsReader(f"s3://{bucket}/nothing", config=s3_config).read_metadata()
+
+    upload_hf_model(boto3_client, bucket, "broken", tmp_path)
+    boto3_client.delete_object(Bucket=bucket, Key="broken/model-00002-of-00002.safetensors")
+    with pytest.raises(MetadataFormatError, match="names .*model-00002-of-00002.safetensors.* but no such object"):
+        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).read_metadata()
+
+    raw = (tmp_path / "model-00002-of-00002.safetensors").read_bytes()
+    boto3_client.put_object(Bucket=bucket, Key="broken/model-00002-of-00002.safetensors", Body=raw[:-10])
+    with pytest.raises(MetadataFormatError, match="past the end of the .*truncated"):
+        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).read_metadata()
+
+
+# ------------------------------------------------------------------------------ export
+def training_state() -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "model": {"embed.weight": torch.randn(64, 48, generator=g).to(torch.bfloat16),
+                  "proj.weight": torch.randn(300, 100, generator=g),  # 120 kB: its own shard below
+                  "proj.bias": torch.randn(100, generator=g), "scale": torch.tensor(0.5)},
+        "optim": {"state": {"proj.weight": {"exp_avg": torch.randn(300, 100, generator=g)}}, "lr": 0.01},
+        "step": 1000,
+    }
+
+
+def test_export_local_shards_load_with_safetensors_and_the_reader(bucket, s3_config, tmp_path):
+    state = training_state()
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-1000", config=s3_config))
+    out = tmp_path / "hf"
+    report = export_safetensors(f"s3://{bucket}/run/step-1000", str(out), only=["model."], strip_prefix="model.",
+                                shard_size_bytes=100_000, config=s3_config)
+    model = state["model"]
+    names = sorted(os.listdir(out))
+    # embed (6 kB) | proj.weight (120 kB, over the shard size: alone) | proj.bias + scale
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + ["model.safetensors.index.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in model.values())
+    loaded = {}
+    for name in names[:3]:
+        part = load_file(out / name)
+        assert all(index["weight_map"][k] == name for k in part)
+        loaded.update(part)
+    assert loaded.keys() == model.keys()
+    for k, v in model.items():
+        assert_bitwise(loaded[k], v, k)
+    assert report.tensors == 4 and report.verified_chunks == 4 and report.unverified_chunks == 0
+    assert sorted(report.skipped) == ["optim.lr", "optim.state.proj.weight.exp_avg", "step"]
+    assert report.peak_buffered_bytes <= 120_000 + 256 * 2**20
+
+    with pytest.raises(CheckpointExistsError, match="already holds safetensors files"):
+        export_safetensors(f"s3://{bucket}/run/step-1000", str(out), config=s3_config)
+
+
+def test_export_to_s3_loads_with_the_reader(bucket, s3_config, tmp_path):
+    state = training_state()
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-1000", config=s3_config))
+    export_safetensors(f"s3://{bucket}/run/step-1000", f"s3://{bucket}/hf/step-1000", only=["model."],
+                       strip_prefix="model.", config=s3_config, temp_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []  # the spool directory is gone
+    dest = {k: torch.zeros_like(v) for k, v in state["model"].items()}
+    dcp.load(dest, storage_reader=S3SafetensorsReader(f"s3://{bucket}/hf/step-1000", config=s3_config))
+    for k, v in state["model"].items():
+        assert_bitwise(dest[k], v, k)
+
+
+def test_export_refuses_a_corrupted_item_and_writes_no_index(bucket, s3_config, boto3_client, tmp_path):
+    from s3dcp.reader import S3StorageReader
+
+    uri = f"s3://{bucket}/run/step-1"
+    dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))
+    md = S3StorageReader(uri, config=s3_config).read_metadata()
+    loc = next(loc for idx, loc in md.storage_data.items() if idx.fqn == "model.proj.bias")
+    key = f"run/step-1/{loc.object_name}"
+    body = bytearray(boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[loc.offset + 7] ^= 0x01
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(IntegrityError, match="checksum mismatch .* 'model.proj.bias'"):
+        export_safetensors(uri, str(tmp_path / "out"), config=s3_config)
+    assert os.listdir(tmp_path / "out") == []  # no index, no partial files
+
+
+def test_export_cli_json(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_path):
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    dcp.save(training_state(), storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-7", config=s3_config))
+    capsys.readouterr()
+    code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "o"),
+                     "--only", "model.", "--only", "optim.", "--shard-size", "200kB", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["tensors"] == 5 and summary["skipped"] == ["optim.lr", "step"]  # non-tensor, filtered out
+    assert [f["name"] for f in summary["files"]] == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "o")])
+    assert code == 1 and "--force" in capsys.readouterr().err
+    code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "p"),
+                     "--shard-size", "lots"])
+    assert code == 2
+
+
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from s3dcp.config import S3Config
+    from s3dcp.client import S3Client
+    from s3dcp.export import export_safetensors
+    import s3dcp.reader, safetensors.torch  # imported by the export: not part of what it holds
+    cfg = S3Config(**json.loads(sys.argv[1]))
+    client = S3Client(cfg)
+    client.list(cfg_bucket := sys.argv[2]).result()  # the CRT client exists before the baseline
+    def status_mib(field):
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) / 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    base = status_mib("VmHWM")
+    report = export_safetensors(f"s3://{cfg_bucket}/big", sys.argv[3], client=client,
+                                window_bytes=int(sys.argv[4]), shard_size_bytes=int(sys.argv[5]))
+    print(json.dumps({"base_mib": base, "peak_mib": status_mib("VmHWM"), "buffered": report.peak_buffered_bytes,
+                      "bytes": report.tensor_bytes, "files": len(report.files)}))
+""")
+
+
+def test_export_memory_is_bounded_by_the_largest_tensor_plus_the_window(bucket, s3_config, tmp_path):
+    """16 tensors of 4 MiB (64 MiB, one shard file), window one tensor: the export process's peak
+    resident memory grows by about one tensor plus the CRT's download buffers, not by the model."""
+    g = torch.Generator().manual_seed(0)
+    tensor_bytes = 4 * 2**20
+    state = {f"layer{i}.weight": torch.randn(tensor_bytes // 4, generator=g).view(1024, -1) for i in range(16)}
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/big", config=s3_config))
+    del state
+    cfg = {k: getattr(s3_config, k) for k in ("endpoint_url", "region", "access_key_id", "secret_access_key")}
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, json.dumps(cfg), bucket, str(tmp_path / "out"),
+         str(tensor_bytes), str(10**9)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads(result.stdout.strip().splitlines()[-1])
+    assert m["files"] == 1 and m["bytes"] == 16 * tensor_bytes
+    assert m["buffered"] <= tensor_bytes  # window = one tensor: one at a time
+    grown_mib = m["peak_mib"] - m["base_mib"]
+    print(f"export of {m['bytes'] >> 20} MiB: process grew {grown_mib:.1f} MiB ({m})")
+    # One tensor buffered plus the CRT's download buffers; the model is 64 MiB.
+    assert grown_mib < 32, f"export grew by {grown_mib:.0f} MiB for a 64 MiB model ({m})"
+    loaded = load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")
+    assert len(loaded) == 16
+
+
+def test_ring_arena_hands_out_spans_first_in_first_out():
+    from s3dcp.ring_buffer import RingArena
+
+    arena = RingArena(640)
+    a, b = arena.allocate(256), arena.allocate(256)
+    assert (a, b) == ((0, 256), (256, 512))
+    assert arena.allocate(256) is None  # 128 left at the end, the start is taken
+    arena.free(a)
+    c = arena.allocate(200)  # wraps to the freed start
+    assert c == (0, 256)
+    assert arena.allocate(64) is None  # wrapped: only [256, 256) is free
+    arena.free(b)
+    assert arena.allocate(320) == (256, 576)
+    assert arena.used_bytes == 256 + 320
+    with pytest.raises(ValueError):
+        arena.allocate(1000)

@@ -42,6 +42,7 @@ def close() -> None:
     close_native_clients()
     release_staging_memory()
 
+
 __all__ = ["S3Config", "__version__", "close", *_LAZY, *_error_names]
 
 

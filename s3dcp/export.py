@@ -118,7 +118,7 @@ def export_safetensors(
     src = parse_s3_uri(source)
     client = client or S3Client(config)
     reader = S3StorageReader(str(src), client=client)
-    md = reader.read_metadata()
+    md = reader.fetch_metadata()
     report = ExportReport(source=str(src), dest=dest)
     tensors = _select(md, src, only, strip_prefix, report)
     if not tensors:

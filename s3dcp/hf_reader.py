@@ -41,7 +41,7 @@ from .client import S3Client
 from .config import S3Config
 from .errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
 from .safetensors_format import INDEX_NAME, SUFFIX, Header, header_length, parse_header, parse_index
-from .storage import S3CheckpointPath
+from .storage import S3CheckpointPath, UnreadableMetadata
 from .tensors import byte_view
 
 __all__ = ["S3SafetensorsReader", "SafetensorsLocation"]
@@ -103,7 +103,17 @@ class S3SafetensorsReader(S3CheckpointPath, StorageReader):
         self._reset_path(checkpoint_id)
         self._locations = {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        """DCP's hook, on every rank. Never raises: a failure is raised, typed, by
+        :meth:`set_up_storage_reader` (see :class:`s3dcp.storage.UnreadableMetadata`).
+        :meth:`fetch_metadata` raises at once."""
+        try:
+            return self.fetch_metadata()
+        except Exception as e:  # noqa: BLE001 - raised again in set_up_storage_reader
+            return UnreadableMetadata(e)
+
+    def fetch_metadata(self) -> Metadata:
+        """DCP metadata built from the index and the files' headers, or a typed error."""
         headers = self.read_headers()
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, SafetensorsLocation] = {}
@@ -119,6 +129,8 @@ class S3SafetensorsReader(S3CheckpointPath, StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if isinstance(metadata, UnreadableMetadata):
+            raise metadata.error
         self._locations = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -42,7 +42,7 @@ from .errors import (
 )
 from .layout import METADATA_NAME, ItemLocation, Segment, is_data_object
 from .metadata import decode_metadata, str_to_dtype
-from .storage import S3CheckpointPath
+from .storage import S3CheckpointPath, UnreadableMetadata
 from .tensors import byte_view
 
 __all__ = ["S3StorageReader"]
@@ -54,20 +54,6 @@ _METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries in
 _METADATA_BACKOFF_S = 0.2
 
 
-class _UnreadableMetadata(Metadata):
-    """What :meth:`S3StorageReader.read_metadata` returns when the metadata cannot be read:
-    any look at its contents raises the error (see read_metadata for why)."""
-
-    def __init__(self, error: BaseException) -> None:  # noqa: D107 - no dataclass fields on purpose
-        object.__setattr__(self, "error", error)
-
-    def __getattribute__(self, name: str):
-        if name in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"):
-            raise object.__getattribute__(self, "error")
-        return object.__getattribute__(self, name)
-
-    def __repr__(self) -> str:
-        return f"<unreadable checkpoint metadata: {object.__getattribute__(self, 'error')!r}>"
 
 
 @dataclass
@@ -147,7 +133,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         try:
             return self.fetch_metadata()
         except Exception as e:  # noqa: BLE001 - raised again, typed, in set_up_storage_reader
-            return _UnreadableMetadata(e)
+            return UnreadableMetadata(e)
 
     def fetch_metadata(self) -> Metadata:
         """The checkpoint's metadata, or a typed error: :class:`IncompleteCheckpointError`
@@ -190,7 +176,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if isinstance(metadata, _UnreadableMetadata):
+        if isinstance(metadata, UnreadableMetadata):
             raise metadata.error
         self._storage_data = metadata.storage_data
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from .client import S3Client
 from .config import S3Config
 from .errors import ConfigError
 from .uri import S3Uri, is_s3_uri, parse_s3_uri
 
-__all__ = ["S3CheckpointPath"]
+__all__ = ["S3CheckpointPath", "UnreadableMetadata"]
 
 
 class S3CheckpointPath:
@@ -61,3 +63,22 @@ class S3CheckpointPath:
         state = self.__dict__.copy()
         state["_client"] = None
         return state
+
+
+class UnreadableMetadata(Metadata):
+    """What a reader's ``read_metadata`` returns when the metadata cannot be read: any look at
+    its contents raises the error. DCP turns an exception raised by ``read_metadata`` into
+    ``AssertionError("metadata is None")`` (and, for a signature with ``**kwargs``, retries that
+    rank alone without collectives, which hangs the others); raised from
+    ``set_up_storage_reader`` instead, it reaches every rank typed, through DCP's collective."""
+
+    def __init__(self, error: BaseException) -> None:  # noqa: D107 - no dataclass fields on purpose
+        object.__setattr__(self, "error", error)
+
+    def __getattribute__(self, name: str):
+        if name in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"):
+            raise object.__getattribute__(self, "error")
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        return f"<unreadable checkpoint metadata: {object.__getattribute__(self, 'error')!r}>"

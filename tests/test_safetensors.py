@@ -122,17 +122,17 @@ def test_reader_without_index_reads_every_file(bucket, s3_config, boto3_client, 
 
 def test_reader_errors_name_what_is_wrong(bucket, s3_config, boto3_client, tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="no model.safetensors.index.json and no"):
-        S3SafetensorsReader(f"s3://{bucket}/nothing", config=s3_config).read_metadata()
+        S3SafetensorsReader(f"s3://{bucket}/nothing", config=s3_config).fetch_metadata()
 
     upload_hf_model(boto3_client, bucket, "broken", tmp_path)
     boto3_client.delete_object(Bucket=bucket, Key="broken/model-00002-of-00002.safetensors")
     with pytest.raises(MetadataFormatError, match="names .*model-00002-of-00002.safetensors.* but no such object"):
-        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).read_metadata()
+        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).fetch_metadata()
 
     raw = (tmp_path / "model-00002-of-00002.safetensors").read_bytes()
     boto3_client.put_object(Bucket=bucket, Key="broken/model-00002-of-00002.safetensors", Body=raw[:-10])
     with pytest.raises(MetadataFormatError, match="past the end of the .*truncated"):
-        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).read_metadata()
+        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).fetch_metadata()
 
 
 # ------------------------------------------------------------------------------ export
@@ -193,7 +193,7 @@ def test_export_refuses_a_corrupted_item_and_writes_no_index(bucket, s3_config, 
 
     uri = f"s3://{bucket}/run/step-1"
     dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))
-    md = S3StorageReader(uri, config=s3_config).read_metadata()
+    md = S3StorageReader(uri, config=s3_config).fetch_metadata()
     loc = next(loc for idx, loc in md.storage_data.items() if idx.fqn == "model.proj.bias")
     key = f"run/step-1/{loc.object_name}"
     body = bytearray(boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read())

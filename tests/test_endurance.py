@@ -303,3 +303,67 @@ def _failures(error: CheckpointException) -> list[BaseException]:
     for value in error.failures.values():
         out.append(value[0] if isinstance(value, tuple) else value)
     return out
+
+
+# ------------------------------------------------------------------ two ranks, a fault on one
+def _two_rank_worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
+    """ShardedTensor staging, one save identity across ranks, and metadata faults on rank 1
+    only (its reads go through the fault proxy)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    out: dict = {}
+
+    def sharded(values):
+        md = ShardMetadata([rank * 4, 0], [4, 8], f"rank:{rank}/cpu")
+        return init_from_local_shards([Shard(values, md)], [8, 8])
+
+    original = torch.arange(rank * 32, (rank + 1) * 32, dtype=torch.float32).reshape(4, 8)
+    st = sharded(original.clone())
+    future = dcp.async_save({"st": st, "plain": torch.full((3,), float(rank))},
+                           storage_writer=S3StorageWriter(f"{uri}/sharded", config=cfg))
+    st.local_shards()[0].tensor.add_(1000)  # the training loop goes on at once
+    future.result(timeout=60)
+    dest = sharded(torch.zeros(4, 8))
+    dcp.load({"st": dest}, storage_reader=S3StorageReader(f"{uri}/sharded", config=cfg))
+    assert torch.equal(dest.local_shards()[0].tensor, original), "sharded tensor round trip"
+
+    mine = proxied if rank == 1 else cfg
+    w = {"w": torch.zeros(16)}
+    dcp.load(w, storage_reader=S3StorageReader(f"{uri}/transient", config=mine))
+    out["transient"] = w["w"].tolist()
+    try:
+        dcp.load({"w": torch.zeros(16)}, storage_reader=S3StorageReader(f"{uri}/denied", config=mine))
+        out["denied"] = None
+    except CheckpointException as e:
+        out["denied"] = (type(root_error(e)).__name__, sorted(e.failures))
+    return out
+
+
+def test_two_ranks_sharded_staging_and_a_metadata_fault_on_one_rank(s3_server, bucket, s3_config, tmp_path,
+                                                                    boto3_client):
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+    from test_multiprocess import Job, run_jobs
+
+    uri = f"s3://{bucket}/two"
+    w = {"w": torch.arange(16, dtype=torch.float32)}
+    for name in ("transient", "denied"):
+        dcp.save(w, storage_writer=S3StorageWriter(f"{uri}/{name}", config=s3_config))
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port, seed=7) as proxy:
+        # rank 1: the metadata GET fails 3 times (more than the CRT's one retry), then works;
+        # and access to the other checkpoint's metadata is denied for good
+        proxy.add_rule(Rule("error", method="GET", path_regex=r"/two/transient/\.metadata", times=3))
+        proxy.add_rule(Rule("error", method="GET", path_regex=r"/two/denied/\.metadata", status=403,
+                            code="AccessDenied"))
+        proxied = s3_config.replace(endpoint_url=proxy.endpoint_url, max_retries=1)
+        job = Job("endurance", _two_rank_worker, 2, (uri, s3_config, proxied))
+        run_jobs(tmp_path, job, timeout=120)
+        assert proxy.rules[0].fired == 3
+    for rank, result in enumerate(job.results):
+        assert result["transient"] == w["w"].tolist(), rank
+        # the same typed error on both ranks, naming rank 1 as the one that failed
+        assert result["denied"] == ("AccessDeniedError", [1]), (rank, result["denied"])
+    names = _names(boto3_client, bucket, "two/sharded") - {METADATA_NAME}
+    assert len(_save_ids(names)) == 1 and {p.rank for p in map(parse_object_name, names)} == {0, 1}

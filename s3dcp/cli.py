@@ -262,37 +262,6 @@ def cmd_inspect(args) -> int:
 
 
 # ---------------------------------------------------------------------- verify
-class _ItemCheck:
-    """The running whole-item CRC of one item, fed its pieces in order."""
-
-    def __init__(self, index, loc, algorithm: str) -> None:
-        self.index, self.loc, self.algorithm = index, loc, algorithm
-        self.fn, self.combine, self.width = integrity._ALGORITHMS[algorithm]
-        self.crc: int | None = None
-        self.bad_blocks: list[int] = []
-        self.error: str | None = None
-
-    def feed(self, piece: int, view: memoryview) -> None:
-        crc = self.fn(view)
-        blocks = self.loc.block_checksums
-        if blocks and piece < len(blocks) and blocks[piece] != self._text(crc):
-            self.bad_blocks.append(piece)
-        self.crc = crc if self.crc is None else self.combine(self.crc, crc, view.nbytes)
-
-    def _text(self, crc: int) -> str:
-        return f"{self.algorithm}:{crc:0{self.width}x}"
-
-    @property
-    def got(self) -> str:
-        if self.error:
-            return self.error
-        return self._text(self.crc if self.crc is not None else self.fn(b""))
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.bad_blocks and self.got == self.loc.checksum
-
-
 def cmd_verify(args) -> int:
     from collections import deque
 
@@ -301,7 +270,7 @@ def cmd_verify(args) -> int:
     uri = parse_s3_uri(args.uri)
     client = _client(args)
     md = S3StorageReader(str(uri), client=client).fetch_metadata()
-    checks: list[_ItemCheck] = []
+    checks: list[_Verify] = []
     bad: list[dict[str, Any]] = []
     unchecked = 0
     segments: dict[str, list[layout.Segment]] = {}
@@ -310,15 +279,15 @@ def cmd_verify(args) -> int:
             unchecked += 1
             continue
         try:
-            check = _ItemCheck(index, loc, integrity.algorithm_of(loc.checksum))
+            check = _Verify(index, integrity.ItemCheck(loc))
         except ValueError as e:
             bad.append(_bad(uri, index, loc, str(e)))
             continue
         checks.append(check)
-        step = loc.block_size or integrity.BLOCK_SIZE_BYTES  # pieces line up with the block checksums
-        for piece, start in enumerate(range(0, loc.length, step)):
+        step = check.item.piece_bytes  # pieces line up with the block checksums
+        for start in range(0, loc.length, step) if loc.length else [0]:
             segments.setdefault(loc.object_name, []).append(
-                layout.Segment(loc.offset + start, min(step, loc.length - start), (check, piece)))
+                layout.Segment(loc.offset + start, min(step, loc.length - start), check))
     runs = [(name, run) for name, segs in sorted(segments.items())
             for run in layout.coalesce(segs, 0, integrity.BLOCK_SIZE_BYTES)]
     total = sum(seg.length for _, run in runs for seg in run)
@@ -341,8 +310,9 @@ def cmd_verify(args) -> int:
                 finish_oldest()
         while window:
             finish_oldest()
-    bad += [_bad(uri, c.index, c.loc, c.got, c.bad_blocks) for c in checks if not c.ok]
-    nbytes = sum(c.loc.length for c in checks)
+    bad += [_bad(uri, c.index, c.item.location, c.error or c.item.got, c.item.bad_blocks)
+            for c in checks if c.error or not c.item.ok]
+    nbytes = sum(c.item.location.length for c in checks)
     if args.json:
         _print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
                      "unchecked_items": unchecked, "bytes": nbytes, "bad": bad})
@@ -354,11 +324,20 @@ def cmd_verify(args) -> int:
         if not bad:
             note = f", {unchecked} without checksums (not checked)" if unchecked else ""
             print(f"OK: {len(checks)} item(s), {nbytes} bytes ({_size(nbytes)}) in "
-                  f"{len({c.loc.object_name for c in checks})} object(s) of {uri} verified{note}")
+                  f"{len({c.item.location.object_name for c in checks})} object(s) of {uri} verified{note}")
     if bad:
         print(f"s3dcp: error: {len(bad)} bad item(s) in {uri}; restore from another checkpoint", file=sys.stderr)
         return 1
     return 0
+
+
+class _Verify:
+    """One item under ``s3dcp verify``: its :class:`integrity.ItemCheck`, fed piece by piece
+    in order, or why it could not be read."""
+
+    def __init__(self, index, item: integrity.ItemCheck) -> None:
+        self.index, self.item = index, item
+        self.error: str | None = None
 
 
 def _check_run(future, buf: memoryview, start: int, run: list) -> None:
@@ -366,13 +345,11 @@ def _check_run(future, buf: memoryview, start: int, run: list) -> None:
         future.result()
     except S3DCPError as e:
         for seg in run:
-            check, _ = seg.tag
-            check.error = check.error or f"unreadable: {' '.join(str(e).split())}"
+            seg.tag.error = seg.tag.error or f"unreadable: {' '.join(str(e).split())}"
         return
     for seg in run:
-        check, piece = seg.tag
-        if check.error is None:
-            check.feed(piece, buf[seg.offset - start:seg.end - start])
+        if seg.tag.error is None:
+            seg.tag.item.feed(buf[seg.offset - start:seg.end - start])
 
 
 def _bad(uri: S3Uri, index, loc, got: str, bad_blocks: Sequence[int] = ()) -> dict[str, Any]:

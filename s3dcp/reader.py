@@ -296,24 +296,20 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         loc = read.location
         if loc.checksum is None:
             return
-        algorithm = integrity.algorithm_of(loc.checksum)
-        if read.start == 0 and read.end == loc.length:
-            checks = [(0, loc.length, loc.checksum)]
+        check = integrity.ItemCheck(loc, read.start).feed_all(read.sink)
+        if check.ok:
+            return
+        if check.bad_blocks:
+            b = check.bad_blocks[0]
+            lo, hi = b * loc.block_size, min(loc.length, (b + 1) * loc.block_size)
+            where, expected, got = f"bytes {lo}-{hi} of ", loc.block_checksums[b], check.block_got[b]
         else:
-            first = read.start // loc.block_size
-            checks = [
-                (b * loc.block_size, min(loc.length, (b + 1) * loc.block_size), loc.block_checksums[b])
-                for b in range(first, first + math.ceil((read.end - read.start) / loc.block_size))
-            ]
-        for lo, hi, expected in checks:
-            actual = integrity.checksum(algorithm, read.sink[lo - read.start:hi - read.start])
-            if actual != expected:
-                where = f"bytes {lo}-{hi} of " if (lo, hi) != (0, loc.length) else ""
-                raise IntegrityError(
-                    f"checksum mismatch in {self._uri.child(loc.object_name)} for item "
-                    f"{read.item.storage_index.fqn!r} (chunk at {tuple(read.item.storage_index.offset or ())}, "
-                    f"{where}object bytes {loc.offset}-{loc.offset + loc.length}): expected {expected}, "
-                    f"got {actual}. The object was corrupted or overwritten; restore from another checkpoint")
+            where, expected, got = "", loc.checksum, check.got
+        raise IntegrityError(
+            f"checksum mismatch in {self._uri.child(loc.object_name)} for item "
+            f"{read.item.storage_index.fqn!r} (chunk at {tuple(read.item.storage_index.offset or ())}, "
+            f"{where}object bytes {loc.offset}-{loc.offset + loc.length}): expected {expected}, "
+            f"got {got}. The object was corrupted or overwritten; restore from another checkpoint")
 
 
 def _widen_to_blocks(loc: ItemLocation, start: int, end: int) -> tuple[int, int]:

@@ -12,6 +12,10 @@
                 client); needs torchsnapshot (pip install -e '.[torchsnapshot]')
     ts-s3       TorchSnapshot's built-in s3:// plugin (aiobotocore), same state, same server;
                 needs torchsnapshot and aiobotocore (not an s3dcp dependency: it pins botocore)
+    s3tc        dcp.save / dcp.load with s3torchconnector's DCP S3StorageWriter / S3StorageReader
+                (its own CRT client), same state, same server; needs s3torchconnector
+                (pip install -e '.[compare]'); the tables print s3dcp's time and client CPU
+                as a ratio to it
 
 The TorchSnapshot rows run by default when their packages import; the state is the same flat
 set of tensors as a TorchSnapshot ``StateDict`` (one per rank).
@@ -20,6 +24,7 @@ set of tensors as a TorchSnapshot ``StateDict`` (one per rank).
     python benchmarks/throughput.py --state-mib 32 --repeats 1
     python benchmarks/throughput.py --modes s3dcp raw --nproc 2
     python benchmarks/throughput.py --modes ts-s3dcp ts-s3 raw --state-mib 64
+    python benchmarks/throughput.py --modes s3dcp s3tc raw --state-mib 512 --nproc 1
 
 Each rank holds its own shard of the state (keys carry the rank, ``r<rank>.``): mixed large and
 small tensors, fp32 and bf16 parameters, Adam-like ``exp_avg`` / ``exp_avg_sq`` (fp32) and a
@@ -67,16 +72,18 @@ from common import (  # noqa: E402
     write_json,
 )
 
-MODES = ("s3dcp", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3")
+MODES = ("s3dcp", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3", "s3tc")
 
 
 def available_modes() -> list[str]:
-    """Every mode whose packages import (the TorchSnapshot rows are optional)."""
+    """Every mode whose packages import (the TorchSnapshot and s3torchconnector rows are optional)."""
     import importlib.util
 
-    have = {name: importlib.util.find_spec(name) is not None for name in ("torchsnapshot", "aiobotocore")}
+    have = {name: importlib.util.find_spec(name) is not None
+            for name in ("torchsnapshot", "aiobotocore", "s3torchconnector")}
     return [m for m in MODES
-            if not m.startswith("ts-") or (have["torchsnapshot"] and (m != "ts-s3" or have["aiobotocore"]))]
+            if (m != "s3tc" or have["s3torchconnector"])
+            and (not m.startswith("ts-") or (have["torchsnapshot"] and (m != "ts-s3" or have["aiobotocore"])))]
 HIDDEN = 1024
 LAYERS = 8
 
@@ -414,8 +421,22 @@ class TorchSnapshotBuiltinS3Path(TorchSnapshotPath):
             os.environ.pop("AWS_PROFILE", None)
 
 
+class S3TorchConnectorPath(Path):
+    """s3torchconnector's DCP writer and reader (see benchmarks/compare.py)."""
+
+    def save(self, where):
+        from compare import s3tc_save
+
+        s3tc_save(self.state, f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"])
+
+    def load(self, where):
+        from compare import s3tc_load
+
+        s3tc_load(self.dest, f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"])
+
+
 PATHS = {"s3dcp": S3DCPPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
-         "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path}
+         "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path, "s3tc": S3TorchConnectorPath}
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -556,6 +577,15 @@ def main(argv=None) -> int:
     parser.add_argument("--tmpdir", default=None, help="where the fs path writes (default: system temp)")
     add_common_args(parser, repeats=3)
     args = parser.parse_args(argv)
+    if "s3tc" in args.modes and "s3tc" not in available_modes():
+        from compare import s3tc_note
+
+        print(f"# {s3tc_note()}", flush=True)
+        args.modes = [m for m in args.modes if m != "s3tc"]
+    elif "s3tc" not in available_modes():
+        from compare import s3tc_note
+
+        print(f"# {s3tc_note()}", flush=True)
 
     import torch.multiprocessing as mp
 
@@ -588,12 +618,17 @@ def main(argv=None) -> int:
     for world, res in report.items():
         summaries = {m: summarize_mode(res["runs"][m], res["total_bytes"], res["shard_bytes"]) for m in args.modes}
         raw = summaries.get("raw")
+        s3tc = summaries.get("s3tc")
         for mode in args.modes:
             s = summaries[mode]
             row = {"nproc": world, "mode": mode, "state_mib": res["total_bytes"] / MiB, **s}
             if raw:
                 row["save_x_raw"] = s["save_s"] / raw["save_s"]
                 row["load_x_raw"] = s["load_s"] / raw["load_s"]
+            if s3tc:  # time and client CPU relative to s3torchconnector's DCP writer/reader
+                for op in ("save", "load"):
+                    row[f"{op}_x_s3tc"] = s[f"{op}_s"] / s3tc[f"{op}_s"]
+                    row[f"{op}_cpu_x_s3tc"] = s[f"{op}_cpu_s_per_gib"] / s3tc[f"{op}_cpu_s_per_gib"]
             row["load_peak_rss_mib_max"] = max(s["load_peak_rss_mib"])
             row["load_rss_extra_x_shard_max"] = max(s["load_rss_extra_x_shard"])
             row["save_rss_extra_x_shard_max"] = max(s["save_rss_extra_x_shard"])
@@ -606,13 +641,18 @@ def main(argv=None) -> int:
     print()
     print_table(rows, [("nproc", "ranks"), ("mode", "mode"),
                        ("save_s", "save s", ".3f"), ("save_gbps", "save GB/s", ".3f"), ("save_x_raw", "save/raw", ".2f"),
-                       ("load_s", "load s", ".3f"), ("load_gbps", "load GB/s", ".3f"), ("load_x_raw", "load/raw", ".2f")],
-                title=f"throughput: {args.state_mib} MiB state, median of {args.repeats} (x/raw: time relative to raw transfer)")
+                       ("load_s", "load s", ".3f"), ("load_gbps", "load GB/s", ".3f"), ("load_x_raw", "load/raw", ".2f"),
+                       *([("save_x_s3tc", "save/s3tc", ".2f"), ("load_x_s3tc", "load/s3tc", ".2f")]
+                         if "s3tc" in args.modes else [])],
+                title=f"throughput: {args.state_mib} MiB state, median of {args.repeats} (x/raw, x/s3tc: time "
+                      "relative to raw transfer and to s3torchconnector's DCP writer/reader, same run)")
     print()
     print_table(rows, [("nproc", "ranks"), ("mode", "mode"),
                        ("save_cpu_s_per_gib", "save cCPU s/GiB", ".2f"), ("load_cpu_s_per_gib", "load cCPU s/GiB", ".2f"),
                        ("save_server_cpu_s_per_gib", "save sCPU s/GiB", ".2f"),
                        ("load_server_cpu_s_per_gib", "load sCPU s/GiB", ".2f"),
+                       *([("save_cpu_x_s3tc", "save cCPU/s3tc", ".2f"), ("load_cpu_x_s3tc", "load cCPU/s3tc", ".2f")]
+                         if "s3tc" in args.modes else []),
                        ("load_peak_rss_mib_max", "load peak RSS MiB", ".0f"),
                        ("load_rss_extra_x_shard_max", "load RSS+ /shard", ".2f"),
                        ("save_rss_extra_x_shard_max", "save RSS+ /shard", ".2f")],

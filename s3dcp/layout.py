@@ -7,6 +7,8 @@ checkpoint metadata by :mod:`s3dcp.metadata` and read back to find each item on 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 import uuid
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from typing import Iterable, Sequence
 __all__ = [
     "METADATA_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
     "parse_object_name", "is_data_object", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
-    "coalesce",
+    "coalesce", "Piece", "box_pieces",
 ]
 
 # The names of a checkpoint directory's objects, defined here and nowhere else:
@@ -175,3 +177,116 @@ def coalesce(segments: Iterable[Segment], gap_bytes: int, max_bytes: int) -> lis
             runs.append([seg])
             run_start, run_end = seg.offset, seg.end
     return runs
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One byte range of a stored item to fetch, and the part of the wanted box it fills.
+
+    The part is a slab of the box: the box's leading dims fixed at ``index`` (relative to the
+    box), then ``count`` consecutive positions from ``first`` along the next dim, then the
+    box's full extent in every dim after. Its elements sit in the fetched bytes at element
+    offset ``src_offset`` with ``sizes``/``strides`` (in elements), so the copy is
+    ``dest[index].narrow(0, first, count).copy_(fetched.as_strided(sizes, strides, src_offset))``,
+    with ``dest`` viewed as one flat run of elements first when ``flat``.
+    """
+
+    start: int  # item-relative bytes [start, end) to fetch
+    end: int
+    index: tuple[int, ...]
+    first: int
+    count: int
+    src_offset: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    flat: bool = False
+
+
+def box_pieces(
+    shape: Sequence[int], element_size: int, offsets: Sequence[int], lengths: Sequence[int], *,
+    item_bytes: int, block_bytes: int = 0, gap_bytes: int = 0, max_bytes: int, flat: bool = True,
+) -> list[Piece]:
+    """The byte ranges to fetch for the sub-box ``offsets``/``lengths`` of a stored C-contiguous
+    item of ``shape``: only the bytes the box needs, a hole of at most ``gap_bytes`` bridged
+    rather than split, each range widened to ``block_bytes`` boundaries (the item's checksum
+    blocks, so every fetched byte can be verified; pass ``item_bytes`` when only the whole item
+    has a checksum, 0 when nothing is verified), each at most ``max_bytes`` (rounded up to at
+    least two blocks) so a piece fits a bounce slot.
+
+    The box is cut into slabs along the first dim ``d`` whose one-position slab spans at most
+    ``max_bytes`` less a block; consecutive slabs share a piece while the piece stays within
+    ``max_bytes`` and the hole before the next slab is small. Pieces of a box that is one
+    contiguous run (e.g. rows of a Shard(0) chunk) are cut at block boundaries and never
+    overlap; pieces of a strided box (a Shard(1) column range of stored rows) are cut at slab
+    boundaries and two neighbours may both fetch the block between them. Pass ``flat=False``
+    when the destination cannot be viewed flat (not contiguous): contiguous boxes are then cut
+    at slab boundaries too.
+
+    Work is per piece, not per element: a 1-D box of 10^9 elements is a handful of pieces.
+    """
+    if any(n == 0 for n in lengths):
+        return []
+    if not shape:  # a 0-d tensor: one element, copied through its flat view
+        return [dataclasses.replace(p, flat=True) for p in box_pieces(
+            (1,), element_size, (0,), (1,), item_bytes=item_bytes, block_bytes=block_bytes,
+            gap_bytes=gap_bytes, max_bytes=max_bytes)]
+    shape, offsets, lengths = tuple(shape), tuple(offsets), tuple(lengths)
+    if flat and len(shape) > 1 and is_contiguous_box(shape, offsets, lengths):
+        # One run of memory: cut it as a flat run of elements, so cuts fall on block boundaries.
+        first, _ = box_byte_range(shape, element_size, offsets, lengths)
+        run = box_pieces((item_bytes // element_size,), element_size, (first // element_size,),
+                          (_prod(lengths),), item_bytes=item_bytes, block_bytes=block_bytes,
+                          gap_bytes=gap_bytes, max_bytes=max_bytes)
+        return [dataclasses.replace(p, flat=True) for p in run]
+    block = block_bytes if block_bytes > 0 else 1
+    limit = max(max_bytes, 2 * block, element_size)
+    limit = -(-limit // block) * block
+    slack = block if block > 1 else 0
+    strides = _c_strides(shape)
+
+    def lo(x: int) -> int:
+        return x // block * block
+
+    def hi(x: int) -> int:
+        return min(item_bytes, -(-x // block) * block)
+
+    def span(d: int) -> int:  # bytes from the first to past the last element of one slab at depth d
+        return (sum((lengths[j] - 1) * strides[j] for j in range(d + 1, len(shape))) + 1) * element_size
+
+    def hole(d: int) -> int:  # the largest unwanted run inside one slab at depth d
+        return max((strides[j] * element_size - span(j) for j in range(d + 1, len(shape))), default=0)
+
+    # The shallowest slabs that fit a piece and hold no hole worth skipping.
+    d = next(d for d in range(len(shape)) if span(d) <= limit - slack and hole(d) <= gap_bytes)
+    step, width, n = strides[d] * element_size, span(d), lengths[d]
+    tail_sizes, tail_strides = tuple(lengths[d + 1:]), tuple(strides[d + 1:])
+    near = step - width <= gap_bytes  # slabs close enough that every next one joins while size allows
+    pieces: list[Piece] = []
+    for index in itertools.product(*(range(lengths[j]) for j in range(d))):
+        base = (sum((offsets[j] + index[j]) * strides[j] for j in range(d))
+                + sum(offsets[j] * strides[j] for j in range(d, len(shape)))) * element_size
+        k = 0
+        while k < n:
+            start = lo(base + k * step)
+            # slabs [k, k_max) fit one piece: hi(last slab's end) - start <= limit
+            k_max = max(k + 1, min(n, (start + limit - base - width) // step + 1))
+            k1 = k + 1
+            if near:
+                k1 = k_max
+            else:
+                end = hi(base + k * step + width)
+                while k1 < k_max and lo(base + k1 * step) - end <= gap_bytes:
+                    end = hi(base + k1 * step + width)
+                    k1 += 1
+            end = hi(base + (k1 - 1) * step + width)
+            pieces.append(Piece(start, end, index, k, k1 - k, (base + k * step - start) // element_size,
+                                (k1 - k, *tail_sizes), (strides[d], *tail_strides)))
+            k = k1
+    return pieces
+
+
+def _prod(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

@@ -13,6 +13,7 @@ from s3dcp.layout import (
     ObjectName,
     Segment,
     box_byte_range,
+    box_pieces,
     coalesce,
     is_contiguous_box,
     object_name,
@@ -104,3 +105,74 @@ def test_block_checksums_combine_to_the_whole(n, algorithm):
     else:
         assert sums.blocks == ()
     assert integrity.compute(None, data) == (None, ())
+
+
+_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@settings(max_examples=300, deadline=None)
+@given(boxes(), st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 8, 64, "item"]), st.integers(0, 64),
+       st.integers(1, 600), st.booleans())
+def test_box_pieces_fetch_the_box_and_copy_every_element_once(box, itemsize, block, gap, max_bytes, flat):
+    """Fetch each piece's bytes of a random stored item, copy them where the piece says: the
+    destination equals the box, every element written once; pieces stay in the item, on block
+    boundaries, within the size limit; without blocks a piece starts and ends on wanted bytes
+    and skips no hole it could bridge... and bridges none wider than the gap."""
+    shape, offsets, lengths = box
+    item_bytes = math.prod(shape) * itemsize
+    block_bytes = item_bytes if block == "item" else block
+    dtype = _DTYPES[itemsize]
+    stored = torch.randint(0, 100, shape, dtype=dtype)
+    raw = stored.reshape(-1).view(torch.uint8)
+    want = stored[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+    dest = torch.zeros(tuple(lengths), dtype=dtype)
+    hits = torch.zeros(tuple(lengths), dtype=torch.int32)
+    pieces = box_pieces(shape, itemsize, offsets, lengths, item_bytes=item_bytes, block_bytes=block_bytes,
+                        gap_bytes=gap, max_bytes=max_bytes, flat=flat)
+    limit = max(max_bytes, 2 * max(block_bytes, 1), itemsize)
+    limit = -(-limit // max(block_bytes, 1)) * max(block_bytes, 1)
+    needed = torch.zeros(item_bytes, dtype=torch.bool)
+    idx = torch.arange(math.prod(shape)).reshape(shape)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+    for e in idx.reshape(-1).tolist():
+        needed[e * itemsize:(e + 1) * itemsize] = True
+    for p in pieces:
+        assert 0 <= p.start < p.end <= item_bytes
+        assert p.end - p.start <= limit
+        if block_bytes:
+            assert p.start % block_bytes == 0 and (p.end % block_bytes == 0 or p.end == item_bytes)
+        else:
+            assert needed[p.start] and needed[p.end - 1]  # tight
+            holes = (~needed[p.start:p.end]).int().tolist()
+            run = longest = 0
+            for h in holes:
+                run = run + 1 if h else 0
+                longest = max(longest, run)
+            assert longest <= gap
+        fetched = raw[p.start:p.end].clone()  # its own storage: an offset past it raises
+        src = fetched[:fetched.numel() // itemsize * itemsize].view(dtype).as_strided(p.sizes, p.strides, p.src_offset)
+        target, count = (dest.view(-1), hits.view(-1)) if p.flat else (dest, hits)
+        for i in p.index:
+            target, count = target[i], count[i]
+        target.narrow(0, p.first, p.count).copy_(src)
+        count.narrow(0, p.first, p.count).add_(1)
+    assert torch.equal(dest, want)
+    assert bool((hits == 1).all())
+
+
+def test_box_pieces_of_a_column_range_skip_the_other_columns():
+    """A Shard(1)-style read of half the columns of rows larger than two blocks fetches about
+    half the item; with one block per row it cannot skip anything; a contiguous box is cut on
+    block boundaries without overlap."""
+    mib = 1 << 20
+    shape, half = (4, 8 * mib), (4, 4 * mib)  # fp32 rows of 32 MiB, blocks of 16 MiB
+    for col in (0, 4 * mib):
+        pieces = box_pieces(shape, 4, (0, col), half, item_bytes=128 * mib, block_bytes=16 * mib,
+                            gap_bytes=mib, max_bytes=32 * mib)
+        assert sum(p.end - p.start for p in pieces) == 64 * mib
+    rows16 = box_pieces((8, 4 * mib), 4, (0, 0), (8, 2 * mib), item_bytes=128 * mib, block_bytes=16 * mib,
+                        gap_bytes=mib, max_bytes=32 * mib)
+    assert sum(p.end - p.start for p in rows16) == 128 * mib  # every block holds wanted bytes
+    flat = box_pieces((64, mib), 4, (8, 0), (40, mib), item_bytes=256 * mib, block_bytes=16 * mib,
+                      gap_bytes=mib, max_bytes=32 * mib)
+    assert [(p.start, p.end) for p in flat] == [(s, s + 32 * mib) for s in range(32 * mib, 192 * mib, 32 * mib)]
+    assert all(p.flat for p in flat)

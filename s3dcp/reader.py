@@ -3,21 +3,24 @@
     .metadata ──decode (JSON, never pickle)──► Metadata ──DCP planner──► ReadItems for this rank
     ReadItems ──byte ranges per object, neighbours coalesced──► parallel ranged GETs
         ├─ whole item, CPU contiguous destination of the stored dtype: bytes land in the tensor
-        └─ otherwise (part of an item, other dtype/device): a bounce buffer, then copy_
-    every fetched item or block ──checksum──► verified before the planner sees it
+        └─ otherwise (part of an item, other dtype/device): the box's byte ranges (layout.box_pieces)
+           land in slots of a bounded bounce window (bounce.py), taken as GETs are issued and
+           reused once copied out, so bounce memory stays at
+           ~download_part_size_bytes × max_concurrency whatever the state's size
+    every fetched item or block ──checksum──► verified as its GET ends, while others are in flight
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import math
 import os
+import queue
 import random
 import re
 import time
-from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from . import integrity, layout
+from . import bounce, integrity, layout
 from .client import S3Client
 from .config import S3Config
 from .errors import (
@@ -40,7 +43,7 @@ from .errors import (
     ThrottlingError,
     UnsafePickleError,
 )
-from .layout import METADATA_NAME, ItemLocation, Segment, is_data_object
+from .layout import METADATA_NAME, ItemLocation, Piece, Segment, is_data_object
 from .metadata import decode_metadata, str_to_dtype
 from .storage import S3CheckpointPath, UnreadableMetadata
 from .tensors import byte_view
@@ -52,21 +55,28 @@ log = logging.getLogger("s3dcp")
 _MAX_RUN_BYTES = 1 << 30  # one coalesced GET at most; the CRT splits it into parallel parts anyway
 _METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries inside
 _METADATA_BACKOFF_S = 0.2
-
-
+_MIN_SLOT_BYTES = 1 << 20
 
 
 @dataclass
 class _Read:
-    """One ReadItem's plan: which stored bytes to fetch, where they land, how to check them."""
+    """One ReadItem's plan: which stored bytes to fetch, where they land, how to check them.
+
+    Direct (``pieces is None``): bytes ``[start, end)`` of the item land in ``sink`` (the
+    destination tensor's memory, or ``bounce``, a bytearray for a non-tensor item). Otherwise
+    each of ``pieces`` is fetched into a bounce slot and copied into its part of ``dest``;
+    the item is committed when the last piece's copy is done."""
 
     item: ReadItem
     location: ItemLocation
-    start: int  # byte range fetched, relative to the item
+    start: int  # byte range fetched, relative to the item (direct reads)
     end: int
-    sink: memoryview  # where the fetched bytes land
+    sink: memoryview | None  # where the fetched bytes land (direct reads)
     dest: torch.Tensor | None = None  # tensor items: the planner's destination
-    bounce: Any = None  # the bounce buffer, when the bytes do not land in dest directly
+    bounce: Any = None  # non-tensor items: the buffer their bytes land in
+    pieces: list[Piece] | None = None  # bounced reads: the byte ranges of the box, in order
+    left: int = 0  # pieces not yet copied out
+    tokens: list = field(default_factory=list)  # copies of this item still running
 
 
 class S3StorageReader(S3CheckpointPath, StorageReader):
@@ -189,33 +199,111 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         start = time.perf_counter()
         uri = self._require_uri()
-        reads = [self._plan_read(item, planner) for item in plan.items]
+        slot_bytes, slots = self._window_shape()
+        reads = [self._plan_read(item, planner, slot_bytes) for item in plan.items]
 
-        by_object: dict[str, list[Segment]] = {}
+        direct: dict[str, list[Segment]] = {}
+        bounced: dict[str, list[Segment]] = {}
         for read in reads:
             loc = read.location
-            by_object.setdefault(loc.object_name, []).append(
-                Segment(loc.offset + read.start, read.end - read.start, read))
-        futures: list[Future] = []
-        total = 0
-        for name, segments in by_object.items():
-            for run in layout.coalesce(segments, self.config.coalesce_gap_bytes, _MAX_RUN_BYTES):
-                sinks = [(seg.offset, seg.tag.sink) for seg in run]
-                run_start, run_end = run[0].offset, max(seg.end for seg in run)
-                total += run_end - run_start
-                futures.append(self.client.get_scatter(uri.bucket, uri.key(name), run_start, run_end, sinks))
-        wait(futures)
-        for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
-
-        for read in reads:
-            self._finish_read(read, planner)
+            if read.pieces is None:
+                direct.setdefault(loc.object_name, []).append(
+                    Segment(loc.offset + read.start, read.end - read.start, read))
+            elif not read.pieces:  # an empty box: nothing to fetch
+                planner.commit_tensor(read.item, read.dest)
+            for piece in read.pieces or ():
+                bounced.setdefault(loc.object_name, []).append(
+                    Segment(loc.offset + piece.start, piece.end - piece.start, (read, piece)))
+        gap = self.config.coalesce_gap_bytes
+        direct_runs = [(name, run) for name, segs in direct.items()
+                       for run in layout.coalesce(segs, gap, _MAX_RUN_BYTES)]
+        largest = max((seg.length for segs in bounced.values() for seg in segs), default=0)
+        if largest > slot_bytes:  # pieces are at least two checksum blocks
+            slot_bytes, slots = largest, max(2, slot_bytes * slots // largest)
+        bounce_runs = [(name, run) for name, segs in bounced.items()
+                       for run in layout.coalesce(segs, gap, slot_bytes)]
+        self._fetch(uri, direct_runs, bounce_runs, slot_bytes, slots, planner)
         self.last_read_s = time.perf_counter() - start
-        self.last_read_bytes = total
+        self.last_read_bytes = sum(max(seg.end for seg in run) - run[0].offset
+                                   for _, run in direct_runs + bounce_runs)
         fut: TorchFuture = TorchFuture()
         fut.set_result(None)
         return fut
+
+    def _window_shape(self) -> tuple[int, int]:
+        """(slot bytes, slots) of the bounce window: ``download_part_size_bytes ×
+        max_concurrency`` in all (what the GETs keep in flight anyway), in four slots."""
+        window = self.config.download_part_size_bytes * self.config.max_concurrency
+        slot = max(_MIN_SLOT_BYTES, window // 4)
+        return slot, max(2, window // slot)
+
+    def _fetch(self, uri, direct_runs: list, bounce_runs: list, slot_bytes: int, slots: int,
+               planner: LoadPlanner) -> None:
+        """Issue every direct GET, and bounced GETs as slots free up; finish each run (verify,
+        copy out, commit) on this thread as its GET ends, while the others are in flight. On
+        the first error nothing more is issued; the GETs in flight are waited for (they write
+        into the window and the destinations) before it is raised."""
+        ended: queue.SimpleQueue = queue.SimpleQueue()
+        in_flight = 0
+
+        def issue(name: str, run: list[Segment], slot: torch.Tensor | None) -> None:
+            nonlocal in_flight
+            run_start, run_end = run[0].offset, max(seg.end for seg in run)
+            if slot is None:
+                sinks = [(seg.offset, seg.tag.sink) for seg in run]
+            else:
+                sinks = [(run_start, byte_view(slot[:run_end - run_start]))]
+            future = self.client.get_scatter(uri.bucket, uri.key(name), run_start, run_end, sinks)
+            in_flight += 1
+            future.add_done_callback(lambda f: ended.put((run, slot, f)))
+
+        pending = deque(bounce_runs)
+        window = bounce.BounceWindow(slot_bytes, slots, self._pool, bounce.DeviceCopier()) if pending else None
+        error: BaseException | None = None
+        try:
+            for name, run in direct_runs:
+                issue(name, run, None)
+            while in_flight or pending:
+                while pending and error is None:
+                    slot = window.take()
+                    if slot is None:
+                        break
+                    issue(*pending.popleft(), slot)
+                if error is not None:
+                    pending.clear()
+                if not in_flight:
+                    if pending:
+                        window.wait_draining()  # every slot is being copied out of
+                    continue
+                run, slot, f = ended.get()
+                in_flight -= 1
+                tokens: list = []
+                try:
+                    if error is None:
+                        if f.exception() is not None:
+                            raise f.exception()
+                        if slot is None:
+                            for seg in run:
+                                self._finish_read(seg.tag, planner)
+                        else:
+                            for seg in run:
+                                lo = seg.offset - run[0].offset
+                                self._finish_piece(*seg.tag, slot[lo:lo + seg.length], window.copier,
+                                                   tokens, planner)
+                except BaseException as e:  # noqa: BLE001 - raised once the GETs in flight end
+                    error = e
+                finally:
+                    if slot is not None:
+                        window.give(slot, tokens)
+        finally:
+            if window is not None:
+                window.close()
+        if error is not None:
+            raise error
+
+    @property
+    def _pool(self):
+        return bounce.read_pool()
 
     # ------------------------------------------------------------------ helpers
     def _location(self, item: ReadItem) -> ItemLocation:
@@ -226,7 +314,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 f"{self._uri}: the metadata has no stored location for {item.storage_index.fqn!r} "
                 f"(chunk at {tuple(item.storage_index.offset or ())})") from None
 
-    def _plan_read(self, item: ReadItem, planner: LoadPlanner) -> _Read:
+    def _plan_read(self, item: ReadItem, planner: LoadPlanner, slot_bytes: int) -> _Read:
         loc = self._location(item)
         if item.type == LoadItemType.BYTE_IO:
             buf = bytearray(loc.length)
@@ -244,41 +332,52 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         if whole and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
             return _Read(item, loc, 0, loc.length, byte_view(dest), dest=dest)
 
-        # Fetch whole rows of the leading dim (all DCP shardings split there), widened to
-        # checksum-block boundaries so every fetched byte can be verified.
-        itemsize = dtype.itemsize
-        if shape:
-            row_bytes = math.prod(shape[1:]) * itemsize
-            start, end = offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes
-        else:
-            start, end = 0, itemsize
-        start, end = _widen_to_blocks(loc, start, end)
-        bounce = torch.empty(end - start, dtype=torch.uint8)
-        return _Read(item, loc, start, end, byte_view(bounce), dest=dest, bounce=bounce)
+        # Only the box's bytes, in pieces that fit a bounce slot, widened to checksum blocks
+        # (the whole item when it has one checksum) so every fetched byte can be verified.
+        checked = self.verify and loc.checksum is not None
+        pieces = layout.box_pieces(
+            shape, dtype.itemsize, offsets, lengths, item_bytes=loc.length,
+            block_bytes=(loc.block_size or loc.length) if checked else 0,
+            gap_bytes=self.config.coalesce_gap_bytes, max_bytes=slot_bytes, flat=dest.is_contiguous())
+        return _Read(item, loc, 0, 0, None, dest=dest, pieces=pieces, left=len(pieces))
 
     def _finish_read(self, read: _Read, planner: LoadPlanner) -> None:
+        """A direct read's bytes are all there: verify, hand to the planner."""
         if self.verify:
-            self._verify(read)
-        item, loc = read.item, read.location
+            self._verify(read, read.start, read.sink)
+        item = read.item
         if item.type == LoadItemType.BYTE_IO:
             if not self.allow_pickle:
                 self._check_plain_data(read)
             planner.load_bytes(item, io.BytesIO(read.bounce))
             return
-        if read.bounce is not None:
-            shape = tuple(loc.shape or ())
-            dtype = str_to_dtype(loc.dtype)
-            if shape:
-                row_bytes = math.prod(shape[1:]) * dtype.itemsize
-                first = item.storage_offsets[0] * row_bytes - read.start
-                rows = read.bounce[first:first + item.lengths[0] * row_bytes]
-                src = rows.view(dtype).reshape(item.lengths[0], *shape[1:])
-                for dim in range(1, len(shape)):
-                    src = src.narrow(dim, item.storage_offsets[dim], item.lengths[dim])
-            else:
-                src = read.bounce[:dtype.itemsize].view(dtype).reshape(())
-            read.dest.copy_(src)
         planner.commit_tensor(item, read.dest)
+
+    def _finish_piece(self, read: _Read, piece: Piece, fetched: torch.Tensor, copier, tokens: list,
+                      planner: LoadPlanner) -> None:
+        """One piece of a bounced read is in ``fetched`` (a slot's uint8 view): verify its
+        blocks, start the copy into its part of the destination, and commit the item once its
+        last piece is copied. The copy's token goes into ``tokens`` (the slot's)."""
+        if self.verify:
+            self._verify(read, piece.start, byte_view(fetched))
+        dtype = str_to_dtype(read.location.dtype)
+        size = dtype.itemsize
+        if fetched.storage_offset() % size:  # the item starts unaligned in its object
+            fetched = fetched.clone()
+        elems = fetched[:fetched.numel() // size * size].view(dtype)
+        src = elems.as_strided(piece.sizes, piece.strides, elems.storage_offset() + piece.src_offset)
+        target = read.dest.view(-1) if piece.flat else read.dest
+        for i in piece.index:
+            target = target[i]
+        token = copier.copy(target.narrow(0, piece.first, piece.count), src)
+        tokens.append(token)
+        read.tokens.append(token)
+        read.left -= 1
+        if read.left == 0:
+            for t in read.tokens:
+                copier.wait(t)
+            read.tokens = []
+            planner.commit_tensor(read.item, read.dest)
 
     def _check_plain_data(self, read: _Read) -> None:
         """Refuse a non-tensor item that is more than plain data before the planner unpickles it."""
@@ -292,11 +391,12 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 f"data ({reason[:200]}); unpickling it could run code. If you trust this checkpoint, pass "
                 "allow_pickle=True to S3StorageReader") from e
 
-    def _verify(self, read: _Read) -> None:
+    def _verify(self, read: _Read, start: int, view: memoryview) -> None:
+        """Check bytes ``start..`` of the item (``start`` 0 or on a block boundary)."""
         loc = read.location
         if loc.checksum is None:
             return
-        check = integrity.ItemCheck(loc, read.start).feed_all(read.sink)
+        check = integrity.ItemCheck(loc, start).feed_all(view)
         if check.ok:
             return
         if check.bad_blocks:
@@ -310,13 +410,3 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             f"{read.item.storage_index.fqn!r} (chunk at {tuple(read.item.storage_index.offset or ())}, "
             f"{where}object bytes {loc.offset}-{loc.offset + loc.length}): expected {expected}, "
             f"got {got}. The object was corrupted or overwritten; restore from another checkpoint")
-
-
-def _widen_to_blocks(loc: ItemLocation, start: int, end: int) -> tuple[int, int]:
-    """Widen ``[start, end)`` (bytes of the item) to the checksummed units covering it:
-    whole blocks when the item has them, else the whole item."""
-    if loc.checksum is None:
-        return start, end
-    if not loc.block_size:
-        return 0, loc.length
-    return (start // loc.block_size) * loc.block_size, min(loc.length, -(-end // loc.block_size) * loc.block_size)

@@ -117,7 +117,8 @@ def rss_cycle(kind: str, make_state, state_mib: int, cfg, uri_base: str) -> dict
     """In a fresh process (spawned, so nothing of this one counts): build ``make_state(state_mib)``,
     ``dcp.save`` it, ``dcp.async_save`` it, ``dcp.load`` the first save into a zeroed copy (checked
     equal), through ``kind`` (``"s3dcp"`` or ``"s3tc"``). Returns that process's peak RSS
-    (``ru_maxrss``) and the RSS of the state alone, in MiB, and the step times in seconds.
+    (``ru_maxrss``: at the end, and after the save and after the async save, which tells which
+    step set it) and the RSS of the state alone, in MiB, and the step times in seconds.
     ``make_state`` must be importable in the child (a module-level function)."""
     import multiprocessing
 
@@ -167,11 +168,13 @@ def _rss_cycle_child(kind: str, make_state, state_mib: int, cfg, uri_base: str) 
     t = time.perf_counter()
     dcp.save(state, storage_writer=writer(f"{uri_base}/sync"))
     out["save_s"] = time.perf_counter() - t
+    out["peak_after_save_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = time.perf_counter()
     pending = dcp.async_save(state, storage_writer=writer(f"{uri_base}/async"))
     out["async_stall_s"] = time.perf_counter() - t
     _wait(pending)
     out["async_total_s"] = time.perf_counter() - t
+    out["peak_after_async_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dest = zeros_like(state)
     t = time.perf_counter()
     dcp.load(dest, storage_reader=reader(f"{uri_base}/sync"))
@@ -236,6 +239,8 @@ def main(argv=None) -> int:
                                                   if k != "kind" and summary[1][k]}})
     print()
     print_table(summary, [("kind", "client"), ("peak_rss_mib", "peak RSS MiB", ".2f"),
+                          ("peak_after_save_mib", "peak after save", ".2f"),
+                          ("peak_after_async_mib", "peak after async", ".2f"),
                           ("state_rss_mib", "state RSS MiB", ".2f"), ("save_s", "save s", ".2f"),
                           ("async_stall_s", "async stall s", ".3f"), ("load_s", "load s", ".2f")],
                 title=f"one process: save + async_save + load of a {args.state_mib} MiB state, median of "

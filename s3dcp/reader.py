@@ -45,6 +45,7 @@ from .errors import (
 )
 from .layout import METADATA_NAME, ItemLocation, Piece, Segment, is_data_object
 from .metadata import decode_metadata, str_to_dtype
+from .pool import HostBufferPool
 from .storage import S3CheckpointPath, UnreadableMetadata
 from .tensors import byte_view
 
@@ -101,6 +102,9 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             which can run code. By default the reader first checks each such item loads with
             ``weights_only=True`` (plain data only) and refuses the checkpoint otherwise; pass
             True for checkpoints you trust that hold other Python objects.
+        pool: the :class:`s3dcp.pool.HostBufferPool` the bounce window comes from (items that
+            cannot land in their destination directly); default: a process-wide pool of its
+            own, pinned when CUDA is available (``s3dcp.bounce.read_pool()``).
     """
 
     def __init__(
@@ -111,11 +115,13 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         client: S3Client | None = None,
         verify: bool = True,
         allow_pickle: bool = False,
+        pool: HostBufferPool | None = None,
     ) -> None:
         super().__init__()
         self._init_path(path, config, client)
         self.verify = verify
         self.allow_pickle = allow_pickle
+        self._bounce_pool = pool
         self._storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.last_read_s = 0.0
         self.last_read_bytes = 0
@@ -222,6 +228,9 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             slot_bytes, slots = largest, max(2, slot_bytes * slots // largest)
         bounce_runs = [(name, run) for name, segs in bounced.items()
                        for run in layout.coalesce(segs, gap, slot_bytes)]
+        if bounce_runs:  # a window no larger than the load needs (a few small casts: a few MiB)
+            slot_bytes = max(max(seg.end for seg in run) - run[0].offset for _, run in bounce_runs)
+            slots = min(slots, len(bounce_runs))
         self._fetch(uri, direct_runs, bounce_runs, slot_bytes, slots, planner)
         self.last_read_s = time.perf_counter() - start
         self.last_read_bytes = sum(max(seg.end for seg in run) - run[0].offset
@@ -302,8 +311,8 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             raise error
 
     @property
-    def _pool(self):
-        return bounce.read_pool()
+    def _pool(self) -> HostBufferPool:
+        return self._bounce_pool if self._bounce_pool is not None else bounce.read_pool()
 
     # ------------------------------------------------------------------ helpers
     def _location(self, item: ReadItem) -> ItemLocation:

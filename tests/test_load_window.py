@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from s3dcp import S3StorageReader, S3StorageWriter, bounce
 from s3dcp.config import MiB
 from s3dcp.errors import IntegrityError, NoSuchKeyError, root_error
+from s3dcp.pool import HostBufferPool
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -176,12 +177,13 @@ def test_a_failed_get_ends_the_load_with_every_slot_back(s3_server, bucket, boto
     victim = next(o["Key"] for o in objects if o["Key"].endswith(".distcp"))
     boto3_client.delete_object(Bucket=bucket, Key=victim)
     dest = {k: torch.zeros(v.shape, dtype=torch.float16) for k, v in state.items()}
+    pool = HostBufferPool(pin_memory=False)
     with pytest.raises(CheckpointException) as info:
-        dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/bad", config=cfg))
+        dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/bad", config=cfg, pool=pool))
     error = root_error(info.value)
     assert isinstance(error, NoSuchKeyError) and victim in str(error)
-    pool = bounce.read_pool()
-    assert pool.in_use == 0
-    dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/ok", config=cfg))
+    assert pool.allocations == 1 and pool.in_use == 0
+    dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/ok", config=cfg, pool=pool))
+    assert pool.allocations == 2 and pool.in_use == 0  # plain host memory: freed after each load
     for k, v in state.items():
         assert torch.equal(dest[k], v.half()), k

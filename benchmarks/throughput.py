@@ -12,6 +12,8 @@
                 client); needs torchsnapshot (pip install -e '.[torchsnapshot]')
     ts-s3       TorchSnapshot's built-in s3:// plugin (aiobotocore), same state, same server;
                 needs torchsnapshot and aiobotocore (not an s3dcp dependency: it pins botocore)
+    s3dcp-cast  as s3dcp, but loaded into a state of other dtypes (fp32 <-> bf16), so every byte
+                goes through the reader's bounce window: load time and RSS rise of a bounced load
     s3tc        dcp.save / dcp.load with s3torchconnector's DCP S3StorageWriter / S3StorageReader
                 (its own CRT client), same state, same server; needs s3torchconnector
                 (pip install -e '.[compare]'); the tables print s3dcp's time and client CPU
@@ -72,7 +74,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-MODES = ("s3dcp", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3", "s3tc")
+MODES = ("s3dcp", "s3dcp-cast", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3", "s3tc")
 
 
 def available_modes() -> list[str]:
@@ -82,7 +84,8 @@ def available_modes() -> list[str]:
     have = {name: importlib.util.find_spec(name) is not None
             for name in ("torchsnapshot", "aiobotocore", "s3torchconnector")}
     return [m for m in MODES
-            if (m != "s3tc" or have["s3torchconnector"])
+            if m != "s3dcp-cast"  # opt-in: --modes s3dcp-cast
+            and (m != "s3tc" or have["s3torchconnector"])
             and (not m.startswith("ts-") or (have["torchsnapshot"] and (m != "ts-s3" or have["aiobotocore"])))]
 HIDDEN = 1024
 LAYERS = 8
@@ -250,6 +253,28 @@ class S3DCPPath(Path):
         reader = S3StorageReader(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"])
         dcp.load(self.dest, storage_reader=reader)
         return {"read_s": reader.last_read_s}
+
+
+class S3DCPCastPath(S3DCPPath):
+    """Loads into tensors of another dtype (fp32 -> bf16, others -> fp32): nothing lands in
+    place, every byte is bounced and cast."""
+
+    def __init__(self, ctx, state, dest):
+        super().__init__(ctx, state, _cast_like(state))
+
+    def check(self):
+        return tree_equal(_cast_like(self.state, copy=True), self.dest)
+
+
+def _cast_like(tree, copy=False):
+    import torch
+
+    if isinstance(tree, dict):
+        return {k: _cast_like(v, copy) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        dtype = torch.bfloat16 if tree.dtype == torch.float32 else torch.float32
+        return tree.to(dtype) if copy else torch.zeros(tree.shape, dtype=dtype)
+    return tree if copy else 0
 
 
 class FSPath(Path):
@@ -435,7 +460,7 @@ class S3TorchConnectorPath(Path):
         s3tc_load(self.dest, f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"])
 
 
-PATHS = {"s3dcp": S3DCPPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
+PATHS = {"s3dcp": S3DCPPath, "s3dcp-cast": S3DCPCastPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
          "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path, "s3tc": S3TorchConnectorPath}
 
 
@@ -632,7 +657,7 @@ def main(argv=None) -> int:
             row["load_peak_rss_mib_max"] = max(s["load_peak_rss_mib"])
             row["load_rss_extra_x_shard_max"] = max(s["load_rss_extra_x_shard"])
             row["save_rss_extra_x_shard_max"] = max(s["save_rss_extra_x_shard"])
-            if mode == "s3dcp":
+            if mode in ("s3dcp", "s3dcp-cast"):
                 infos = res["runs"][mode]
                 row["s3dcp_upload_s_median"] = median(max(i["upload_s"] for i in r["save_info"]) for r in infos)
                 row["s3dcp_read_s_median"] = median(max(i["read_s"] for i in r["load_info"]) for r in infos)

@@ -187,3 +187,30 @@ def test_a_failed_get_ends_the_load_with_every_slot_back(s3_server, bucket, boto
     assert pool.allocations == 2 and pool.in_use == 0  # plain host memory: freed after each load
     for k, v in state.items():
         assert torch.equal(dest[k], v.half()), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_destinations_load_through_pinned_slots(s3_server, bucket):
+    """GPU destinations: whole items and a column range, cast on the way, through pinned slots
+    and side-stream copies; the tensors are ready for work queued after the load."""
+    cfg = s3_server.s3_config().replace(download_part_size_bytes=8 * MiB, max_concurrency=4)
+    gen = torch.Generator().manual_seed(4)
+    state = {"w": torch.randn(2, 8 * MiB, generator=gen), "b": torch.randn(1000, generator=gen)}
+    _save(state, f"s3://{bucket}/g", cfg)
+    pool = HostBufferPool()
+    assert pool.pin_memory
+    dest = {"w": torch.zeros(2, 8 * MiB, device="cuda"), "b": torch.zeros(1000, device="cuda", dtype=torch.float64)}
+    dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/g", config=cfg, pool=pool))
+    assert torch.equal(dest["w"].cpu(), state["w"]) and torch.equal(dest["b"].cpu(), state["b"].double())
+    assert pool.allocations == 1 and pool.in_use == 0 and pool.bytes_allocated > 0  # pinned: kept for the next load
+
+    reader = S3StorageReader(f"s3://{bucket}/g", config=cfg, pool=pool)
+    reader.set_up_storage_reader(reader.fetch_metadata(), True)
+    cols = torch.zeros(2, 4 * MiB, device="cuda")
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("w"), dest_offsets=torch.Size([0, 0]),
+                    storage_index=MetadataIndex("w", torch.Size([0, 0])), storage_offsets=torch.Size([0, 4 * MiB]),
+                    lengths=torch.Size([2, 4 * MiB]))
+    reader.read_data(LoadPlan([item]), _ColumnPlanner({"w": cols})).wait()
+    assert torch.equal(cols.cpu(), state["w"][:, 4 * MiB:]) and reader.last_read_bytes == 32 * MiB
+    assert pool.allocations == 1  # the pinned arena was reused

@@ -31,7 +31,7 @@ from .config import S3Config
 from .errors import CheckpointNotFoundError, ConfigError, S3DCPError, UnsafePickleError, root_error
 from .layout import parse_object_name
 from .manager import METADATA_NAME
-from .uri import S3Uri, parse_s3_uri
+from .uri import S3Uri, object_key, parse_s3_uri
 
 __all__ = ["main", "parse_duration"]
 
@@ -305,7 +305,7 @@ def cmd_verify(args) -> int:
         for name, run in runs:
             start, end = run[0].offset, max(seg.end for seg in run)
             buf = bytearray(end - start)
-            window.append((client.get_range_into(uri.bucket, uri.key(name), start, buf), buf, start, run))
+            window.append((client.get_range_into(uri.bucket, object_key(uri, name), start, buf), buf, start, run))
             if len(window) >= _READ_WINDOW:
                 finish_oldest()
         while window:
@@ -353,7 +353,7 @@ def _check_run(future, buf: memoryview, start: int, run: list) -> None:
 
 
 def _bad(uri: S3Uri, index, loc, got: str, bad_blocks: Sequence[int] = ()) -> dict[str, Any]:
-    return {"object": str(uri.child(loc.object_name)), "fqn": index.fqn,
+    return {"object": f"s3://{uri.bucket}/{object_key(uri, loc.object_name)}", "fqn": index.fqn,
             "offset": None if index.offset is None else list(index.offset),
             "start": loc.offset, "end": loc.offset + loc.length, "expected": loc.checksum, "got": got,
             "bad_blocks": list(bad_blocks)}

@@ -44,6 +44,7 @@ from .layout import METADATA_NAME, ItemLocation, Segment, is_data_object
 from .metadata import decode_metadata, str_to_dtype
 from .storage import S3CheckpointPath, UnreadableMetadata
 from .tensors import byte_view
+from .uri import object_key
 
 __all__ = ["S3StorageReader"]
 
@@ -203,7 +204,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 sinks = [(seg.offset, seg.tag.sink) for seg in run]
                 run_start, run_end = run[0].offset, max(seg.end for seg in run)
                 total += run_end - run_start
-                futures.append(self.client.get_scatter(uri.bucket, uri.key(name), run_start, run_end, sinks))
+                futures.append(self.client.get_scatter(uri.bucket, object_key(uri, name), run_start, run_end, sinks))
         wait(futures)
         for f in futures:
             if f.exception() is not None:
@@ -306,7 +307,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         else:
             where, expected, got = "", loc.checksum, check.got
         raise IntegrityError(
-            f"checksum mismatch in {self._uri.child(loc.object_name)} for item "
+            f"checksum mismatch in s3://{self._uri.bucket}/{object_key(self._uri, loc.object_name)} for item "
             f"{read.item.storage_index.fqn!r} (chunk at {tuple(read.item.storage_index.offset or ())}, "
             f"{where}object bytes {loc.offset}-{loc.offset + loc.length}): expected {expected}, "
             f"got {got}. The object was corrupted or overwritten; restore from another checkpoint")

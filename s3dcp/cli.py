@@ -3,7 +3,8 @@
     s3dcp ls s3://bucket/run/                 checkpoints below, committed or INCOMPLETE
     s3dcp inspect s3://bucket/run/step-1000   what the metadata says (no data is read)
     s3dcp verify s3://bucket/run/step-1000    read every item, check its checksum
-    s3dcp rm s3://bucket/run/step-1000 --yes  delete (.metadata first)
+    s3dcp rm s3://bucket/run/step-1000 --yes  delete (.metadata first; keeps what others reference)
+    s3dcp materialize s3://bucket/run/step-2000   copy what an incremental checkpoint references into it
     s3dcp gc s3://bucket/run/ --older-than 1h remove leftovers of failed saves
     s3dcp download URI --to-torch-save out.pt one torch.save file
     s3dcp export URI --to-safetensors DIR     Hugging Face sharded safetensors (local or s3://)
@@ -120,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
+    p = command("materialize", cmd_materialize,
+                "copy every object an incremental checkpoint references into it (server-side), so it stands alone")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
     p = command("gc", cmd_gc, "delete leftovers of failed saves and abort stale multipart uploads")
     p.add_argument("uri", help="s3://bucket/prefix (every checkpoint below it is examined)")
     p.add_argument("--older-than", type=_duration_arg, default=3600.0, metavar="AGE",
@@ -173,12 +179,18 @@ def _client(args):
 
 # ---------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
+    from .incremental import held_for_references
     from .manager import scan_directories
 
     base = parse_s3_uri(args.uri)
     now = time.time()
     rows = []
-    for directory, objects in scan_directories(_client(args), base).items():
+    client = _client(args)
+    by_dir = scan_directories(client, base)
+    held = held_for_references(client, base.bucket, by_dir)  # deleted; objects kept for incremental ones
+    for directory, objects in by_dir.items():
+        if directory in held:
+            continue
         names = {o.key.rpartition("/")[2] for o in objects}
         committed = METADATA_NAME in names
         if not committed and not any(n.endswith(".distcp") for n in names):
@@ -212,6 +224,7 @@ def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from .metadata import FORMAT_NAME, FORMAT_VERSION, dtype_to_str
+    from .incremental import sources
     from .reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
@@ -220,7 +233,7 @@ def cmd_inspect(args) -> int:
     objects: dict[str, dict[str, Any]] = {}
     for index, loc in md.storage_data.items():
         stored[index.fqn] = stored.get(index.fqn, 0) + loc.length
-        parsed = parse_object_name(loc.object_name)
+        parsed = parse_object_name(loc.object_name.rpartition("/")[2])
         obj = objects.setdefault(loc.object_name, {
             "object": loc.object_name, "rank": parsed.rank if parsed else None,
             "token": parsed.token if parsed else None, "items": 0, "bytes": 0})
@@ -239,6 +252,7 @@ def cmd_inspect(args) -> int:
         "save_id": sm.save_id if sm else None, "tensors": tensors, "non_tensors": others,
         "objects": sorted(objects.values(), key=lambda o: (o["rank"] is None, o["rank"] or 0, o["object"])),
         "total_bytes": sum(stored.values()),
+        **sources(md.storage_data.values()),  # incremental: bytes written vs inherited per base
     }
     if args.json:
         _print_json(report)
@@ -256,6 +270,11 @@ def cmd_inspect(args) -> int:
     _table(["OBJECT", "RANK", "ITEMS", "BYTES"],
            [[o["object"], "-" if o["rank"] is None else o["rank"], o["items"], o["bytes"]]
             for o in report["objects"]], indent=2)
+    if report["inherited"]:
+        print("\nincremental: items stored here and referenced in bases")
+        _table(["SOURCE", "ITEMS", "BYTES"],
+               [["(written)", report["written"]["items"], report["written"]["bytes"]]]
+               + [[f"../{d}", v["items"], v["bytes"]] for d, v in sorted(report["inherited"].items())], indent=2)
     print(f"\ntotal: {report['total_bytes']} bytes ({_size(report['total_bytes'])}) "
           f"in {len(md.storage_data)} item(s), {len(objects)} object(s)")
     return 0
@@ -378,15 +397,36 @@ def cmd_rm(args) -> int:
     if committed and not args.yes:
         raise UsageError(f"{uri} is a committed checkpoint ({len(ours)} object(s)); pass --yes to delete it")
     with _progress(len(ours), "obj", args.quiet or len(ours) < 100) as bar:
-        count, nbytes = delete_checkpoint(client, uri, on_deleted=bar.update)
+        result = delete_checkpoint(client, uri, on_deleted=bar.update)
+    count, nbytes = result
     others = len(objects) - len(ours)
     if args.json:
         _print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
-                     "other_objects_left": others})
+                     "other_objects_left": others, "kept_referenced": result.kept,
+                     "kept_referenced_bytes": result.kept_bytes, "released": result.released})
     else:
         left = f"; {others} other object(s) left in place" if others else ""
+        if result.kept:
+            left += (f"; kept {len(result.kept)} object(s) ({_size(result.kept_bytes)}) that other checkpoints "
+                     "reference (deleted with the last of them)")
         print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
               f"{count} object(s), {_size(nbytes)}{left}")
+    return 0
+
+
+# ---------------------------------------------------------------------- materialize
+def cmd_materialize(args) -> int:
+    from .incremental import materialize
+
+    uri = parse_s3_uri(args.uri)
+    result = materialize(str(uri), client=_client(args))
+    if args.json:
+        _print_json(asdict(result))
+    elif result.items:
+        print(f"materialized {uri}: {result.items} item(s) now in {result.copied_objects} copied object(s) "
+              f"({_size(result.copied_bytes)}, server-side); {len(result.released)} unreferenced base object(s) freed")
+    else:
+        print(f"{uri} references no other checkpoint; nothing to do")
     return 0
 
 

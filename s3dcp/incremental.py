@@ -36,6 +36,7 @@ referenced objects into the checkpoint (server-side) so it stands alone.
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
@@ -57,7 +58,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 __all__ = [
-    "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "split_reference", "reference_name", "References",
+    "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "split_reference", "reference_name", "sources", "object_names", "References",
+    "held_for_references",
     "references", "DeleteResult", "delete_checkpoint", "MaterializeResult", "materialize",
 ]
 
@@ -142,7 +144,40 @@ class BaseIndex:
         return replace(loc, object_name=reference_name(directory, name))
 
 
+def sources(locations: Iterable[ItemLocation]) -> dict:
+    """Where a checkpoint's item bytes are: ``{"written": {"items", "bytes"}, "inherited":
+    {"<sibling>": {"items", "bytes"}}}`` (what ``s3dcp inspect`` shows)."""
+    out: dict = {"written": {"items": 0, "bytes": 0}, "inherited": {}}
+    for loc in locations:
+        directory = split_reference(loc.object_name)[0]
+        entry = out["written"] if directory is None else out["inherited"].setdefault(directory, {"items": 0, "bytes": 0})
+        entry["items"] += 1
+        entry["bytes"] += loc.length
+    return out
+
+
 # ---------------------------------------------------------------------------- deletion side
+def object_names(raw: bytes, source: str) -> set[str]:
+    """The object names a ``.metadata`` document uses. The v1 JSON format is read directly,
+    without importing torch, so ``s3dcp ls`` and ``rm`` stay light; any other document is
+    decoded in full by :func:`s3dcp.metadata.decode_metadata` (which also says what is wrong)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("format") == "s3dcp-metadata" and doc.get("version") == 1:
+        try:
+            names = {entry["location"]["object_name"] for entry in doc.get("storage_data") or []}
+        except (KeyError, TypeError):
+            names = {None}
+        if all(isinstance(n, str) for n in names):
+            return names
+    from .metadata import decode_metadata
+
+    metadata = decode_metadata(raw, source=source)
+    return {loc.object_name for loc in (metadata.storage_data or {}).values()}
+
+
 @dataclass
 class References:
     """What the committed checkpoints under one parent prefix use."""
@@ -161,8 +196,6 @@ def references(client: S3Client, bucket: str, parent: str) -> References:
     prefix such as ``"run/"``): one LIST, then every sibling's ``.metadata`` (in parallel).
     A metadata object that cannot be decoded is recorded in ``unreadable``: its references are
     unknown, and callers must then delete nothing that it could reference."""
-    from .metadata import decode_metadata
-
     _, prefixes = client.list(bucket, parent, delimiter="/").result()
     refs = References(parent)
     futures = {d: client.get(bucket, f"{d}{METADATA_NAME}") for d in prefixes}
@@ -175,9 +208,8 @@ def references(client: S3Client, bucket: str, parent: str) -> References:
             raise err
         source = f"s3://{bucket}/{directory}{METADATA_NAME}"
         try:
-            metadata = decode_metadata(future.result(), source=source)
             uri = S3Uri(bucket, directory.rstrip("/"))
-            keys = {object_key(uri, loc.object_name) for loc in (metadata.storage_data or {}).values()}
+            keys = {object_key(uri, name) for name in object_names(future.result(), source)}
         except MetadataFormatError:
             log.warning("cannot read %s: what it references is unknown, nothing it could use is deleted", source,
                         exc_info=True)
@@ -190,16 +222,36 @@ def references(client: S3Client, bucket: str, parent: str) -> References:
     return refs
 
 
+def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]:
+    """The directories of ``by_dir`` (listing prefix -> its objects, as
+    :func:`s3dcp.manager.scan_directories` gives) that are deleted checkpoints kept only for
+    their references: no ``.metadata``, and every data object referenced by a committed
+    sibling. ``ls`` and :meth:`CheckpointManager.list` do not show them. Reads references only
+    when there is such a candidate."""
+    candidates = {d: objs for d, objs in by_dir.items()
+                  if all(o.key.rpartition("/")[2] != METADATA_NAME for o in objs)
+                  and any(is_data_object(o.key.rpartition("/")[2]) for o in objs)}
+    held: set[str] = set()
+    cache: dict[str, References] = {}
+    for directory, objs in candidates.items():
+        parent = directory.rstrip("/").rpartition("/")[0]
+        parent = f"{parent}/" if parent else ""
+        if parent not in cache:
+            cache[parent] = references(client, bucket, parent)
+        refs = cache[parent]
+        data = [o for o in objs if is_data_object(o.key.rpartition("/")[2])]
+        if all(refs.users(o.key) for o in data):
+            held.add(directory)
+    return held
+
+
 def _own_references(client: S3Client, uri: S3Uri, metadata_present: bool) -> set[str]:
     """Keys outside ``uri`` that its metadata references (empty when it has none or it is unreadable)."""
     if not metadata_present:
         return set()
-    from .metadata import decode_metadata
-
     try:
         raw = client.get(uri.bucket, uri.key(METADATA_NAME)).result()
-        metadata = decode_metadata(raw, source=str(uri.child(METADATA_NAME)))
-        keys = {object_key(uri, loc.object_name) for loc in (metadata.storage_data or {}).values()}
+        keys = {object_key(uri, name) for name in object_names(raw, str(uri.child(METADATA_NAME)))}
     except (NoSuchKeyError, MetadataFormatError):
         return set()
     return {k for k in keys if not k.startswith(uri.dir_prefix)}

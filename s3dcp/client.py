@@ -356,7 +356,8 @@ class S3Client:
             upload_id = text(root, "UploadId")
             parts = [self._default("UploadPartCopy", "PUT", bucket, key, result=check, body=b"",
                                    query={"partNumber": str(n + 1), "uploadId": upload_id},
-                                   extra_headers=[*copy_headers[:1], ("x-amz-copy-source-range", f"bytes={lo}-{hi - 1}"),
+                                   extra_headers=[*copy_headers[:1],
+                                                  ("x-amz-copy-source-range", f"bytes={lo}-{hi - 1}"),
                                                   *self._owner_headers()])
                      for n, (lo, hi) in enumerate(ranges)]
             gather(parts, lambda roots: roots).add_done_callback(lambda g: copied(g, upload_id))

@@ -286,7 +286,8 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
             got = integrity.checksum(integrity.algorithm_of(loc.checksum), sink)
             if got != loc.checksum:
                 raise IntegrityError(
-                    f"checksum mismatch in s3://{src.bucket}/{object_key(src, loc.object_name)} for item {t.fqn!r} (chunk at {offsets}, "
+                    f"checksum mismatch in s3://{src.bucket}/{object_key(src, loc.object_name)} "
+                    f"for item {t.fqn!r} (chunk at {offsets}, "
                     f"object bytes {loc.offset}-{loc.offset + loc.length}): expected {loc.checksum}, got {got}. "
                     "The object was corrupted or overwritten; export another checkpoint")
             report.verified_chunks += 1

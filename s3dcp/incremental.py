@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 __all__ = [
-    "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "split_reference", "reference_name", "sources", "object_names", "References",
-    "held_for_references",
+    "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "split_reference", "reference_name", "sources", "object_names",
+    "References", "held_for_references",
     "references", "DeleteResult", "delete_checkpoint", "MaterializeResult", "materialize",
 ]
 
@@ -150,7 +150,8 @@ def sources(locations: Iterable[ItemLocation]) -> dict:
     out: dict = {"written": {"items": 0, "bytes": 0}, "inherited": {}}
     for loc in locations:
         directory = split_reference(loc.object_name)[0]
-        entry = out["written"] if directory is None else out["inherited"].setdefault(directory, {"items": 0, "bytes": 0})
+        entry = (out["written"] if directory is None
+                 else out["inherited"].setdefault(directory, {"items": 0, "bytes": 0}))
         entry["items"] += 1
         entry["bytes"] += loc.length
     return out

@@ -206,7 +206,8 @@ def test_two_ranks_round_trip_and_a_two_to_one_reshard(s3_server, bucket, client
     # each rank inherited its own unchanged shards; rank 0's changed embed shard was uploaded
     assert r0["inherited"] == 256 * 128 * 4 and r1["inherited"] == 256 * 128 * 4 + 150 * 64 * 2
     md = S3StorageReader(f"s3://{bucket}/run/step-2", client=client).fetch_metadata()
-    refs = sorted((i.fqn, tuple(i.offset)) for i, loc in md.storage_data.items() if loc.object_name.startswith("../step-1/"))
+    refs = sorted((i.fqn, tuple(i.offset)) for i, loc in md.storage_data.items()
+                  if loc.object_name.startswith("../step-1/"))
     assert refs == [("base.embed", (150, 0)), ("base.weight", (0, 0)), ("base.weight", (256, 0))]
     # 2 -> 1: one process loads the two-rank incremental checkpoint into plain tensors
     full = r0["full"]

@@ -259,6 +259,34 @@ def test_bad_bases_are_refused_before_any_upload(bucket, client, boto3_client):
     assert not [k for k in _keys(boto3_client, bucket) if k.startswith("run/step-2/")]
 
 
+class _BaseDeletedBeforeCommit(S3StorageWriter):
+    """A writer whose base loses an object between the uploads and the commit (a cleanup run
+    elsewhere)."""
+
+    boto3 = None
+    doomed_key = ""
+
+    def finish(self, metadata, results):
+        self.boto3.delete_object(Bucket=self._uri.bucket, Key=self.doomed_key)
+        return super().finish(metadata, results)
+
+
+def test_commit_refuses_a_reference_whose_object_vanished(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(8)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    base_key = next(k for k in _keys(boto3_client, bucket) if k.endswith(".distcp"))
+    sd["lora.a"].add_(1.0)
+    writer = _BaseDeletedBeforeCommit(f"{run}/step-2", client=client, incremental_from=f"{run}/step-1")
+    writer.boto3, writer.doomed_key = boto3_client, base_key
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    err = root_error(info.value)
+    assert isinstance(err, IncompleteCheckpointError) and "../step-1/" in str(err) and "missing" in str(err)
+    # nothing committed, and the failed save removed only its own objects
+    assert _keys(boto3_client, bucket) == ["run/step-1/.metadata"]
+
+
 # ---------------------------------------------------------------------------- deletion by reference
 def test_rm_of_a_base_keeps_what_others_reference_and_gc_never_deletes_it(chain, client, bucket, boto3_client,
                                                                            capsys):

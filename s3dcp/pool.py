@@ -40,6 +40,7 @@ class Arena:
         self.buffer = _allocate(capacity, pinned)
         self.cursor = 0
         self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
 
     def carve(self, nbytes: int) -> torch.Tensor | None:
         """The next ``nbytes`` of the arena as a uint8 tensor, or None when it does not fit."""
@@ -50,12 +51,25 @@ class Arena:
         return self.buffer[start:start + nbytes]
 
     def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """An uninitialised tensor of ``tensor``'s dtype and shape in the arena, or None when
-        it does not fit."""
-        raw = self.carve(tensor.numel() * tensor.element_size())
-        if raw is None:
+        """An uninitialised contiguous tensor of ``tensor``'s dtype and shape in the arena, or
+        None when it does not fit. One tensor op (``as_strided`` of a cached typed view): this
+        runs once per tensor on the training thread."""
+        itemsize = tensor.element_size()
+        start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
+        end = start + tensor.numel() * itemsize
+        if end > self.limit:
             return None
-        return raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw.view(tensor.dtype).reshape(())
+        self.cursor = end
+        dtype = tensor.dtype
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.buffer.view(dtype)  # capacity is a multiple of 8 MiB
+        shape = tensor.shape
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        return typed.as_strided(shape, strides[::-1], start // itemsize)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and (

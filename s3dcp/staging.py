@@ -193,15 +193,9 @@ class StagingMixin:
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
-            stream = _side_stream(state_dict)
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    staged = statetree.copy_tree(state_dict, lambda t: _stage_tensor(t, lease))
-                lease.event = torch.cuda.Event()
-                lease.event.record(stream)
-            else:
-                staged = statetree.copy_tree(state_dict, lambda t: _stage_tensor(t, lease))
+            sources = [t.detach() for t in statetree.tensors(state_dict)]
+            copies = iter(_copy_into(lease, sources))
+            staged = statetree.copy_tree(state_dict, lambda _t: next(copies))
         except BaseException:
             lease.release()
             raise
@@ -328,26 +322,44 @@ class StagingMixin:
         return min(total, budget) if budget is not None else total
 
 
-def _stage_tensor(t: torch.Tensor, lease: Lease) -> torch.Tensor:
-    """Copy ``t`` into the arena; when it does not fit (budget), keep the original for the
-    rounds in write_data."""
-    t = t.detach()
-    if statetree.nbytes(t) == 0:
-        return torch.empty(t.shape, dtype=t.dtype)
-    out = lease.arena.carve_like(t)
-    if out is None:
-        lease.pending = True
-        return t
-    out.copy_(t, non_blocking=t.device.type == "cuda" and lease.arena.pinned)
+def _copy_into(lease: Lease, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The staged copy of each source, in order: a tensor carved from the lease's arena, filled
+    by one batched copy per device (``torch._foreach_copy_``: the per-tensor cost is C++, not
+    Python; each large copy still runs on torch's intra-op threads). A source that does not fit
+    the budget is returned as it is (``lease.pending``: write_data copies it in rounds).
+    CUDA sources are copied with ``non_blocking`` on a side stream into pinned memory; the
+    lease's event marks their end."""
+    arena = lease.arena
+    out: list[torch.Tensor] = []
+    host: tuple[list, list] = ([], [])
+    device: tuple[list, list] = ([], [])
+    for t in sources:
+        if t.numel() == 0:
+            out.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
+        dst = arena.carve_like(t)
+        if dst is None:
+            lease.pending = True
+            out.append(t)
+            continue
+        out.append(dst)
+        pair = device if t.device.type == "cuda" else host
+        pair[0].append(dst)
+        pair[1].append(t)
+    if host[0]:
+        torch._foreach_copy_(host[0], host[1])
+    if device[0]:
+        stream = _side_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_(device[0], device[1], non_blocking=arena.pinned)
+        lease.event = torch.cuda.Event()
+        lease.event.record(stream)
     return out
 
 
-def _side_stream(state_dict: dict[str, Any]):
-    """A dedicated CUDA stream for the device-to-host copies, when any tensor is on CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    if not any(t.device.type == "cuda" for t in statetree.tensors(state_dict)):
-        return None
+def _side_stream():
+    """The dedicated CUDA stream for staging's device-to-host copies."""
     global _STREAM
     if _STREAM is None:
         _STREAM = torch.cuda.Stream()

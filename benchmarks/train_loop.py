@@ -62,8 +62,8 @@ times; the modes took turns (rounds, rotated order), so machine noise is spread 
 them. "stall s" is how long one checkpoint call held the training loop (median, slowest rank);
 "stalled %" adds the time spent waiting for a previous upload still running (back-pressure) and
 divides by the mode's own run time. "step s (upload)" is a training step while an async upload
-runs beside it: on a 2-core machine with the S3 server on the same cores it is slower than
-"step s", on real hardware far less so. "durable s" runs from the checkpoint call until the
+runs beside it: what the upload takes from training on this machine (with the embedded server,
+the S3 server's work too shares these cores). "durable s" runs from the checkpoint call until the
 checkpoint is committed. The "x" columns are ratios of median stalls measured in this run
 (two significant digits). In the timeline plot, each row is one mode on its own clock: blue
 are steps, light blue steps with an upload in flight, red the loop standing still, and the
@@ -385,10 +385,11 @@ def plot(per_rank: list[list[ModeResult]], rows: list[dict], path_prefix: str) -
     fig, ax = plt.subplots(figsize=(11, 1.0 * len(lead) + 1.6))
     for y, result in enumerate(lead):
         first = y == 0
+        edges = dict(edgecolor="white", linewidth=0.4)  # one box per step
         ax.broken_barh([(s, d) for s, d, inflight in result.steps if not inflight], (y - 0.35, 0.5),
-                       facecolors="#4C72B0", label="training step" if first else None)
+                       facecolors="#4C72B0", label="training step" if first else None, **edges)
         ax.broken_barh([(s, d) for s, d, inflight in result.steps if inflight], (y - 0.35, 0.5),
-                       facecolors="#8FAADC", label="step, upload in background" if first else None)
+                       facecolors="#8FAADC", label="step, upload in background" if first else None, **edges)
         ax.broken_barh([(s, d) for s, d, kind in result.stalls if kind == "checkpoint"], (y - 0.4, 0.6),
                        facecolors="#DD5555", label="stalled: checkpoint call" if first else None)
         ax.broken_barh([(s, d) for s, d, kind in result.stalls if kind == "backpressure"], (y - 0.4, 0.6),

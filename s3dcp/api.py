@@ -26,6 +26,8 @@ initialized and without one otherwise.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import warnings
 from typing import Any
 
 from .client import S3Client
@@ -58,8 +60,9 @@ def save(
 
     writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite)
     try:
-        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                        no_dist=not _dist_on())
+        with _single_process_is_meant():
+                return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                            no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e) from _cause(e)
 
@@ -100,8 +103,10 @@ def async_save(
             "examples/process_executor.py), or use the default thread executor")
     writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite)
     try:
-        response = dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                                  async_checkpointer_type=executor, no_dist=not _dist_on())
+        with _single_process_is_meant():
+            response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                      process_group=process_group, async_checkpointer_type=executor,
+                                      no_dist=not _dist_on())
         staged = getattr(response, "staging_completion", None)
         if staged is not None:  # an AsyncSaveResponse: keep "returns once staged"
             staged.result()
@@ -147,8 +152,9 @@ def load(
 
     reader = _OneCallReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                 no_dist=not _dist_on())
+        with _single_process_is_meant():
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                     no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e) from _cause(e)
 
@@ -215,6 +221,18 @@ class _OneCallReader(S3StorageReader):
             return super().read_metadata(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - carried, not swallowed
             raise _MetadataUnreadable(e) from e
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """Without torch.distributed, DCP warns on every call that it assumes a single process;
+    here that is what the caller asked for, so it says nothing."""
+    if _dist_on():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _dist_on() -> bool:

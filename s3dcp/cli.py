@@ -294,8 +294,9 @@ def cmd_ls(args) -> int:
     for r in rows:
         runs.setdefault(r["run"], []).append(r)
     header = ["NAME", "STEP", "SIZE", "OBJECTS", "STATE", "AGE"]
+    headed = len(runs) > 1 or next(iter(runs)) != str(base)
     for i, (run, group) in enumerate(runs.items()):
-        if len(runs) > 1:  # one table per run (the checkpoints' parent prefix)
+        if headed:  # one table per run (the checkpoints' parent prefix)
             committed = [r for r in group if r["committed"] and r["step"] is not None]
             latest = f", latest committed step {max(r['step'] for r in committed)}" if committed else ""
             print(f"{'' if i == 0 else chr(10)}{run}/  ({len(group)} checkpoint(s), {_size(sum(r['bytes'] for r in group))}"
@@ -303,7 +304,7 @@ def cmd_ls(args) -> int:
         cut = len(run) - len(str(base)) if run != str(base) else 0  # "a/" of "a/step-1"
         _table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], _size(r["bytes"]), r["objects"],
                          "committed" if r["committed"] else "INCOMPLETE", _age(r["age_s"])] for r in group],
-               indent=2 if len(runs) > 1 else 0)
+               indent=2 if headed else 0)
     return 0
 
 

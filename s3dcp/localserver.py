@@ -29,6 +29,7 @@ __all__ = ["DEFAULT_BUCKET", "state_path", "running_server", "run", "print_env",
 DEFAULT_BUCKET = "demo"
 _DETACH_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 30.0
+_POLL_S = 0.5
 
 
 def state_path() -> str:
@@ -83,9 +84,10 @@ def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, acces
         for name in buckets:
             print(f"# bucket: s3://{name}")
         print("# Ctrl-C to stop.", flush=True)
-        status = server._state.proc.wait()
-        print(f"s3dcp: error: weed exited unexpectedly with status {status}; its log ends:\n"
-              f"{server._log_tail()}", file=sys.stderr)
+        while server.pid is not None:  # None once weed has exited
+            time.sleep(_POLL_S)
+        print(f"s3dcp: error: the server (weed) exited unexpectedly; its log ends:\n{_tail(server.log_path)}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -163,6 +165,14 @@ def _start_detached(*, buckets, data_dir, port, access_key, secret_key) -> dict[
                 proc.terminate()
             raise S3DCPError(f"the background s3dcp server did not start; see its log {log_path}")
         time.sleep(0.1)
+
+
+def _tail(path: str | None, lines: int = 40) -> str:
+    try:
+        with open(path or "", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def _write_state(path: str, state: dict[str, Any]) -> None:

@@ -519,8 +519,16 @@ def cmd_gc(args) -> int:
     from .gc import gc
 
     uri = parse_s3_uri(args.uri)
-    report = gc(str(uri), older_than_s=args.older_than, client=_client(args), dry_run=args.dry_run)
+    client = _client(args)
+    report = gc(str(uri), older_than_s=args.older_than, client=client, dry_run=args.dry_run)
     skipped = _gc_skipped(uri, report, args.older_than)
+    # GcReport does not list the uploads it left alone: the ones still there, not aborted, are.
+    aborted = set(report.aborted_uploads)
+    for upload in client.list_uploads(uri.bucket, uri.dir_prefix).result():
+        if (upload.key, upload.upload_id) not in aborted:
+            skipped.append({"prefix": f"s3://{uri.bucket}/{upload.key}", "objects": None, "upload_id": upload.upload_id,
+                            "reason": f"multipart upload started less than --older-than {_age(args.older_than)} ago "
+                                      "(or at an unknown time): a save may still be uploading it"})
     if args.json:
         _print_json({"uri": str(uri), "dry_run": args.dry_run, "older_than_s": args.older_than, **asdict(report),
                      "skipped": skipped})
@@ -531,7 +539,9 @@ def cmd_gc(args) -> int:
     for key, upload_id in report.aborted_uploads:
         print(f"{'would abort' if args.dry_run else 'aborted'} upload: s3://{uri.bucket}/{key} ({upload_id})")
     for s in skipped:
-        print(f"skipped: {s['prefix']} ({s['objects']} object(s)): {s['reason']}")
+        what = f"upload {s['upload_id']}" if "upload_id" in s else f"{s['objects']} object(s)" \
+            if s["objects"] is not None else "metadata"
+        print(f"skipped: {s['prefix']} ({what}): {s['reason']}")
     print(f"gc {uri}: {verb} {len(report.deleted)} object(s) ({_size(report.deleted_bytes)}), "
           f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} upload(s); "
           f"skipped {len(report.kept_recent)} recent unreferenced object(s)"

@@ -683,59 +683,18 @@ def _boto3(config: S3Config):
 
 # ---------------------------------------------------------------------- TLS / plain HTTP mismatch
 def _scheme_hint(err: BaseException, args) -> str | None:
-    """When a request got no HTTP answer, check whether the endpoint speaks the other protocol.
-
-    An ``https://`` endpoint at a plain-HTTP server fails in the CRT with only
-    AWS_IO_SOCKET_CLOSED ("socket is closed"); an ``http://`` one at a TLS server gets no
-    HTTP answer either. One probe of the endpoint tells which, and says so.
-    """
+    """For a request that got no HTTP answer: does the endpoint speak the other protocol?"""
     if not isinstance(err, S3ConnectionError) or args is None:
         return None
+    from .probe import scheme_mismatch
+
     try:
         endpoint = S3Config(endpoint_url=getattr(args, "endpoint_url", None),
                             region=getattr(args, "region", None)).resolved().endpoint_url
     except ConfigError:
         return None
-    parts = urlsplit(endpoint)
-    host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    other = f"{'http' if parts.scheme == 'https' else 'https'}://{parts.netloc}"
-    try:
-        if parts.scheme == "https" and _answers_plain_http(host, port):
-            return (f"{endpoint} answers plain HTTP, not TLS (a TLS/plain-HTTP mismatch): use {other} "
-                    "(--endpoint-url or AWS_ENDPOINT_URL_S3)")
-        if parts.scheme == "http" and _answers_tls(host, port):
-            return (f"{endpoint} speaks TLS, not plain HTTP (a TLS/plain-HTTP mismatch): use {other} "
-                    "(--endpoint-url or AWS_ENDPOINT_URL_S3)")
-    except OSError:
-        pass  # unreachable either way: the error says so already
-    return None
-
-
-_PROBE_TIMEOUT_S = 2.0
-
-
-def _answers_plain_http(host: str, port: int) -> bool:
-    import socket
-
-    with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as s:
-        s.sendall(f"HEAD / HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-        return s.recv(5) == b"HTTP/"
-
-
-def _answers_tls(host: str, port: int) -> bool:
-    import socket
-    import ssl
-
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # only asking whether it speaks TLS at all; nothing is sent
-    with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as raw:
-        try:
-            with context.wrap_socket(raw, server_hostname=host or None):
-                return True
-        except ssl.SSLError:
-            return False
+    hint = scheme_mismatch(endpoint)
+    return f"{hint} (--endpoint-url or AWS_ENDPOINT_URL_S3)" if hint else None
 
 
 # ---------------------------------------------------------------------- output helpers

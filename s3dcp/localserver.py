@@ -65,12 +65,12 @@ def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, acces
     from .testing import SeaweedServer, SeaweedStartError
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a normal exit: the finally stops weed
-    server = SeaweedServer(data_dir=data_dir, access_key=access_key, secret_key=secret_key, buckets=buckets,
-                           s3_port=port)
+    server = SeaweedServer(data_dir=data_dir, access_key=access_key, secret_key=secret_key, s3_port=port)
     path = state_path()
     other = running_server()
     try:
         server.start()
+        _create_buckets(server, buckets)  # a kept --dir may hold them already
         _write_state(path, {"pid": os.getpid(), "weed_pid": server.pid, "endpoint_url": server.endpoint_url,
                             "buckets": list(buckets), "data_dir": server.data_dir, "env": server.env()})
         kept = "kept" if data_dir else "deleted on exit"
@@ -165,6 +165,16 @@ def _start_detached(*, buckets, data_dir, port, access_key, secret_key) -> dict[
                 proc.terminate()
             raise S3DCPError(f"the background s3dcp server did not start; see its log {log_path}")
         time.sleep(0.1)
+
+
+def _create_buckets(server, buckets: Sequence[str]) -> None:
+    if not buckets:
+        return
+    client = server.boto3_client()
+    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    for name in buckets:
+        if name not in existing:
+            client.create_bucket(Bucket=name)
 
 
 def _tail(path: str | None, lines: int = 40) -> str:

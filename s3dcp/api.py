@@ -150,7 +150,7 @@ def load(
     """
     import torch.distributed.checkpoint as dcp
 
-    reader = _OneCallReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle)
+    reader = S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle)
     try:
         with _single_process_is_meant():
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
@@ -168,12 +168,12 @@ def unwrap_error(error: BaseException) -> BaseException:
     """
     failures = getattr(error, "failures", None)
     if not isinstance(failures, dict) or not failures or isinstance(error, Exception):
-        return _unwrap_carrier(error)
+        return error
     rank_errors: dict[int, BaseException] = {}
     for rank, failure in sorted(failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
         if isinstance(inner, BaseException):
-            rank_errors[rank] = _unwrap_carrier(inner)
+            rank_errors[rank] = inner
     if not rank_errors:
         return error
     from .errors import S3DCPError
@@ -191,36 +191,6 @@ def unwrap_error(error: BaseException) -> BaseException:
 def _cause(error: BaseException) -> BaseException | None:
     """What the unwrapped error is chained ``from``: DCP's exception, when there was one."""
     return error if getattr(error, "failures", None) else error.__cause__
-
-
-# ---------------------------------------------------------------------- load's metadata errors
-class _MetadataUnreadable(BaseException):
-    """Carries ``read_metadata``'s error through ``dcp.load`` unchanged.
-
-    DCP's load catches an ``Exception`` from ``read_metadata``, logs it with its traceback
-    on the root logger, tries a rank-local metadata read (logging a second traceback), and
-    then raises an ``AssertionError`` in its place. A ``BaseException`` skips that fallback
-    (s3dcp has no rank-local metadata) and still reaches DCP's collectives, which hand it to
-    every rank in a ``CheckpointException``; :func:`unwrap_error` takes the error back out.
-    """
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(error)
-        self.error = error
-
-
-def _unwrap_carrier(error: BaseException) -> BaseException:
-    return error.error if isinstance(error, _MetadataUnreadable) else error
-
-
-class _OneCallReader(S3StorageReader):
-    """The reader :func:`load` uses: read_metadata's errors travel in a _MetadataUnreadable."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        try:
-            return super().read_metadata(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - carried, not swallowed
-            raise _MetadataUnreadable(e) from e
 
 
 @contextlib.contextmanager

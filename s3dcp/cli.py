@@ -44,9 +44,8 @@ from .errors import (
     UnsafePickleError,
     root_error,
 )
-from .layout import parse_object_name
+from .layout import METADATA_NAME, is_data_object, parse_object_name
 from .localserver import DEFAULT_BUCKET
-from .manager import METADATA_NAME
 from .uri import S3Uri, parse_s3_uri
 
 __all__ = ["main", "parse_duration"]
@@ -272,7 +271,7 @@ def cmd_ls(args) -> int:
     for directory, objects in scan_directories(_client(args), base).items():
         names = {o.key.rpartition("/")[2] for o in objects}
         committed = METADATA_NAME in names
-        if not committed and not any(n.endswith(".distcp") for n in names):
+        if not committed and not any(is_data_object(n) for n in names):
             continue
         relative = directory[len(base.dir_prefix):].rstrip("/") if directory != base.dir_prefix else ""
         last = (relative or base.prefix).rpartition("/")[2]
@@ -477,9 +476,9 @@ def cmd_rm(args) -> int:
     objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
     names = [o.key.rpartition("/")[2] for o in objects]
     committed = METADATA_NAME in names
-    ours = [n for n in names if n == METADATA_NAME or n.endswith(".distcp")]
+    ours = [n for n in names if n == METADATA_NAME or is_data_object(n)]
     if not ours:
-        raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no .distcp objects)")
+        raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no data objects)")
     if committed and not args.yes:
         raise UsageError(f"{uri} is a committed checkpoint ({len(ours)} object(s)); pass --yes to delete it")
     with _progress(len(ours), "obj", args.quiet or len(ours) < 100) as bar:
@@ -503,13 +502,10 @@ def cmd_gc(args) -> int:
     client = _client(args)
     report = gc(str(uri), older_than_s=args.older_than, client=client, dry_run=args.dry_run)
     skipped = _gc_skipped(uri, report, args.older_than)
-    # GcReport does not list the uploads it left alone: the ones still there, not aborted, are.
-    aborted = set(report.aborted_uploads)
-    for upload in client.list_uploads(uri.bucket, uri.dir_prefix).result():
-        if (upload.key, upload.upload_id) not in aborted:
-            skipped.append({"prefix": f"s3://{uri.bucket}/{upload.key}", "objects": None, "upload_id": upload.upload_id,
-                            "reason": f"multipart upload started less than --older-than {_age(args.older_than)} ago "
-                                      "(or at an unknown time): a save may still be uploading it"})
+    for key, upload_id in report.kept_recent_uploads:
+        skipped.append({"prefix": f"s3://{uri.bucket}/{key}", "objects": None, "upload_id": upload_id,
+                        "reason": f"its save was active less than --older-than {_age(args.older_than)} ago (an "
+                                  "object, the upload's start or its newest part): it may still be uploading"})
     if args.json:
         _print_json({"uri": str(uri), "dry_run": args.dry_run, "older_than_s": args.older_than, **asdict(report),
                      "skipped": skipped})

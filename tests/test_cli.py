@@ -270,8 +270,8 @@ def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     assert "a save may still be writing it" in report["skipped"][0]["reason"]
     upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key="run/step-40/__0_0.bbbbbbbbbbbb.distcp")["UploadId"]
     code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
-    assert f"skipped: s3://{bucket}/run/step-40/__0_0.bbbbbbbbbbbb.distcp (upload {upload_id}): multipart upload " \
-           "started less than --older-than 1h ago" in out
+    assert f"skipped: s3://{bucket}/run/step-40/__0_0.bbbbbbbbbbbb.distcp (upload {upload_id}): its save was active " \
+           "less than --older-than 1h ago" in out
     time.sleep(1.1)  # S3 times have one-second resolution
     code, out, _ = run(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
     assert code == 0 and f"would delete: s3://{bucket}/run/step-30/__0_0.aaaaaaaaaaaa.distcp" in out

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+import weakref
+from typing import Callable, Protocol
 
 import torch
 
@@ -37,7 +38,10 @@ class Arena:
     def __init__(self, capacity: int, pinned: bool) -> None:
         self.capacity = capacity
         self.pinned = pinned
-        self.buffer = _allocate(capacity, pinned)
+        self.buffer, unpin = _allocate(capacity, pinned)
+        # Unpinned before the memory can be freed: the pool closes an arena it drops, and a
+        # collected arena's finalizer runs while its buffer is still alive.
+        self._unpin = weakref.finalize(self, unpin) if unpin is not None else None
         self.cursor = 0
         self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
@@ -71,15 +75,37 @@ class Arena:
             step *= size
         return typed.as_strided(shape, strides[::-1], start // itemsize)
 
+    def close(self) -> None:
+        """Unpin the buffer (if pinned); its memory is freed once no staged tensor uses it."""
+        if self._unpin is not None:
+            self._unpin()
+
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and (
             tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
 
 
-def _allocate(capacity: int, pinned: bool) -> torch.Tensor:
-    buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
+def _allocate(capacity: int, pinned: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A pre-faulted host buffer of exactly ``capacity`` bytes, and how to unpin it.
+
+    Pinned arenas are ordinary memory registered with CUDA (``cudaHostRegister``), not
+    ``pin_memory=True``: torch's caching host allocator rounds a pinned block up to a power of
+    two (9 GB of state would pin 16 GB) and keeps it for the life of the process, while a
+    registered buffer is exactly its size and is unregistered when the pool lets it go."""
+    buf = torch.empty(capacity, dtype=torch.uint8)
     buf.zero_()  # pre-fault every page now, not during the first checkpoint's copy
-    return buf
+    if not pinned:
+        return buf, None
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = cudart.cudaHostRegister(ptr, capacity, 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (error %s); staging uses torch's pinned allocator "
+                    "instead (rounded up to a power of two)", capacity, err)
+        pinned_buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        pinned_buf.zero_()
+        return pinned_buf, None
+    return buf, lambda: cudart.cudaHostUnregister(ptr)
 
 
 class Holder(Protocol):
@@ -153,6 +179,7 @@ class HostBufferPool:
             dropped = max(self._free, key=lambda a: a.capacity)
             self._free.remove(dropped)
             self.bytes_allocated -= dropped.capacity
+            dropped.close()
         return None
 
     def release(self, arena: Arena) -> None:
@@ -181,8 +208,10 @@ class HostBufferPool:
         """Free the arenas not in use (their memory goes back to the system)."""
         self.reclaim()
         with self._cond:
-            self.bytes_allocated -= sum(a.capacity for a in self._free)
-            self._free.clear()
+            dropped, self._free = self._free, []
+            self.bytes_allocated -= sum(a.capacity for a in dropped)
+        for arena in dropped:
+            arena.close()
 
     @property
     def in_use(self) -> int:

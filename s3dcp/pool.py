@@ -35,10 +35,10 @@ _POLL_S = 0.05
 class Arena:
     """One contiguous host buffer (pinned when CUDA is there) carved into staged tensors."""
 
-    def __init__(self, capacity: int, pinned: bool) -> None:
+    def __init__(self, capacity: int, pinned: bool, prefault: bool = True) -> None:
         self.capacity = capacity
         self.pinned = pinned
-        self.buffer, unpin = _allocate(capacity, pinned)
+        self.buffer, unpin = _allocate(capacity, pinned, prefault)
         # Unpinned before the memory can be freed: the pool closes an arena it drops, and a
         # collected arena's finalizer runs while its buffer is still alive.
         self._unpin = weakref.finalize(self, unpin) if unpin is not None else None
@@ -85,15 +85,20 @@ class Arena:
             tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
 
 
-def _allocate(capacity: int, pinned: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
+def _allocate(capacity: int, pinned: bool, prefault: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """A pre-faulted host buffer of exactly ``capacity`` bytes, and how to unpin it.
 
     Pinned arenas are ordinary memory registered with CUDA (``cudaHostRegister``), not
     ``pin_memory=True``: torch's caching host allocator rounds a pinned block up to a power of
     two (9 GB of state would pin 16 GB) and keeps it for the life of the process, while a
-    registered buffer is exactly its size and is unregistered when the pool lets it go."""
+    registered buffer is exactly its size and is unregistered when the pool lets it go.
+
+    ``prefault`` touches every page now (``warm_up``: the first checkpoint then copies into
+    warm memory); without it the first copy into the arena faults the pages in, which costs
+    less than touching them twice when the arena is made inside the stall anyway."""
     buf = torch.empty(capacity, dtype=torch.uint8)
-    buf.zero_()  # pre-fault every page now, not during the first checkpoint's copy
+    if prefault:
+        buf.zero_()
     if not pinned:
         return buf, None
     cudart = torch.cuda.cudart()
@@ -134,8 +139,9 @@ class HostBufferPool:
         self.allocations = 0
         self.bytes_allocated = 0
 
-    def acquire(self, nbytes: int, *, max_in_use: int = 1) -> Arena:
-        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken."""
+    def acquire(self, nbytes: int, *, max_in_use: int = 1, prefault: bool = True) -> Arena:
+        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken. A new
+        arena's pages are touched now unless ``prefault`` is False (see :func:`_allocate`)."""
         needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
         waited = None
         while True:
@@ -154,7 +160,7 @@ class HostBufferPool:
             log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
         if arena is None:
             try:
-                arena = Arena(needed, self.pin_memory)
+                arena = Arena(needed, self.pin_memory, prefault)
             except BaseException:
                 with self._cond:
                     self._in_use -= 1

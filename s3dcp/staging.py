@@ -186,7 +186,7 @@ class StagingMixin:
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
+        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
         pool.hold(lease)
         try:

@@ -1,4 +1,5 @@
-"""Tests for s3dcp.metadata: DCP Metadata <-> versioned JSON, exact round trip, no pickle."""
+"""Tests for s3dcp.metadata: DCP Metadata <-> format versions 1 (JSON) and 2 (columnar), exact round
+trip, the lazy storage_data mapping, refusal of damaged input, no pickle."""
 
 from __future__ import annotations
 
@@ -28,11 +29,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import s3dcp.metadata as s3md
+import s3dcp.metadata_columns as s3cols
+import s3dcp.metadata_v2 as s3v2
 from s3dcp.errors import MetadataFormatError
 from s3dcp.layout import ItemLocation
 from s3dcp.metadata import (
-    FORMAT_NAME, FORMAT_VERSION, decode_metadata, dtype_to_str, encode_metadata, str_to_dtype,
+    FORMAT_NAME, FORMAT_VERSION, decode_metadata, dtype_to_str, encode_metadata, format_version_of, str_to_dtype,
 )
+from s3dcp.metadata_v2 import LazyStorageData
+
+VERSIONS = [1, 2]
 
 # Built independently of s3dcp.metadata, so a dtype its table missed fails the tests.
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -65,12 +71,41 @@ def assert_same(a, b, path="md"):
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def roundtrip(md: Metadata) -> Metadata:
-    data = encode_metadata(md)
-    assert encode_metadata(md) == data  # deterministic
-    out = decode_metadata(data)
-    assert encode_metadata(out) == data  # and the decoded object encodes to the same bytes
+def roundtrip(md: Metadata, version: int = FORMAT_VERSION) -> Metadata:
+    """Encode in ``version`` and decode in full; for v2 also decode lazily and check that the lazy
+    mapping gives exactly what the full decode gives, and that both encode to the same bytes."""
+    data = encode_metadata(md, version=version)
+    assert encode_metadata(md, version=version) == data  # deterministic
+    assert format_version_of(data) == version
+    out = decode_metadata(data, lazy=False)
+    assert encode_metadata(out, version=version) == data  # and the decoded object encodes to the same bytes
+    lazy = decode_metadata(data)
+    if version == 1 or md.storage_data is None:
+        assert_same(lazy, out)
+    else:
+        assert type(lazy.storage_data) is LazyStorageData and type(out.storage_data) is dict
+        assert_same(dataclasses.replace(lazy, storage_data=out.storage_data), out)
+        assert_lazy_like_dict(lazy.storage_data, out.storage_data)
+        assert encode_metadata(lazy, version=version) == data
     return out
+
+
+def assert_lazy_like_dict(lazy: LazyStorageData, eager: dict) -> None:
+    assert len(lazy) == len(eager)
+    for got, want in zip(lazy, eager):  # same keys, same order, same index hints
+        assert_same(got, want)
+    for key, loc in eager.items():
+        assert key in lazy
+        assert_same(lazy[key], loc)
+        assert lazy.get(key) is lazy[key]  # built once, then kept
+        # The hint is only a hint: a key without it, or with a wrong one, finds the same item.
+        for index in (None, 0, 1, 10**9):
+            assert_same(lazy[MetadataIndex(key.fqn, key.offset, index)], loc)
+    assert_same(dict(lazy.items()), eager)
+    assert_same(list(lazy.keys()), list(eager))
+    assert_same(list(lazy.values()), list(eager.values()))
+    assert lazy == eager and eager == lazy and not (lazy != eager)
+    assert_same(pickle.loads(pickle.dumps(lazy)), eager)  # pickles as the plain dict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +135,8 @@ def planner_metadata() -> tuple[Metadata, list]:
     return md, plans[0].items
 
 
-def test_realistic_roundtrip():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_realistic_roundtrip(version):
     md, items = planner_metadata()
     storage_data = {}
     for i, item in enumerate(items):
@@ -123,7 +159,7 @@ def test_realistic_roundtrip():
     )
     assert isinstance(md.planner_data["optim.param_groups.0.lr"], tuple)  # the flatten mapping
 
-    out = roundtrip(md)
+    out = roundtrip(md, version)
     assert out == md
     assert_same(out, md)
     for fqn, item in out.state_dict_metadata.items():
@@ -141,10 +177,10 @@ def test_realistic_roundtrip():
 def test_json_layout():
     md, _ = planner_metadata()
     md = dataclasses.replace(md, storage_data={MetadataIndex("epoch"): ItemLocation("o", 0, 5, None)})
-    doc = json.loads(encode_metadata(md))
+    doc = json.loads(encode_metadata(md, version=1))
     assert list(doc) == ["format", "version", "dcp_version", "state_dict_metadata", "storage_data",
                          "planner_data", "storage_meta"]
-    assert (doc["format"], doc["version"], doc["dcp_version"]) == (FORMAT_NAME, FORMAT_VERSION, None)
+    assert (doc["format"], doc["version"], doc["dcp_version"]) == (FORMAT_NAME, 1, None)
     assert doc["state_dict_metadata"]["epoch"] == {"type": "bytes"}
     assert doc["storage_data"] == [{
         "index": {"fqn": "epoch", "offset": None, "index": None},
@@ -158,18 +194,21 @@ def test_every_item_location_field_is_encoded():
     """A field added to ItemLocation must be added to the encoder too, or it would be lost on save."""
     loc = ItemLocation("o", 1, 2, "crc32c:0", "float32", (2,), block_size=1, block_checksums=("a", "b"))
     md = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("x"): loc})
-    doc = json.loads(encode_metadata(md))
+    doc = json.loads(encode_metadata(md, version=1))
     assert set(doc["storage_data"][0]["location"]) == {f.name for f in dataclasses.fields(ItemLocation)}
     assert_same(decode_metadata(json.dumps(doc).encode()).storage_data, {MetadataIndex("x"): loc})
+    assert_same(roundtrip(md, 2).storage_data, {MetadataIndex("x"): loc})
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("storage_data", [None, {}])
-def test_empty_storage_data(storage_data):
-    out = roundtrip(Metadata(state_dict_metadata={}, storage_data=storage_data))
+def test_empty_storage_data(storage_data, version):
+    out = roundtrip(Metadata(state_dict_metadata={}, storage_data=storage_data), version)
     assert_same(out, Metadata(state_dict_metadata={}, storage_data=storage_data))
 
 
-def test_every_dtype_layout_and_memory_format():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_dtype_layout_and_memory_format(version):
     wanted = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.uint64, torch.quint8}
     assert wanted <= set(ALL_DTYPES)
     for dtype in ALL_DTYPES:
@@ -187,12 +226,13 @@ def test_every_dtype_layout_and_memory_format():
         )
     }
     md = Metadata(state_dict_metadata=sdm)
-    assert_same(roundtrip(md), md)
+    assert_same(roundtrip(md, version), md)
     for mf in ALL_MEMORY_FORMATS + ALL_LAYOUTS:  # every one of them appears
         assert any(mf in (t.properties.layout, t.properties.memory_format) for t in sdm.values())
 
 
-def test_planner_data_tags():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_planner_data_tags(version):
     tricky = {
         "__tuple__": [1, 2],  # a user key that looks like a tag
         "__dict__": {"__bytes__": "x"},
@@ -204,13 +244,15 @@ def test_planner_data_tags():
         "nested": [(), [], {}, ((),)],
         "big": 2**100,
     }
-    out = roundtrip(Metadata(state_dict_metadata={}, planner_data=tricky))
+    out = roundtrip(Metadata(state_dict_metadata={}, planner_data=tricky), version)
     assert_same(out.planner_data, tricky)
 
 
-def test_pathlike_checkpoint_id_stored_as_str():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pathlike_checkpoint_id_stored_as_str(version):
     md = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(pathlib.PurePosixPath("/ckpt/1")))
-    assert decode_metadata(encode_metadata(md)).storage_meta == StorageMeta(checkpoint_id="/ckpt/1")
+    out = decode_metadata(encode_metadata(md, version=version))
+    assert out.storage_meta == StorageMeta(checkpoint_id="/ckpt/1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +323,37 @@ metadata = st.builds(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(metadata)
 def test_random_metadata_roundtrip(md):
-    assert_same(roundtrip(md), md)
+    for version in VERSIONS:
+        assert_same(roundtrip(md, version), md)
+
+
+@st.composite
+def chunked_metadata(draw):
+    """Metadata whose storage keys name its chunks, as DCP's writes do (v2 stores them by reference)."""
+    md = draw(metadata)
+    storage = dict(draw(st.dictionaries(indexes, locations, max_size=3)))
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            if draw(st.booleans()):
+                storage[MetadataIndex(fqn)] = draw(locations)
+            continue
+        for j, chunk in enumerate(item.chunks):
+            if draw(st.booleans()):
+                loc = draw(locations)
+                if draw(st.booleans()):
+                    loc = dataclasses.replace(loc, shape=tuple(chunk.sizes))
+                index = draw(st.sampled_from([None, j, j + 1]))
+                storage[MetadataIndex(fqn, chunk.offsets, index)] = loc
+    keys = list(storage)
+    order = draw(st.permutations(range(len(keys))))
+    return dataclasses.replace(md, storage_data={keys[i]: storage[keys[i]] for i in order})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunked_metadata())
+def test_random_chunked_metadata_roundtrip(md):
+    for version in VERSIONS:
+        assert_same(roundtrip(md, version), md)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +375,7 @@ def valid_doc() -> dict:
         storage_data={MetadataIndex("w", [0], 0): ItemLocation("o.data", 0, 8, "crc32c:0", "float32", (2,))},
         storage_meta=StorageMeta("s3://bucket/ckpt"),
     )
-    return json.loads(encode_metadata(md))
+    return json.loads(encode_metadata(md, version=1))
 
 
 def refuse(data: bytes, *words: str) -> str:
@@ -343,11 +415,13 @@ def test_refuses_bad_documents(data, words):
 
 def test_refuses_newer_version():
     doc = valid_doc()
-    doc["version"] = 2
-    doc["state_dict_metadata"] = "whatever a v2 writer puts here"
+    doc["version"] = 3
+    doc["state_dict_metadata"] = "whatever a v3 writer puts here"
     msg = refuse(dumps(doc))
-    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 2); "
-                   "this s3dcp reads version 1 — upgrade s3dcp")
+    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 3); "
+                   "this s3dcp reads versions 1 to 2 — upgrade s3dcp")
+    doc["version"] = 2  # version 2 is never JSON
+    refuse(dumps(doc), "format version 2 is binary")
 
 
 @pytest.mark.parametrize(

@@ -268,7 +268,7 @@ def _encode_checksums(cols: ColumnWriter, name: str, values: list) -> dict:
             except ValueError:
                 nums = None
             # int() also takes "A", "+a", " a", "a_b": only an exact re-spelling keeps the raw form.
-            if nums is not None and list(map(fmt.__mod__, nums)) == present:
+            if nums is not None and max(nums) < 16 ** len(digits) and list(map(fmt.__mod__, nums)) == present:
                 it = iter(nums)
                 cols.ints(name, [0 if v is None else next(it) for v in values])
                 cols.ints(name + ".null", [v is None for v in values])

@@ -147,7 +147,7 @@ def test_inspect(capsys, bucket, s3_config):
     code, out, _ = run(capsys, "inspect", "--json", uri)
     assert code == 0
     report = json.loads(out)
-    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 1
+    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 2
     tensors = {t["fqn"]: t for t in report["tensors"]}
     assert tensors["model.w"] == {"fqn": "model.w", "dtype": "float32", "shape": [64, 32], "chunks": 1,
                                   "bytes": 64 * 32 * 4}

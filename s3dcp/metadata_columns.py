@@ -25,7 +25,7 @@ import numpy as np
 
 from .errors import MetadataFormatError
 
-__all__ = ["ColumnWriter", "ColumnReader", "TYPES"]
+__all__ = ["ColumnWriter", "ColumnReader", "TYPES", "MAX_COUNT", "bounded"]
 
 # Little-endian on every machine: the file is the same wherever it is written.
 TYPES: dict[str, np.dtype] = {name: np.dtype("<" + name) for name in ("u1", "u2", "u4", "u8", "i8")}
@@ -33,6 +33,7 @@ _UNSIGNED = [("u1", 2**8), ("u2", 2**16), ("u4", 2**32), ("u8", 2**64)]
 _CODECS = ("none", "zlib", "shuffle-zlib")
 _MIN_COMPRESS_BYTES = 64  # below this zlib's header eats the gain
 _ZLIB_LEVEL = 6
+MAX_COUNT = 2**32  # no ndim, chunk position or per-item count is this large; sums of them cannot wrap
 
 
 def _narrowest(values: Sequence[int]) -> str:
@@ -161,3 +162,17 @@ class ColumnReader:
             return np.frombuffer(raw, np.uint8).reshape(dtype.itemsize, n).T.copy().view(dtype).reshape(n)
         arr = np.frombuffer(raw, dtype)
         return arr
+
+    def ragged(self, name: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lengths, start of each and the end, flat values) of the column pair ``name.len`` / ``name``."""
+        lengths = bounded(self.ints(name + ".len", n), MAX_COUNT, f"metadata.columns[{name + '.len'!r}]")
+        starts = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        return lengths, starts, self.ints(name, int(starts[-1]))
+
+
+def bounded(arr: np.ndarray, limit: int, where: str) -> np.ndarray:
+    """``arr`` as int64 after checking every value is in ``0..limit-1`` (``limit`` <= 2**62)."""
+    if arr.size and (arr.dtype == object or int(arr.max()) >= limit or int(arr.min()) < 0):
+        raise MetadataFormatError(f"{where}: a value is outside 0..{limit - 1}")
+    return arr.astype(np.int64, copy=False)

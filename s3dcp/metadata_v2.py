@@ -122,11 +122,11 @@ def encode(md: Metadata) -> bytes:
         key = (m.dtype_to_str(p.dtype), m._to_name(m._LAYOUTS, p.layout, "layout"), bool(p.requires_grad),
                m._to_name(m._MEMORY_FORMATS, p.memory_format, "memory_format"), bool(p.pin_memory))
         sdm_props.append(props.setdefault(key, len(props)) + 1)
-        size = _ints(item.size, f"{where}.size")
+        size = _ints(item.size, where, ".size")
         size_len.append(len(size))
         size_vals += size
         chunks = list(item.chunks)
-        boxes = [(_ints(c.offsets, f"{where}.chunks[{j}].offsets"), _ints(c.sizes, f"{where}.chunks[{j}].sizes"))
+        boxes = [(_ints(c.offsets, where, ".chunks[{}].offsets", j), _ints(c.sizes, where, ".chunks[{}].sizes", j))
                  for j, c in enumerate(chunks)]
         ndims = {len(o) for o, _ in boxes} | {len(s) for _, s in boxes}
         if len(ndims) > 1:  # boxes of mixed ndim: nothing DCP writes, kept exactly anyway
@@ -190,16 +190,15 @@ def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols
         if not isinstance(key, MetadataIndex) or not isinstance(loc, ItemLocation):
             raise TypeError(f"storage_data[{key!r}]: expected MetadataIndex -> ItemLocation, "
                             f"got {m._type_name(key)} -> {m._type_name(loc)}")
-        where = f"storage_data[{key!r}]"
         fqn = key.fqn
         if type(fqn) is not str:
-            raise TypeError(f"{where}: fqn is a {m._type_name(fqn)}, not a str")
+            raise TypeError(f"storage_data[{key!r}]: fqn is a {m._type_name(fqn)}, not a str")
         f = fqn_ids.get(fqn)
         if f is None:
             f = fqn_ids[fqn] = len(fqns)
             fqns.append(fqn)
         r_fqn.append(f)
-        offset = None if key.offset is None else _ints(key.offset, f"{where}.offset")
+        offset = None if key.offset is None else _ints(key.offset, key, ".offset")
         j = chunk_of[f].get(offset) if f < n_sdm and chunk_of[f] is not None and offset is not None else None
         r_chunk.append(j or 0)
         r_chunk_null.append(j is None)
@@ -210,18 +209,18 @@ def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols
         r_index.append(key.index or 0)
         r_index_null.append(key.index is None)
         if type(loc.object_name) is not str:
-            raise TypeError(f"{where}.object_name is a {m._type_name(loc.object_name)}, not a str")
+            raise TypeError(f"storage_data[{key!r}].object_name is a {m._type_name(loc.object_name)}, not a str")
         r_obj.append(names.setdefault(loc.object_name, len(names)))
         r_off.append(loc.offset)
         r_len.append(loc.length)
         r_ck.append(loc.checksum)
         if loc.dtype is not None and type(loc.dtype) is not str:
-            raise TypeError(f"{where}.dtype is a {m._type_name(loc.dtype)}, not a str")
+            raise TypeError(f"storage_data[{key!r}].dtype is a {m._type_name(loc.dtype)}, not a str")
         r_dtype.append(0 if loc.dtype is None else dtypes.setdefault(loc.dtype, len(dtypes)) + 1)
         if loc.shape is None:
             shape_kind.append(1)
         else:
-            shape = _ints(loc.shape, f"{where}.shape")
+            shape = _ints(loc.shape, key, ".shape")
             if j is not None and shape == chunks_of[f][j][1]:
                 shape_kind.append(0)
             else:
@@ -278,10 +277,13 @@ def _encode_checksums(cols: ColumnWriter, name: str, values: list) -> dict:
     return {"strings": list(table)}
 
 
-def _ints(value: Any, where: str) -> tuple[int, ...]:
+def _ints(value: Any, owner: Any, field: str, *args: Any) -> tuple[int, ...]:
+    """``value`` as a tuple of ints. The error names ``owner`` (an fqn path or a storage key) and
+    ``field.format(*args)``, built only then: this runs for every one of a million chunks."""
     t = tuple(value)
-    if not set(map(type, t)) <= {int}:
-        raise TypeError(f"{where}: {value!r} is not a sequence of ints")
+    if type(value) is not torch.Size and not set(map(type, t)) <= {int}:  # a Size holds only ints
+        where = owner if type(owner) is str else f"storage_data[{owner!r}]"
+        raise TypeError(f"{where}{field.format(*args)}: {value!r} is not a sequence of ints")
     return t
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import pickle

@@ -287,11 +287,17 @@ class LazyStorageData(Mapping):
             loc = self._cache[row] = self._rows.location(row)
         return loc
 
-    def items(self):  # one pass over the rows, no lookups
-        return dict(zip(self._rows.keys(), self._rows.locations())).items() if self._rows.n else {}.items()
+    def items(self):
+        """All (key, location) pairs, built in one vectorised pass (a dict's items view)."""
+        return self._rows.to_dict().items()
 
     def values(self):
+        """All locations, built in one vectorised pass (a list, in key order)."""
         return self._rows.locations()
+
+    def object_names(self) -> set[str]:
+        """The names of the objects the items live in, without building any location (for gc and rm)."""
+        return {self._rows.names[i] for i in np.unique(self._rows.obj).tolist()}
 
     def __reduce__(self):
         return (dict, (self._rows.to_dict(),))

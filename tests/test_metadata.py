@@ -824,6 +824,7 @@ def test_lazy_storage_data_is_a_read_only_mapping():
     assert lazy == md.storage_data and md.storage_data == lazy and dict(lazy) == md.storage_data
     assert lazy != {**md.storage_data, MetadataIndex("z"): ItemLocation("o", 0, 0, None)}
     assert_same(copy.deepcopy(lazy), md.storage_data)
+    assert lazy.object_names() == {loc.object_name for loc in md.storage_data.values()}
     assert_same(pickle.loads(pickle.dumps(decode_metadata(encode_metadata(md)))), md)
 
 

@@ -95,6 +95,7 @@ def roundtrip(md: Metadata, version: int = FORMAT_VERSION) -> Metadata:
         assert_same(dataclasses.replace(lazy, storage_data=out.storage_data), out)
         assert_lazy_like_dict(lazy.storage_data, out.storage_data)
         assert encode_metadata(lazy, version=version) == data
+        assert encode_metadata(lazy, version=1) == encode_metadata(md, version=1)  # converts back to v1
     return out
 
 

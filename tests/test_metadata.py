@@ -7,6 +7,7 @@ import ast
 import copy
 import dataclasses
 import enum
+import gc
 import importlib.util
 import inspect
 import json
@@ -856,3 +857,30 @@ def test_v2_size_at_scale():
         if isinstance(item, TensorStorageMetadata):
             key = MetadataIndex(fqn, item.chunks[rank].offsets, rank)
             assert lazy.storage_data[key] == md.storage_data[key]
+
+
+def test_decode_pauses_the_garbage_collector_and_restores_it():
+    data = encode_metadata(v2_sample())
+    seen = []  # the collector's state while planner_data is decoded, inside the decode
+    original = s3md._decode_tree
+
+    def probe(node, where):
+        seen.append(gc.isenabled())
+        return original(node, where)
+
+    assert gc.isenabled()
+    s3md._decode_tree = probe
+    try:
+        decode_metadata(data)
+        with pytest.raises(MetadataFormatError):
+            decode_metadata(data[:-1])
+        assert gc.isenabled()  # back on after success and after a refusal
+        gc.disable()
+        try:
+            decode_metadata(data)
+            assert not gc.isenabled()  # off before, off after
+        finally:
+            gc.enable()
+    finally:
+        s3md._decode_tree = original
+    assert seen and not any(seen)

@@ -7,7 +7,7 @@ plain values. Two versions exist; :func:`decode_metadata` reads both, telling th
 first byte, and :func:`encode_metadata` writes version 2 unless asked for 1:
 
 - version 2 (:mod:`s3dcp.metadata_v2`): a JSON header plus typed, compressed binary columns for the
-  per-chunk numbers; ~1/10 of DCP's pickle at a million chunks, and decoded lazily: storage
+  per-chunk numbers; ~1/40 of DCP's pickle at a million chunks, and decoded lazily: storage
   locations are built only for the items a rank reads. It starts with the byte 0x89.
 - version 1 (this module): one JSON document, starting with ``{``. Simple to read with any
   tool, but at 1,000+ ranks it is hundreds of MB that every rank parses in full.

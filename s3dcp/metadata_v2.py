@@ -114,7 +114,10 @@ def encode(md: Metadata) -> bytes:
             raise TypeError(f"state_dict_metadata key {fqn!r} is a {m._type_name(fqn)}, not a str")
         fqns.append(fqn)
         if isinstance(item, BytesStorageMetadata):
-            sdm_props.append(0), sdm_layout.append(0), size_len.append(0), chunk_of.append(None), chunks_of.append(None)
+            for column in (sdm_props, sdm_layout, size_len):
+                column.append(0)
+            chunk_of.append(None)
+            chunks_of.append(None)
             continue
         if not isinstance(item, TensorStorageMetadata):
             raise TypeError(f"{where}: cannot encode storage metadata of type {m._type_name(item)}")
@@ -139,7 +142,8 @@ def encode(md: Metadata) -> bytes:
             lid = layouts.get(lkey)
             if lid is None:
                 lid = layouts[lkey] = len(layouts)
-                lay_ndim.append(lkey[0]), lay_count.append(lkey[1])
+                lay_ndim.append(lkey[0])
+                lay_count.append(lkey[1])
                 lay_offs += flat_o
                 lay_sizes += flat_s
             sdm_layout.append(lid + 1)
@@ -402,7 +406,7 @@ class _Chunks:
                 if layout_l[pos] or size_l[pos]:
                     raise MetadataFormatError(f"{w}: a bytes item with a size or chunks")
                 self.state_dict_metadata[fqn] = BytesStorageMetadata()
-                self.offsets.append(None), self.shapes.append(None), self.has_dups.append(False)
+                self._add(None, None, False)
                 continue
             size = torch.Size(size_vals[start_l[pos]:start_l[pos] + size_l[pos]].tolist())
             if layout_l[pos]:
@@ -413,10 +417,15 @@ class _Chunks:
             dtype, lay, grad, mf, pin = table[props_l[pos] - 1]
             self.state_dict_metadata[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype, lay, grad, mf, pin), size, list(map(ChunkStorageMetadata, o, s)))
-            self.offsets.append(o), self.shapes.append(t), self.has_dups.append(dups)
+            self._add(o, t, dups)
         unknown = set(odd) - {str(p) for p in range(n) if layout_l[p] == 0 and props_l[p]}
         if unknown:
             raise MetadataFormatError(f"metadata.odd_chunks: entries {sorted(unknown)[:5]} belong to no tensor")
+
+    def _add(self, offsets: list | None, shapes: list | None, has_dups: bool) -> None:
+        self.offsets.append(offsets)
+        self.shapes.append(shapes)
+        self.has_dups.append(has_dups)
 
     @staticmethod
     def _odd(odd: dict, pos: int, where: str, sizes: _Sizes) -> tuple[list, list]:

@@ -59,6 +59,7 @@ import gc
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -349,20 +350,31 @@ def _check_version(version: int, container: int) -> None:
         raise MetadataFormatError(f"corrupt s3dcp metadata: format version {version} is {kind}, this object is not")
 
 
+_V1_PREFIX = re.compile(rb'\s*\{\s*"format"\s*:\s*"s3dcp-metadata"\s*,\s*"version"\s*:\s*(\d{1,9})\s*[,}]')
+
+
 def format_version_of(data: bytes) -> int | None:
-    """The format version ``data`` claims (1 or 2, say), or None if it is not s3dcp metadata; cheap."""
+    """The format version ``data`` claims (1 or 2, say), or None if it is not s3dcp metadata.
+
+    Reads only the header (v2) or the first fields (v1 as s3dcp writes it), not the whole object.
+    """
     from . import metadata_v2
 
     if bytes(data[: len(metadata_v2.MAGIC)]) == metadata_v2.MAGIC:
         try:
-            return metadata_v2.header_of(data).get("version")
+            version = metadata_v2.header_of(data).get("version")
         except MetadataFormatError:
             return None
-    try:
+        return version if type(version) is int else None
+    match = _V1_PREFIX.match(bytes(data[:200]))
+    if match:
+        return int(match.group(1))
+    try:  # JSON in another field order: parse it all
         doc = json.loads(bytes(data))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return doc.get("version") if type(doc) is dict and doc.get("format") == FORMAT_NAME else None
+    version = doc.get("version") if type(doc) is dict and doc.get("format") == FORMAT_NAME else None
+    return version if type(version) is int else None
 
 
 def _decode_storage(node: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:

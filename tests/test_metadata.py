@@ -778,6 +778,8 @@ def test_v1_objects_still_decode():
         assert type(out.storage_data) is dict
         assert_same(out, md)
     assert format_version_of(b"garbage") is None and format_version_of(s3v2.MAGIC + b"\x00") is None
+    assert format_version_of(b'{"version": 1, "format": "s3dcp-metadata"}') == 1  # any field order
+    assert format_version_of(b'{"format": "other", "version": 1}') is None
 
 
 @pytest.mark.parametrize(

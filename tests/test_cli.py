@@ -172,7 +172,7 @@ def test_inspect(capsys, bucket, s3_config):
     code, out, _ = run(capsys, "inspect", "--json", uri)
     assert code == 0
     report = json.loads(out)
-    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 1
+    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 2
     tensors = {t["fqn"]: t for t in report["tensors"]}
     assert tensors["model.w"] == {"fqn": "model.w", "dtype": "float32", "shape": [64, 32], "chunks": 1,
                                   "bytes": 64 * 32 * 4}
@@ -187,7 +187,7 @@ def test_inspect(capsys, bucket, s3_config):
     code, out, _ = run(capsys, "inspect", uri)
     assert code == 0
     assert re.search(r"model\.w\s+float32\s+64x32\s+1\s+8192", out)
-    assert "format s3dcp-metadata v1" in out and f"total: {report['total_bytes']} bytes" in out
+    assert "format s3dcp-metadata v2" in out and f"total: {report['total_bytes']} bytes" in out
 
 
 def test_inspect_an_incomplete_checkpoint_fails(capsys, bucket, s3_config, boto3_client):

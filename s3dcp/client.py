@@ -786,7 +786,7 @@ def _make_crt_client(config: S3Config, tls: bool, source: tuple):
         part_size=config.part_size_bytes,
         multipart_upload_threshold=config.effective_multipart_threshold_bytes,
         throughput_target_gbps=float(config.throughput_target_gbps),
-        memory_limit=config.crt_memory_limit_bytes,
+        memory_limit=config.effective_crt_memory_limit_bytes,
         retry_config=retry,
         connect_timeout_ms=int(config.connect_timeout_s * 1000),
     )

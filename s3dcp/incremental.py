@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
+import zlib
 from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -158,25 +160,50 @@ def sources(locations: Iterable[ItemLocation]) -> dict:
 
 
 # ---------------------------------------------------------------------------- deletion side
+_V2_MAGIC = b"\x89S3DCPMD"  # s3dcp.metadata_v2.MAGIC, repeated here so that reading names needs no torch
+_V2_HEAD = struct.Struct("<8sQ")
+
+
 def object_names(raw: bytes, source: str) -> set[str]:
-    """The object names a ``.metadata`` document uses. The v1 JSON format is read directly,
-    without importing torch, so ``s3dcp ls`` and ``rm`` stay light; any other document is
-    decoded in full by :func:`s3dcp.metadata.decode_metadata` (which also says what is wrong)."""
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = None
-    if isinstance(doc, dict) and doc.get("format") == "s3dcp-metadata" and doc.get("version") == 1:
-        try:
-            names = {entry["location"]["object_name"] for entry in doc.get("storage_data") or []}
-        except (KeyError, TypeError):
-            names = {None}
-        if all(isinstance(n, str) for n in names):
-            return names
+    """The object names a ``.metadata`` object uses. Versions 1 (one JSON document) and 2 (its
+    header's interned ``object_names``, after checking the trailer CRC) are read directly,
+    without importing torch, so ``s3dcp ls`` and ``rm`` stay light; anything else is decoded in
+    full by :func:`s3dcp.metadata.decode_metadata`, which also says what is wrong with it."""
+    names = _v2_names(raw) if raw[:len(_V2_MAGIC)] == _V2_MAGIC else _v1_names(raw)
+    if names is not None:
+        return names
     from .metadata import decode_metadata
 
     metadata = decode_metadata(raw, source=source)
     return {loc.object_name for loc in (metadata.storage_data or {}).values()}
+
+
+def _v1_names(raw: bytes) -> set[str] | None:
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != "s3dcp-metadata" or doc.get("version") != 1:
+            return None
+        names = {entry["location"]["object_name"] for entry in doc.get("storage_data") or []}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return names if all(isinstance(n, str) for n in names) else None
+
+
+def _v2_names(raw: bytes) -> set[str] | None:
+    view = memoryview(raw)
+    try:
+        _, head_len = _V2_HEAD.unpack_from(view)
+        if _V2_HEAD.size + head_len + 4 > len(view) or \
+                zlib.crc32(view[:-4]) != struct.unpack_from("<I", view, len(view) - 4)[0]:
+            return None
+        header = json.loads(bytes(view[_V2_HEAD.size:_V2_HEAD.size + head_len]))
+        if header.get("format") != "s3dcp-metadata" or header.get("version") != 2:
+            return None
+        storage = header.get("storage_data")
+        names = set(storage["object_names"]) if storage is not None else set()
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return names if all(isinstance(n, str) for n in names) else None
 
 
 @dataclass
@@ -361,7 +388,8 @@ def materialize(uri: str, *, client: S3Client | None = None, config=None,
     except NoSuchKeyError as e:
         raise CheckpointNotFoundError(f"no committed checkpoint at {target} (no {METADATA_NAME})") from e
     metadata: Metadata = decode_metadata(raw, source=source)
-    storage = metadata.storage_data or {}
+    storage = dict((metadata.storage_data or {}).items())  # a plain dict (v2 decodes lazily, read-only)
+    metadata.storage_data = storage
     referenced = sorted({loc.object_name for loc in storage.values() if split_reference(loc.object_name)[0]})
     result = MaterializeResult(str(target))
     if not referenced:

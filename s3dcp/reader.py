@@ -157,9 +157,12 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         metadata = decode_metadata(raw, source=source)
         if metadata.storage_data is None:
             metadata.storage_data = {}
-        for index, location in metadata.storage_data.items():
-            if not isinstance(location, ItemLocation):
-                raise MetadataFormatError(f"{source}: storage entry for {index.fqn!r} is not an s3dcp location")
+        # A v2 checkpoint's storage_data is a LazyStorageData that only ever builds ItemLocations,
+        # one per lookup; walking it here would build all of them (every rank's items) on every rank.
+        if isinstance(metadata.storage_data, dict):
+            for index, location in metadata.storage_data.items():
+                if not isinstance(location, ItemLocation):
+                    raise MetadataFormatError(f"{source}: storage entry for {index.fqn!r} is not an s3dcp location")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = os.urandom(8).hex()
         return metadata

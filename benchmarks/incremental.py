@@ -193,9 +193,11 @@ def run_scenario(name: str, args, target, pool) -> dict:
     s = summary
     print(f"{name}: checkpoints 2..{last}: incremental uploads {s['incr_uploaded_pct_median']:.2f}% of the state "
           f"(max {s['incr_uploaded_pct_max']:.2f}%), saves in {s['save_ratio_median']:.2f}x a full save's time "
-          f"(max {s['save_ratio_max']:.2f}x), stall {s['incr_stall_s_median']:.3f} s vs {s['full_stall_s_median']:.3f} s")
+          f"(max {s['save_ratio_max']:.2f}x), stall {s['incr_stall_s_median']:.3f} s vs "
+          f"{s['full_stall_s_median']:.3f} s")
     print(f"{name}: load of checkpoint {last}: incremental {s['load_incr_s']:.3f} s, full {s['load_full_s']:.3f} s "
-          f"({s['load_ratio']:.2f}x; fastest of each {s['load_ratio_best']:.2f}x); stored by the run: incremental {s['stored_incr_x_one']:.2f}x one full "
+          f"({s['load_ratio']:.2f}x; fastest of each {s['load_ratio_best']:.2f}x); "
+          f"stored by the run: incremental {s['stored_incr_x_one']:.2f}x one full "
           f"checkpoint, full {s['stored_full_x_one']:.2f}x\n", flush=True)
     if not args.keep:
         delete_prefix(client, target.bucket, run)
@@ -240,7 +242,8 @@ def main(argv=None) -> int:
     from s3dcp import HostBufferPool
 
     crc = crc_throughput()
-    print(f"# item checksum throughput: crc32c {crc['crc32c_gbps']:.1f} GB/s, crc64nvme {crc['crc64nvme_gbps']:.1f} GB/s")
+    print(f"# item checksum throughput: crc32c {crc['crc32c_gbps']:.1f} GB/s, "
+          f"crc64nvme {crc['crc64nvme_gbps']:.1f} GB/s")
     results = {}
     with s3_target(args) as target:
         pool = HostBufferPool()

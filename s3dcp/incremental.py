@@ -109,13 +109,13 @@ class BaseIndex:
         self.target, self.base = target, base
         self._base_dir = base.prefix.rpartition("/")[2]
         self._own_dir = target.prefix.rpartition("/")[2]
-        self._locations: dict = storage_data
-        self.comparable = sum(1 for loc in storage_data.values()
-                              if (loc.checksum or "").startswith(REFERENCE_CHECKSUM + ":"))
-        if storage_data and not self.comparable:
-            log.warning("incremental base %s records no %s item checksums (saved by a full save with checksum=%r?): "
-                        "every item is uploaded; later saves of this run can be incremental", base,
-                        REFERENCE_CHECKSUM, next(iter(storage_data.values())).checksum)
+        self._locations = storage_data  # a dict, or metadata v2's lazy mapping: only looked-up items are built
+        first = storage_data[next(iter(storage_data))] if storage_data else None
+        if first is not None and not (first.checksum or "").startswith(REFERENCE_CHECKSUM + ":"):
+            log.warning("incremental base %s records no %s item checksums (saved by a full save with item "
+                        "checksum %r?): items without one are uploaded; save the first checkpoint of an incremental "
+                        "run with item_checksum=%r", base, REFERENCE_CHECKSUM,
+                        (first.checksum or "none").split(":")[0], REFERENCE_CHECKSUM)
 
     @classmethod
     def load(cls, client: S3Client, target: S3Uri, base: S3Uri) -> "BaseIndex":

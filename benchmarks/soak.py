@@ -130,7 +130,7 @@ def make_state(state_bytes: int, seed: int = 0) -> dict:
 
 def train_step(state: dict, step: int) -> None:
     """A stand-in for one optimizer step: every tensor changes, in place."""
-    for i, (name, w) in enumerate(state["model"].items()):
+    for i, w in enumerate(state["model"].values()):
         m = state["optim"]["state"][i]
         m["exp_avg"].mul_(0.9).add_(w, alpha=0.1)
         m["exp_avg_sq"].mul_(0.99).addcmul_(w, w, value=0.01)
@@ -250,7 +250,6 @@ class Cycle:
 
     cycle: int
     stall_s: float = 0.0  # manager.save blocked the loop this long
-    commit_s: float = 0.0  # from manager.save until committed (and retention done)
     cycle_s: float = 0.0
     loaded: bool | None = None  # None: no load this cycle; else: equal to what was saved
     verified: bool | None = None
@@ -319,7 +318,6 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
                 cyc.sync_saved = bool(attempt("sync save", sync_save))
 
             attempt("commit", manager.wait)
-            cyc.commit_s = time.perf_counter() - t0 - cyc.stall_s
             if settings.due(settings.gc_every, c):
                 report = attempt("gc", lambda: gc(base_uri, older_than_s=0, client=manager.client))
                 if report is not None:
@@ -512,6 +510,7 @@ def plot(cycles: list[Cycle], summary: dict, path: str) -> str | None:
     a2.plot(xs, [c.sample["fds"] for c in cycles], label="open fds", color="#DD8452")
     a2.set_xlabel("cycle")
     a2.set_ylabel("count")
+    a2.set_ylim(0, 1.4 * max(max(c.sample["fds"], c.sample["os_threads"]) for c in cycles))
     a2.legend(loc="upper left", frameon=False, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -587,7 +586,7 @@ def main(argv=None) -> int:
         ("untrimmed_mib", "untrimmed", ".1f"),
         ("py_threads", "py thr"), ("os_threads", "OS thr"), ("fds", "fds"), ("arenas", "arenas"),
         ("arena_mib", "arena MiB", ".0f"), ("stall_s", "stall s", ".3f"), ("cycle_s", "cycle s", ".2f"),
-    ], title=f"Soak: {settings.cycles} cycles in {wall_s:.0f} s (ops: L load, V verify, S sync save, G gc)")
+    ], title=f"Soak: {len(cycles)} of {settings.cycles} cycles in {wall_s:.0f} s (ops: L load, V verify, S sync save, G gc)")
     print()
     for criterion in criteria:
         print(criterion.line())

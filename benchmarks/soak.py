@@ -555,7 +555,8 @@ def main(argv=None) -> int:
         base_uri = target.uri(unique_prefix(target, "soak"))
         print(f"# {settings.cycles} cycles of a {settings.state_bytes / MiB:.0f} MiB state under {base_uri}; "
               f"load every {settings.load_every}, verify every {settings.verify_every}, sync save every "
-              f"{settings.sync_every}, gc every {settings.gc_every}, keep_last={settings.keep_last}", flush=True)
+              f"{settings.sync_every}, gc every {settings.gc_every}, keep_last={settings.keep_last}; "
+              f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')}", flush=True)
         started = time.perf_counter()
         tick = max(1, settings.cycles // 20)
 

@@ -536,7 +536,7 @@ def cmd_materialize(args) -> int:
 
 # ---------------------------------------------------------------------- gc
 def cmd_gc(args) -> int:
-    from .gc import gc
+    from .collect import gc
 
     uri = parse_s3_uri(args.uri)
     client = _client(args)

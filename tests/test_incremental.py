@@ -21,7 +21,7 @@ from s3dcp.errors import (
     MetadataFormatError,
     root_error,
 )
-from s3dcp import gc  # the function (importing s3dcp.gc first would shadow it with the module)
+from s3dcp import gc
 from s3dcp.incremental import materialize
 from s3dcp.manager import delete_checkpoint
 from s3dcp.uri import object_key, parse_s3_uri

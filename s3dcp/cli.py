@@ -327,12 +327,14 @@ def cmd_ls(args) -> int:
 def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .metadata import FORMAT_NAME, FORMAT_VERSION, dtype_to_str
     from .incremental import sources
+    from .metadata import FORMAT_NAME, dtype_to_str, format_version_of
     from .reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
-    md = S3StorageReader(str(uri), client=_client(args)).fetch_metadata()
+    client = _client(args)
+    md = S3StorageReader(str(uri), client=client).fetch_metadata()
+    format_version = format_version_of(client.get(uri.bucket, uri.key(METADATA_NAME)).result())
     stored: dict[str, int] = {}
     objects: dict[str, dict[str, Any]] = {}
     for index, loc in md.storage_data.items():
@@ -352,7 +354,7 @@ def cmd_inspect(args) -> int:
             others.append({"fqn": fqn, "bytes": stored.get(fqn, 0)})
     sm = md.storage_meta
     report = {
-        "uri": str(uri), "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dcp_version": md.version,
+        "uri": str(uri), "format": FORMAT_NAME, "format_version": format_version, "dcp_version": md.version,
         "save_id": sm.save_id if sm else None, "tensors": tensors, "non_tensors": others,
         "objects": sorted(objects.values(), key=lambda o: (o["rank"] is None, o["rank"] or 0, o["object"])),
         "total_bytes": sum(stored.values()),
@@ -363,7 +365,7 @@ def cmd_inspect(args) -> int:
         return 0
     extra = "".join(f", {label} {value}" for label, value in (("DCP", md.version), ("save", report["save_id"]))
                     if value)
-    print(f"{uri}\n  format {FORMAT_NAME} v{FORMAT_VERSION}{extra}")
+    print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
     print(f"\ntensors: {len(tensors)}, {_size(sum(t['bytes'] for t in tensors))}")
     _table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
            [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]

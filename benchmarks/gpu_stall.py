@@ -100,11 +100,15 @@ def main(argv=None) -> int:
 
     print(f"GPU: {torch.cuda.get_device_name()}; state {nbytes / 2**30:.2f} GiB; pinned D2H floor "
           f"{floor:.3f} s ({nbytes / floor / 1e9:.1f} GB/s)")
+    cached_pinned = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0)
+    print(f"pinned by the pool: {pool.bytes_allocated / 2**30:.2f} GiB for {nbytes / 2**30:.2f} GiB of state "
+          f"({pool.bytes_allocated / nbytes:.3f}x); torch's caching pinned allocator holds "
+          f"{cached_pinned / 2**30:.2f} GiB (the floor's buffers)")
     print(f"{'#':>2}  {'stall s':>8}  {'x floor':>7}  {'GB/s':>6}  {'correct':>7}  {'allocs':>6}")
     for r in rows:
         print(f"{r['checkpoint']:>2}  {r['stall_s']:>8.3f}  {r['vs_floor']:>7.2f}  {r['gbps']:>6.1f}  "
               f"{str(r['correct']):>7}  {r['pool_allocations']:>6}")
-    summary = {"state_bytes": nbytes, "floor_s": floor, "first_stall_s": rows[0]["stall_s"],
+    summary = {"state_bytes": nbytes, "pinned_bytes": pool.bytes_allocated, "floor_s": floor, "first_stall_s": rows[0]["stall_s"],
                "warm_stall_s": sorted(r["stall_s"] for r in rows[1:])[len(rows[1:]) // 2] if len(rows) > 1 else None,
                "all_correct": all(r["correct"] for r in rows), "pool_allocations": pool.allocations}
     print(json.dumps(summary))

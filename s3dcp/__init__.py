@@ -1,5 +1,13 @@
 """s3dcp: PyTorch Distributed Checkpoint (DCP) storage for S3-compatible object stores.
 
+    import s3dcp
+
+    s3dcp.save(state_dict, "s3://bucket/run/step-1000")          # errors: s3dcp.S3DCPError subclasses
+    future = s3dcp.async_save(state_dict, "s3://bucket/run/step-2000")
+    s3dcp.load(state_dict, "s3://bucket/run/step-1000")
+
+or, with DCP's own calls:
+
     import torch.distributed.checkpoint as dcp
     from s3dcp import S3StorageWriter, S3StorageReader
 
@@ -20,12 +28,15 @@ from .errors import __all__ as _error_names
 __version__ = "0.1.0"
 
 _LAZY = {
+    "save": ".api",
+    "async_save": ".api",
+    "load": ".api",
     "S3StorageWriter": ".writer",
     "S3StorageReader": ".reader",
     "HostBufferPool": ".staging",
     "release_staging_memory": ".staging",
-    "gc": ".gc",
-    "GcReport": ".gc",
+    "gc": ".collect",
+    "GcReport": ".collect",
     "CheckpointManager": ".manager",
     "CheckpointInfo": ".manager",
     "S3SafetensorsReader": ".hf_reader",

@@ -2,7 +2,7 @@
 
     caller buffers ──put()──► CRT meta request (multipart above the threshold, checksummed parts)
     caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
-    head / list / delete / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
+    head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
 
 Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, by
 :func:`s3dcp.responses.translate_error`, from HTTP status and S3 error code (never message
@@ -323,6 +323,64 @@ class S3Client:
                 outer.set_exception(err)
 
         f.add_done_callback(done)
+        return outer
+
+    def copy(self, bucket: str, source_key: str, key: str, size: int, *,
+             multipart_threshold_bytes: int = 5 * 1024 ** 3) -> "Future[int]":
+        """Server-side copy of ``source_key`` (``size`` bytes, from a HEAD or a listing) to
+        ``key`` in the same bucket; no bytes pass through this process. One ``CopyObject`` up
+        to ``multipart_threshold_bytes`` (S3's limit is 5 GiB), above it a multipart upload of
+        ``UploadPartCopy`` ranges of ``part_size_bytes`` (more when 10,000 parts would not
+        do), aborted if any part fails. Resolves to ``size``."""
+        source = quote(f"{bucket}/{source_key}", safe="/-_.~")
+        copy_headers = [("x-amz-copy-source", source), *self._sse_headers(), *self._owner_headers()]
+        outer: Future = Future()
+
+        def check(status, headers, body):  # CopyObject and UploadPartCopy may fail with a 200
+            root = xml_result(status, headers, body)
+            if root.tag.rsplit("}", 1)[-1] == "Error":
+                raise S3Error(f"copy of s3://{bucket}/{source_key} failed: {text(root, 'Message')}",
+                              operation="CopyObject", bucket=bucket, key=key, code=text(root, "Code"))
+            return root
+
+        if size <= multipart_threshold_bytes:
+            f = self._default("CopyObject", "PUT", bucket, key, result=check, body=b"",
+                              extra_headers=copy_headers)
+            f.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
+            return outer
+
+        part = max(self.config.part_size_bytes, -(-size // 10_000))
+        ranges = [(lo, min(size, lo + part)) for lo in range(0, size, part)]
+
+        def created(root) -> None:
+            upload_id = text(root, "UploadId")
+            parts = [self._default("UploadPartCopy", "PUT", bucket, key, result=check, body=b"",
+                                   query={"partNumber": str(n + 1), "uploadId": upload_id},
+                                   extra_headers=[*copy_headers[:1],
+                                                  ("x-amz-copy-source-range", f"bytes={lo}-{hi - 1}"),
+                                                  *self._owner_headers()])
+                     for n, (lo, hi) in enumerate(ranges)]
+            gather(parts, lambda roots: roots).add_done_callback(lambda g: copied(g, upload_id))
+
+        def copied(g: Future, upload_id: str) -> None:
+            if g.exception() is not None:
+                self.abort_upload(bucket, key, upload_id).add_done_callback(
+                    lambda _: outer.set_exception(g.exception()))
+                return
+            root = ET.Element("CompleteMultipartUpload")
+            for n, part_root in enumerate(g.result()):
+                p = ET.SubElement(root, "Part")
+                ET.SubElement(p, "PartNumber").text = str(n + 1)
+                ET.SubElement(p, "ETag").text = text(part_root, "ETag")
+            body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+            done = self._default("CompleteMultipartUpload", "POST", bucket, key, query={"uploadId": upload_id},
+                                 result=check, body=body,
+                                 extra_headers=[("Content-Type", "application/xml"), *self._owner_headers()])
+            done.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
+
+        start = self._default("CreateMultipartUpload", "POST", bucket, key, query={"uploads": ""},
+                              result=xml_result, extra_headers=[*self._sse_headers(), *self._owner_headers()])
+        start.add_done_callback(lambda f: chain(f, outer, created))
         return outer
 
     def close(self) -> None:
@@ -728,7 +786,7 @@ def _make_crt_client(config: S3Config, tls: bool, source: tuple):
         part_size=config.part_size_bytes,
         multipart_upload_threshold=config.effective_multipart_threshold_bytes,
         throughput_target_gbps=float(config.throughput_target_gbps),
-        memory_limit=config.crt_memory_limit_bytes,
+        memory_limit=config.effective_crt_memory_limit_bytes,
         retry_config=retry,
         connect_timeout_ms=int(config.connect_timeout_s * 1000),
     )

@@ -22,6 +22,8 @@ __all__ = ["S3Config", "MiB", "GiB"]
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+_CRT_MIN_MEMORY_BYTES = 256 * MiB  # the CRT refuses a smaller memory limit
+_IN_FLIGHT_S = 0.25  # part buffers for this long at the target throughput
 
 MIN_PART_SIZE_BYTES = 5 * MiB  # S3's minimum for every part but the last
 MAX_PART_SIZE_BYTES = 5 * GiB  # S3's maximum part size
@@ -54,7 +56,7 @@ class S3Config:
     object_size_target_bytes: int = 512 * MiB  # how much one rank packs into one data object
     coalesce_gap_bytes: int = 1 * MiB  # read ranges closer than this are fetched as one GET
     key_prefix_spread: int = 1  # data object names spread over this many key prefixes (S3 rates scale per prefix)
-    crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: CRT default (2+ GiB)
+    crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: max(256 MiB, 4 parts); 0: CRT's own (2+ GiB)
 
     # Integrity.
     checksum: str | None = "crc32c"
@@ -135,6 +137,22 @@ class S3Config:
     @property
     def effective_multipart_threshold_bytes(self) -> int:
         return self.multipart_threshold_bytes or self.part_size_bytes
+
+    @property
+    def effective_crt_memory_limit_bytes(self) -> int | None:
+        """The cap on the CRT's part buffers that s3dcp asks for (None: the CRT's own default).
+
+        Unset, it is sized from what is in use: the larger of four parts, a quarter second of
+        ``throughput_target_gbps`` (bytes in flight = bandwidth × latency), and the CRT's minimum
+        of 256 MiB. With the defaults (64 MiB parts, 10 Gb/s) that is 298 MiB instead of the
+        CRT's multi-GiB default, so a process's memory is its state, its staging pool and this;
+        ``throughput_target_gbps=100`` gives ~3 GiB for 100 Gb/s NICs."""
+        if self.crt_memory_limit_bytes == 0:
+            return None
+        if self.crt_memory_limit_bytes is not None:
+            return self.crt_memory_limit_bytes
+        in_flight = int(self.throughput_target_gbps * 1e9 / 8 * _IN_FLIGHT_S)
+        return -(-max(_CRT_MIN_MEMORY_BYTES, 4 * self.part_size_bytes, in_flight) // MiB) * MiB
 
 
 def normalize_endpoint(endpoint: str) -> str:
@@ -232,11 +250,11 @@ def _validate(c: S3Config) -> list[str]:
         f"coalesce_gap_bytes={c.coalesce_gap_bytes!r} must be an int >= 0",
     )
     need(
-        c.crt_memory_limit_bytes is None
-        or (is_int(c.crt_memory_limit_bytes) and c.crt_memory_limit_bytes >= 256 * MiB
+        c.crt_memory_limit_bytes is None or c.crt_memory_limit_bytes == 0
+        or (is_int(c.crt_memory_limit_bytes) and c.crt_memory_limit_bytes >= _CRT_MIN_MEMORY_BYTES
             and c.crt_memory_limit_bytes > (c.part_size_bytes if is_int(c.part_size_bytes) else 0)),
-        f"crt_memory_limit_bytes={c.crt_memory_limit_bytes!r} must be None or an int >= 256 MiB "
-        "and above part_size_bytes (the CRT's own minimum)",
+        f"crt_memory_limit_bytes={c.crt_memory_limit_bytes!r} must be None (sized from the part size), "
+        "0 (the CRT's own default) or an int >= 256 MiB and above part_size_bytes (the CRT's minimum)",
     )
     need(
         is_int(c.key_prefix_spread) and 1 <= c.key_prefix_spread <= 256,

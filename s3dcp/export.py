@@ -47,7 +47,7 @@ from .errors import CheckpointExistsError, ConfigError, IntegrityError, Metadata
 from .safetensors_format import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
 from .ring_buffer import RingArena, align as _align
 from .tensors import byte_view
-from .uri import S3Uri, is_s3_uri, parse_s3_uri
+from .uri import S3Uri, is_s3_uri, object_key, parse_s3_uri
 
 __all__ = ["export_safetensors", "ExportReport", "DEFAULT_SHARD_SIZE_BYTES", "DEFAULT_WINDOW_BYTES"]
 
@@ -272,7 +272,7 @@ def _start_tensor(t: _Tensor, span: torch.Tensor, src: S3Uri, client: S3Client) 
             bounce = span[bounce_at:bounce_at + loc.length]
             bounce_at += loc.length
             sink = byte_view(bounce)
-        fut: Future = client.get_range_into(src.bucket, src.key(loc.object_name), loc.offset, sink)
+        fut: Future = client.get_range_into(src.bucket, object_key(src, loc.object_name), loc.offset, sink)
         jobs.append((offsets, sizes, loc, sink, bounce, fut))
     return jobs
 
@@ -286,7 +286,8 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
             got = integrity.checksum(integrity.algorithm_of(loc.checksum), sink)
             if got != loc.checksum:
                 raise IntegrityError(
-                    f"checksum mismatch in {src.child(loc.object_name)} for item {t.fqn!r} (chunk at {offsets}, "
+                    f"checksum mismatch in s3://{src.bucket}/{object_key(src, loc.object_name)} "
+                    f"for item {t.fqn!r} (chunk at {offsets}, "
                     f"object bytes {loc.offset}-{loc.offset + loc.length}): expected {loc.checksum}, got {got}. "
                     "The object was corrupted or overwritten; export another checkpoint")
             report.verified_chunks += 1

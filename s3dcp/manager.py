@@ -14,6 +14,11 @@ A checkpoint is *committed* when its ``.metadata`` object exists (the writer put
 Retention only ever deletes committed checkpoints that are older than the newest ones kept,
 and only after a newer save has committed; directories without ``.metadata`` (a save still
 running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age.
+
+With ``incremental=True`` each save uses the newest committed checkpoint as its base
+(:mod:`s3dcp.incremental`): unchanged items become references to it. Retention then deletes a
+checkpoint's metadata and only those of its objects that no kept checkpoint references; the
+rest go when the last checkpoint referencing them goes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from .client import ObjectInfo, S3Client
 from .config import S3Config
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, root_error
+from .incremental import DeleteResult, check_base, held_for_references
+from .incremental import delete_checkpoint as _delete_checkpoint
 from .layout import METADATA_NAME, is_data_object
 from .uri import S3Uri, parse_s3_uri
 
@@ -74,6 +81,11 @@ class CheckpointManager:
             ``False``: it returns once the checkpoint is committed.
         process_group: the group DCP saves and loads over (default: the default group).
         name_format: directory name of a step; must hold ``{step}`` once (a format spec is fine).
+        incremental: save each checkpoint as an incremental one on the newest committed
+            checkpoint (unchanged items are references to it, not uploaded); every checkpoint
+            records CRC64NVME item checksums so that the next one can compare. The newest
+            committed step is looked up (collectively) before each save, after the saves in
+            flight have ended.
 
     Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
@@ -91,6 +103,7 @@ class CheckpointManager:
         async_mode: bool = True,
         process_group: Any = None,
         name_format: str = "step-{step:08d}",
+        incremental: bool = False,
     ) -> None:
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ConfigError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep every checkpoint)")
@@ -99,6 +112,13 @@ class CheckpointManager:
         self.base = parse_s3_uri(base_uri)
         self._pattern = _name_pattern(name_format)
         self.name_format = name_format
+        self.incremental = incremental
+        if incremental:  # references need the checkpoints to be siblings
+            try:
+                check_base(self.base.child(self.name(1)), self.base.child(self.name(0)))
+            except ConfigError:
+                raise ConfigError(f"name_format={name_format!r}: incremental=True needs every step's directory "
+                                  "in the same parent directory (no '/' after {step})") from None
         self.config = config or (client.config if client is not None else S3Config())
         self.client = client or S3Client(self.config)
         self.keep_last = keep_last
@@ -112,7 +132,7 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
-                f"keep_every={self.keep_every}, async_mode={self.async_mode})")
+                f"keep_every={self.keep_every}, async_mode={self.async_mode}, incremental={self.incremental})")
 
     # ------------------------------------------------------------------ naming
     def name(self, step: int) -> str:
@@ -148,7 +168,12 @@ class CheckpointManager:
 
         from .writer import S3StorageWriter
 
-        writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client)
+        base = None
+        if self.incremental:
+            latest = self.latest()  # collective; waits for the saves in flight (which staging would anyway)
+            base = self.uri(latest) if latest is not None and latest != step else None
+        writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client, incremental_from=base,
+                                 item_checksum="crc64nvme" if self.incremental else None)
         self.last_writer = writer
         no_dist = not _dist_on()
         started = time.perf_counter()
@@ -248,15 +273,24 @@ class CheckpointManager:
             newest = max((info.step for info in committed), default=None)
             doomed = [info for info in committed if info.step not in keep and info.step != newest]
             for info in doomed:
-                delete_checkpoint(self.client, parse_s3_uri(info.uri))
-                log.info("retention: deleted checkpoint step %d (%s, %d bytes)", info.step, info.uri, info.bytes)
+                result = delete_checkpoint(self.client, parse_s3_uri(info.uri))
+                kept = (f"; kept {len(result.kept)} object(s), {result.kept_bytes} bytes, that newer checkpoints "
+                        "reference" if result.kept else "")
+                log.info("retention: deleted checkpoint step %d (%s, %d bytes)%s", info.step, info.uri,
+                         result.deleted_bytes, kept)
             return [info.step for info in doomed]
 
     # ------------------------------------------------------------------ discovery
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint directory under the base URI, committed or not, sorted by step."""
+        """Every checkpoint directory under the base URI, committed or not, sorted by step; a
+        deleted checkpoint whose objects are kept only because others reference them is not
+        listed."""
         infos = []
-        for directory, objects in scan_directories(self.client, self.base).items():
+        by_dir = scan_directories(self.client, self.base)
+        held = held_for_references(self.client, self.base.bucket, by_dir)  # deleted, objects kept for others
+        for directory, objects in by_dir.items():
+            if directory in held:
+                continue
             relative = directory[len(self.base.dir_prefix):].rstrip("/")
             step = self._step_of(relative)
             if step is None:
@@ -342,25 +376,11 @@ def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo
 
 
 def delete_checkpoint(client: S3Client, uri: S3Uri, *,
-                      on_deleted: Callable[[int], None] | None = None) -> tuple[int, int]:
-    """Delete the checkpoint at ``uri``: its ``.metadata`` first (so a half-deleted checkpoint
-    reads as incomplete, never as a corrupt committed one), then its data objects in
-    batches. Objects that s3dcp did not write, and deeper directories, are left alone.
-    Returns (objects deleted, bytes deleted)."""
-    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-    metadata = [o for o in objects if o.key.rpartition("/")[2] == METADATA_NAME]
-    data = [o for o in objects if is_data_object(o.key.rpartition("/")[2])]
-    if metadata:
-        client.delete(uri.bucket, [o.key for o in metadata]).result()
-        if on_deleted:
-            on_deleted(len(metadata))
-    for i in range(0, len(data), 1000):
-        batch = data[i:i + 1000]
-        client.delete(uri.bucket, [o.key for o in batch]).result()
-        if on_deleted:
-            on_deleted(len(batch))
-    gone = metadata + data
-    return len(gone), sum(o.size for o in gone)
+                      on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
+    """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
+    committed checkpoints under the same parent reference; see
+    :func:`s3dcp.incremental.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
+    return _delete_checkpoint(client, uri, on_deleted=on_deleted)
 
 
 # ---------------------------------------------------------------------- helpers

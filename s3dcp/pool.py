@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+import weakref
+from typing import Callable, Protocol
 
 import torch
 
@@ -34,12 +35,16 @@ _POLL_S = 0.05
 class Arena:
     """One contiguous host buffer (pinned when CUDA is there) carved into staged tensors."""
 
-    def __init__(self, capacity: int, pinned: bool) -> None:
+    def __init__(self, capacity: int, pinned: bool, prefault: bool = True) -> None:
         self.capacity = capacity
         self.pinned = pinned
-        self.buffer = _allocate(capacity, pinned)
+        self.buffer, unpin = _allocate(capacity, pinned, prefault)
+        # Unpinned before the memory can be freed: the pool closes an arena it drops, and a
+        # collected arena's finalizer runs while its buffer is still alive.
+        self._unpin = weakref.finalize(self, unpin) if unpin is not None else None
         self.cursor = 0
         self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
 
     def carve(self, nbytes: int) -> torch.Tensor | None:
         """The next ``nbytes`` of the arena as a uint8 tensor, or None when it does not fit."""
@@ -50,22 +55,62 @@ class Arena:
         return self.buffer[start:start + nbytes]
 
     def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """An uninitialised tensor of ``tensor``'s dtype and shape in the arena, or None when
-        it does not fit."""
-        raw = self.carve(tensor.numel() * tensor.element_size())
-        if raw is None:
+        """An uninitialised contiguous tensor of ``tensor``'s dtype and shape in the arena, or
+        None when it does not fit. One tensor op (``as_strided`` of a cached typed view): this
+        runs once per tensor on the training thread."""
+        itemsize = tensor.element_size()
+        start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
+        end = start + tensor.numel() * itemsize
+        if end > self.limit:
             return None
-        return raw.view(tensor.dtype).view(tensor.shape) if tensor.dim() else raw.view(tensor.dtype).reshape(())
+        self.cursor = end
+        dtype = tensor.dtype
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.buffer.view(dtype)  # capacity is a multiple of 8 MiB
+        shape = tensor.shape
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        return typed.as_strided(shape, strides[::-1], start // itemsize)
+
+    def close(self) -> None:
+        """Unpin the buffer (if pinned); its memory is freed once no staged tensor uses it."""
+        if self._unpin is not None:
+            self._unpin()
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and (
             tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
 
 
-def _allocate(capacity: int, pinned: bool) -> torch.Tensor:
-    buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
-    buf.zero_()  # pre-fault every page now, not during the first checkpoint's copy
-    return buf
+def _allocate(capacity: int, pinned: bool, prefault: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A pre-faulted host buffer of exactly ``capacity`` bytes, and how to unpin it.
+
+    Pinned arenas are ordinary memory registered with CUDA (``cudaHostRegister``), not
+    ``pin_memory=True``: torch's caching host allocator rounds a pinned block up to a power of
+    two (9 GB of state would pin 16 GB) and keeps it for the life of the process, while a
+    registered buffer is exactly its size and is unregistered when the pool lets it go.
+
+    ``prefault`` touches every page now (``warm_up``: the first checkpoint then copies into
+    warm memory); without it the first copy into the arena faults the pages in, which costs
+    less than touching them twice when the arena is made inside the stall anyway."""
+    buf = torch.empty(capacity, dtype=torch.uint8)
+    if prefault:
+        buf.zero_()
+    if not pinned:
+        return buf, None
+    cudart = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = cudart.cudaHostRegister(ptr, capacity, 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (error %s); staging uses torch's pinned allocator "
+                    "instead (rounded up to a power of two)", capacity, err)
+        pinned_buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        pinned_buf.zero_()
+        return pinned_buf, None
+    return buf, lambda: cudart.cudaHostUnregister(ptr)
 
 
 class Holder(Protocol):
@@ -94,8 +139,9 @@ class HostBufferPool:
         self.allocations = 0
         self.bytes_allocated = 0
 
-    def acquire(self, nbytes: int, *, max_in_use: int = 1) -> Arena:
-        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken."""
+    def acquire(self, nbytes: int, *, max_in_use: int = 1, prefault: bool = True) -> Arena:
+        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken. A new
+        arena's pages are touched now unless ``prefault`` is False (see :func:`_allocate`)."""
         needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
         waited = None
         while True:
@@ -114,7 +160,7 @@ class HostBufferPool:
             log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
         if arena is None:
             try:
-                arena = Arena(needed, self.pin_memory)
+                arena = Arena(needed, self.pin_memory, prefault)
             except BaseException:
                 with self._cond:
                     self._in_use -= 1
@@ -139,6 +185,7 @@ class HostBufferPool:
             dropped = max(self._free, key=lambda a: a.capacity)
             self._free.remove(dropped)
             self.bytes_allocated -= dropped.capacity
+            dropped.close()
         return None
 
     def release(self, arena: Arena) -> None:
@@ -167,8 +214,10 @@ class HostBufferPool:
         """Free the arenas not in use (their memory goes back to the system)."""
         self.reclaim()
         with self._cond:
-            self.bytes_allocated -= sum(a.capacity for a in self._free)
-            self._free.clear()
+            dropped, self._free = self._free, []
+            self.bytes_allocated -= sum(a.capacity for a in dropped)
+        for arena in dropped:
+            arena.close()
 
     @property
     def in_use(self) -> int:

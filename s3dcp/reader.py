@@ -48,6 +48,7 @@ from .metadata import decode_metadata, str_to_dtype
 from .pool import HostBufferPool
 from .storage import S3CheckpointPath, UnreadableMetadata
 from .tensors import byte_view
+from .uri import object_key
 
 __all__ = ["S3StorageReader"]
 
@@ -172,9 +173,12 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         metadata = decode_metadata(raw, source=source)
         if metadata.storage_data is None:
             metadata.storage_data = {}
-        for index, location in metadata.storage_data.items():
-            if not isinstance(location, ItemLocation):
-                raise MetadataFormatError(f"{source}: storage entry for {index.fqn!r} is not an s3dcp location")
+        # A v2 checkpoint's storage_data is a LazyStorageData that only ever builds ItemLocations,
+        # one per lookup; walking it here would build all of them (every rank's items) on every rank.
+        if isinstance(metadata.storage_data, dict):
+            for index, location in metadata.storage_data.items():
+                if not isinstance(location, ItemLocation):
+                    raise MetadataFormatError(f"{source}: storage entry for {index.fqn!r} is not an s3dcp location")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = os.urandom(8).hex()
         return metadata
@@ -262,7 +266,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 sinks = [(seg.offset, seg.tag.sink) for seg in run]
             else:
                 sinks = [(run_start, byte_view(slot[:run_end - run_start]))]
-            future = self.client.get_scatter(uri.bucket, uri.key(name), run_start, run_end, sinks)
+            future = self.client.get_scatter(uri.bucket, object_key(uri, name), run_start, run_end, sinks)
             in_flight += 1
             future.add_done_callback(lambda f: ended.put((run, slot, f)))
 
@@ -415,7 +419,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         else:
             where, expected, got = "", loc.checksum, check.got
         raise IntegrityError(
-            f"checksum mismatch in {self._uri.child(loc.object_name)} for item "
+            f"checksum mismatch in s3://{self._uri.bucket}/{object_key(self._uri, loc.object_name)} for item "
             f"{read.item.storage_index.fqn!r} (chunk at {tuple(read.item.storage_index.offset or ())}, "
             f"{where}object bytes {loc.offset}-{loc.offset + loc.length}): expected {expected}, "
             f"got {got}. The object was corrupted or overwritten; restore from another checkpoint")

@@ -34,7 +34,10 @@ staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.pool`).
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import logging
+import os
 import sys
 import threading
 import time
@@ -183,7 +186,7 @@ class StagingMixin:
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
+        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
         pool.hold(lease)
         try:
@@ -193,15 +196,9 @@ class StagingMixin:
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
-            stream = _side_stream(state_dict)
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    staged = statetree.copy_tree(state_dict, lambda t: _stage_tensor(t, lease))
-                lease.event = torch.cuda.Event()
-                lease.event.record(stream)
-            else:
-                staged = statetree.copy_tree(state_dict, lambda t: _stage_tensor(t, lease))
+            sources = [t.detach() for t in statetree.tensors(state_dict)]
+            copies = iter(_copy_into(lease, sources))
+            staged = statetree.copy_tree(state_dict, lambda _t: next(copies))
         except BaseException:
             lease.release()
             raise
@@ -328,26 +325,93 @@ class StagingMixin:
         return min(total, budget) if budget is not None else total
 
 
-def _stage_tensor(t: torch.Tensor, lease: Lease) -> torch.Tensor:
-    """Copy ``t`` into the arena; when it does not fit (budget), keep the original for the
-    rounds in write_data."""
-    t = t.detach()
-    if statetree.nbytes(t) == 0:
-        return torch.empty(t.shape, dtype=t.dtype)
-    out = lease.arena.carve_like(t)
-    if out is None:
-        lease.pending = True
-        return t
-    out.copy_(t, non_blocking=t.device.type == "cuda" and lease.arena.pinned)
+def _copy_into(lease: Lease, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The staged copy of each source, in order, carved from the lease's arena. A source that
+    does not fit the budget is returned as it is (``lease.pending``: write_data copies it in
+    rounds). Contiguous host sources are copied by :func:`_memcpy` (chunked ``memmove`` on a few
+    threads, GIL released); strided ones with ``copy_``; CUDA ones with ``non_blocking`` on a
+    side stream into pinned memory, the lease's event marking their end."""
+    arena = lease.arena
+    out: list[torch.Tensor] = []
+    moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
+    strided: list[tuple[torch.Tensor, torch.Tensor]] = []
+    device: tuple[list, list] = ([], [])
+    for t in sources:
+        if t.numel() == 0:
+            out.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
+        dst = arena.carve_like(t)
+        if dst is None:
+            lease.pending = True
+            out.append(t)
+            continue
+        out.append(dst)
+        if t.device.type == "cuda":
+            device[0].append(dst)
+            device[1].append(t)
+        elif t.device.type == "cpu" and t.is_contiguous():
+            moves.append((dst.data_ptr(), t.data_ptr(), t.numel() * t.element_size()))
+        else:
+            strided.append((dst, t))
+    if device[0]:
+        stream = _side_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_(device[0], device[1], non_blocking=arena.pinned)
+        lease.event = torch.cuda.Event()
+        lease.event.record(stream)
+    _memcpy(moves)
+    for dst, src in strided:
+        dst.copy_(src)
     return out
 
 
-def _side_stream(state_dict: dict[str, Any]):
-    """A dedicated CUDA stream for the device-to-host copies, when any tensor is on CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    if not any(t.device.type == "cuda" for t in statetree.tensors(state_dict)):
-        return None
+_CHUNK_BYTES = 4 * 1024 * 1024
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_copier: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _memcpy(moves: list[tuple[int, int, int]]) -> None:
+    """Copy every ``(dst, src, nbytes)`` on ``_COPY_THREADS`` threads: the work is cut into
+    chunks of at most 4 MiB and dealt out in turn, and ``ctypes.memmove`` releases the GIL.
+    Against ``copy_`` per tensor this saves torch's per-call overhead and its intra-op thread
+    wake-ups (hundreds of microseconds per tensor on a busy machine) — what an optimizer-style
+    state of many small tensors pays for."""
+    total = sum(n for _, _, n in moves)
+    if total == 0:
+        return
+    if _COPY_THREADS == 1 or total <= _CHUNK_BYTES:
+        for dst, src, n in moves:
+            ctypes.memmove(dst, src, n)
+        return
+    share = -(-total // _COPY_THREADS)
+    lanes: list[list[tuple[int, int, int]]] = [[] for _ in range(_COPY_THREADS)]
+    lane, filled = 0, 0
+    for dst, src, n in moves:
+        done = 0
+        while done < n:
+            step = min(n - done, _CHUNK_BYTES, share - filled)
+            lanes[lane].append((dst + done, src + done, step))
+            done += step
+            filled += step
+            if filled >= share and lane + 1 < _COPY_THREADS:
+                lane, filled = lane + 1, 0
+    global _copier
+    if _copier is None:
+        _copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS - 1, thread_name_prefix="s3dcp-stage")
+    helpers = [_copier.submit(_run_moves, work) for work in lanes[1:] if work]
+    _run_moves(lanes[0])
+    for f in helpers:
+        f.result()
+
+
+def _run_moves(work: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in work:
+        ctypes.memmove(dst, src, n)
+
+
+def _side_stream():
+    """The dedicated CUDA stream for staging's device-to-host copies."""
     global _STREAM
     if _STREAM is None:
         _STREAM = torch.cuda.Stream()

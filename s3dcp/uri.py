@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["S3Uri", "parse_s3_uri", "is_s3_uri"]
+__all__ = ["S3Uri", "parse_s3_uri", "is_s3_uri", "object_key", "parent_prefix"]
 
 # S3's bucket naming rules (general purpose buckets): 3-63 chars, lowercase letters, digits,
 # dots and hyphens, starting and ending with a letter or digit. Underscores are tolerated
@@ -65,3 +65,31 @@ def parse_s3_uri(uri: object) -> S3Uri:
     if len(prefix.encode()) > 900:
         raise ConfigError(f"checkpoint path {uri!r} is too long for S3 keys (prefix over 900 bytes)")
     return S3Uri(bucket, prefix)
+
+
+def parent_prefix(uri: S3Uri) -> str:
+    """The listing prefix of the directory holding the checkpoint ``uri`` (``"run/"`` for
+    ``run/step-1000``; ``""`` at the bucket's root)."""
+    parent = uri.prefix.rpartition("/")[0]
+    return f"{parent}/" if parent else ""
+
+
+def object_key(uri: S3Uri, object_name: str) -> str:
+    """The S3 key of an item's object, named in the metadata of the checkpoint at ``uri``.
+
+    A plain name (``"__0_0.tok.distcp"``) is an object of the checkpoint itself; a reference
+    of an incremental checkpoint names an object of a sibling checkpoint as
+    ``"../<sibling>/<name>"`` (see :mod:`s3dcp.incremental`). Anything else (deeper paths,
+    ``.`` or empty segments, a way out of the parent prefix) is refused, so metadata can never
+    point a load at an arbitrary key of the bucket.
+    """
+    from .errors import MetadataFormatError
+
+    parts = object_name.split("/")
+    if len(parts) == 1 and parts[0] not in ("", ".", ".."):
+        return uri.key(object_name)
+    if len(parts) == 3 and parts[0] == ".." and all(p not in ("", ".", "..") for p in parts[1:]) and uri.prefix:
+        return f"{parent_prefix(uri)}{parts[1]}/{parts[2]}"
+    raise MetadataFormatError(
+        f"{uri}: object name {object_name!r} in the metadata is neither an object of the checkpoint nor "
+        "'../<sibling checkpoint>/<object>'; refusing to read or delete outside the run's prefix")

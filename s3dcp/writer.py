@@ -4,6 +4,10 @@
         per rank ──client.put (parallel, multipart, checksummed)──► s3://bucket/prefix/__R_I.TOKEN.distcp
     coordinator, after every rank succeeded ──► s3://bucket/prefix/.metadata  (JSON, written LAST,
         If-None-Match: *) = the commit marker
+
+With ``incremental_from=`` (a committed sibling checkpoint), an item whose staged bytes are
+unchanged since that base is not uploaded: its location is a reference to where the base holds
+it (``../step-1000/__0_0.TOKEN.distcp``); see :mod:`s3dcp.incremental`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
 from . import integrity, layout
+from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, references
 from .client import S3Client
 from .config import S3Config
 from .errors import (
@@ -39,6 +44,7 @@ from .layout import METADATA_NAME, ItemLocation
 from .metadata import decode_metadata, dtype_to_str, encode_metadata
 from .staging import StagingMixin
 from .storage import S3CheckpointPath
+from .uri import object_key, parent_prefix, parse_s3_uri
 from .tensors import byte_view, to_host_contiguous
 
 __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
@@ -63,6 +69,8 @@ class SaveStats:
     upload_s: float = 0.0  # write_data: resolve + checksum + upload of this rank's objects
     bytes: int = 0  # bytes this rank uploaded
     objects: int = 0
+    inherited_bytes: int = 0  # bytes of unchanged items referenced in the base (incremental saves)
+    inherited_items: int = 0
 
     @property
     def upload_gbps(self) -> float:
@@ -78,12 +86,16 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     0. ``reset(checkpoint_id)`` — all ranks, only when ``checkpoint_id=`` is passed to save
     1. ``storage_meta()`` — all ranks
     2. ``set_up_storage_writer(is_coordinator, rank=…)`` — all ranks; the coordinator refuses
-       early if a committed checkpoint is already there (and ``overwrite`` is False)
+       early if a committed checkpoint is already there (and ``overwrite`` is False); with
+       ``incremental_from``, every rank reads the base's metadata and refuses a base that is
+       missing, incomplete or not a sibling — before anything is uploaded
     3. ``prepare_local_plan`` — all ranks; 4. ``prepare_global_plan`` — coordinator
-    5. ``write_data(plan, planner)`` — all ranks: pack this rank's items into a few objects and
-       upload them in parallel; nothing is visible as a checkpoint yet
+    5. ``write_data(plan, planner)`` — all ranks: checksum each item; refer to the base for
+       the unchanged ones (incremental), pack the others into a few objects and upload them in
+       parallel; nothing is visible as a checkpoint yet
     6. ``finish(metadata, results)`` — coordinator, called only if every rank's writes
-       succeeded: writes the metadata object, which commits the checkpoint
+       succeeded: checks every object the metadata names (own and referenced), then writes
+       the metadata object, which commits the checkpoint
 
     :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
     training thread (see :class:`s3dcp.staging.StagingMixin`), then runs 0-6 in the background.
@@ -95,6 +107,15 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         overwrite: replace a committed checkpoint at ``path`` (its unreferenced data objects
             are deleted after the new metadata commits). Default: refuse.
         pool: the staging pool for ``async_save`` (default: the process-wide shared pool).
+        incremental_from: ``s3://bucket/run/step-1000``, a committed checkpoint in the same
+            directory as ``path``: items whose staged bytes are unchanged since it (same FQN,
+            chunk, dtype, shape, length and CRC64NVME) are stored as references to it, not
+            uploaded. The result is a complete checkpoint, loaded like any other.
+        item_checksum: the algorithm of the per-item checksums (``"crc32c"``,
+            ``"crc64nvme"``). Default: ``"crc64nvme"`` for an incremental save, else
+            ``config.checksum``. Only items recorded with ``"crc64nvme"`` can be inherited by
+            a later incremental save, so save the first checkpoint of an incremental run with
+            ``item_checksum="crc64nvme"`` (:class:`s3dcp.CheckpointManager` does).
     """
 
     def __init__(
@@ -105,10 +126,20 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         client: S3Client | None = None,
         overwrite: bool = False,
         pool=None,
+        incremental_from: str | None = None,
+        item_checksum: str | None = None,
     ) -> None:
         super().__init__()
         self._init_path(path, config, client)
         self.overwrite = overwrite
+        self.incremental_from = parse_s3_uri(incremental_from) if incremental_from is not None else None
+        if self.incremental_from is not None and self._uri is not None:
+            check_base(self._uri, self.incremental_from)  # refused at once, before any save starts
+        if item_checksum is not None and item_checksum not in ("crc32c", REFERENCE_CHECKSUM):
+            raise ConfigError(f"item_checksum={item_checksum!r} must be 'crc32c', '{REFERENCE_CHECKSUM}' or None")
+        self.item_checksum = item_checksum or (REFERENCE_CHECKSUM if incremental_from is not None
+                                               else self.config.checksum)
+        self._base: BaseIndex | None = None  # the base's locations, read in set_up_storage_writer
         self._rank = 0
         self._is_coordinator = False
         self._save_id: str | None = None  # this rank's identity of the save in progress
@@ -116,7 +147,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._init_staging(pool)
 
     def __repr__(self) -> str:
-        return f"S3StorageWriter({self.checkpoint_id!r}, overwrite={self.overwrite})"
+        base = f", incremental_from={str(self.incremental_from)!r}" if self.incremental_from else ""
+        return f"S3StorageWriter({self.checkpoint_id!r}, overwrite={self.overwrite}{base})"
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process executor pickles the writer: the CRT client and the staging pool stay
@@ -146,6 +178,9 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             raise CheckpointExistsError(
                 f"{self._uri} already holds a committed checkpoint; pass overwrite=True to "
                 "S3StorageWriter to replace it, or save to a new path")
+        self._base = None
+        if self.incremental_from is not None:  # every rank: its own items are decided on it
+            self._base = BaseIndex.load(self.client, self._uri, self.incremental_from)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._attach()
@@ -161,7 +196,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         lease = self._staging_begin()
         start = time.perf_counter()
         rank, self._save_id = _identity(plan.storage_data, self._rank)
-        uploads = _Uploads(self, rank, self._save_id)
+        uploads = _Uploads(self, rank, self._save_id, self._base)
         try:
             ready, deferred = [], []
             for item in plan.items:
@@ -172,21 +207,22 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                     deferred.append((item, data))  # beyond the staging budget: copied in rounds
                 else:
                     ready.append((item, to_host_contiguous(data)))
-            for group in layout.pack([_nbytes(d) for _, d in ready], self.config.object_size_target_bytes):
-                uploads.put([ready[i] for i in group])
+            uploads.add(ready)
             if deferred:
-                self._stage_rounds(deferred, lease, uploads.put, uploads.drain)
+                self._stage_rounds(deferred, lease, uploads.add, uploads.drain)
             results = uploads.wait()
             elapsed = time.perf_counter() - start
             self.last_stats = SaveStats(stage_s=self._stage_s if lease is not None else 0.0, upload_s=elapsed,
-                                        bytes=uploads.bytes, objects=len(uploads.keys))
+                                        bytes=uploads.bytes, objects=len(uploads.keys),
+                                        inherited_bytes=uploads.inherited_bytes,
+                                        inherited_items=uploads.inherited_items)
         except BaseException:
             uploads.discard()
             raise
         finally:
             self._staging_end(lease)
-        log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs",
-                  rank, uploads.bytes, len(uploads.keys), self._uri, elapsed)
+        log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs (%d bytes referenced in the base)",
+                  rank, uploads.bytes, len(uploads.keys), self._uri, elapsed, uploads.inherited_bytes)
         fut: TorchFuture = TorchFuture()
         fut.set_result(results)
         return fut
@@ -209,7 +245,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             body = encode_metadata(metadata)
         except BaseException:
             # Nothing was committed: this save's objects are garbage now, delete them.
-            self._delete_own({loc.object_name for loc in metadata.storage_data.values()})
+            self._delete_own(_own_names(metadata.storage_data.values()))
             raise
         key = uri.key(METADATA_NAME)
         try:
@@ -227,10 +263,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         stale = replaced - {loc.object_name for loc in metadata.storage_data.values()}
         if stale:
             self._delete_replaced(sorted(stale))
+        inherited = sum(loc.length for loc in metadata.storage_data.values() if "/" in loc.object_name)
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
         stats = self.last_stats  # the coordinator's own rank
-        log.info("committed %s: %d bytes from %d rank(s); this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
-                 uri, total, len(results), stats.stage_s, stats.upload_s, stats.upload_gbps)
+        log.info("committed %s: %d bytes from %d rank(s)%s; this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
+                 uri, total, len(results),
+                 f" ({inherited} referenced in {self.incremental_from})" if self.incremental_from else "",
+                 stats.stage_s, stats.upload_s, stats.upload_gbps)
 
     # ------------------------------------------------------------------ helpers
     def _committed(self) -> bool:
@@ -250,16 +289,27 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             return False
 
     def _check_objects(self, locations) -> None:
-        """Refuse to commit unless every object the metadata references is in the checkpoint
-        directory with the size its items add up to (one LIST). Catches objects deleted by
-        someone else (a misjudged cleanup) between upload and commit."""
+        """Refuse to commit unless every object the metadata names is there: this save's own
+        objects with exactly the size their items add up to, referenced objects of the base at
+        least that large (one LIST per directory). Catches objects deleted by someone else (a
+        misjudged cleanup, a deleted base) between upload and commit."""
         uri = self._uri
         expected = layout.object_sizes(locations)
-        objects, _ = self.client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-        found = {o.key[len(uri.dir_prefix):]: o.size for o in objects}
-        missing = sorted(name for name in expected if name not in found)
-        wrong = sorted(f"{name} ({found[name]} bytes, expected {size})"
-                       for name, size in expected.items() if name in found and found[name] != size)
+        by_dir: dict[str, dict[str, tuple[str, int]]] = {}  # listing prefix -> key -> (name, size)
+        for name, size in expected.items():
+            key = object_key(uri, name)
+            directory = key.rpartition("/")[0]
+            by_dir.setdefault(f"{directory}/" if directory else "", {})[key] = (name, size)
+        listings = {d: self.client.list(uri.bucket, d, delimiter="/") for d in by_dir}
+        missing, wrong = [], []
+        for directory, wanted in sorted(by_dir.items()):
+            found = {o.key: o.size for o in listings[directory].result()[0]}
+            for key, (name, size) in sorted(wanted.items()):
+                own = "/" not in name
+                if key not in found:
+                    missing.append(name)
+                elif (found[key] != size) if own else (found[key] < size):
+                    wrong.append(f"{name} ({found[key]} bytes, expected {'' if own else 'at least '}{size})")
         if missing or wrong:
             problems = []
             if missing:
@@ -269,7 +319,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             raise IncompleteCheckpointError(
                 f"refusing to commit {uri}: objects the metadata references are not all there "
                 f"({'; '.join(problems)}). Something deleted or replaced them during the save (a "
-                "cleanup run with a short --older-than?); nothing was committed — save again")
+                "cleanup run with a short --older-than, or a deleted incremental base?); nothing was "
+                "committed — save again")
 
     def _replaced_objects(self) -> set[str]:
         """The data objects of the committed checkpoint this save replaces (overwrite=True),
@@ -298,7 +349,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     def _delete_replaced(self, names: list[str]) -> None:
         uri = self._uri
         try:
-            self.client.delete(uri.bucket, [uri.key(n) for n in names]).result()
+            # incremental checkpoints next to this one may reference the replaced objects
+            refs = references(self.client, uri.bucket, parent_prefix(uri))
+            if refs.unreadable:
+                log.warning("overwrite of %s: kept the replaced checkpoint's objects: %s cannot be read", uri,
+                            ", ".join(refs.unreadable))
+                return
+            self.client.delete(uri.bucket, [uri.key(n) for n in names if not refs.users(uri.key(n))]).result()
         except S3DCPError:
             log.warning("committed %s, but could not delete %d object(s) of the checkpoint it replaced; "
                         "`s3dcp gc` will", uri, len(names), exc_info=True)
@@ -307,30 +364,58 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
 class _Uploads:
     """The objects one rank's write_data is uploading: futures, keys and write results."""
 
-    def __init__(self, writer: S3StorageWriter, rank: int, save_id: str) -> None:
+    def __init__(self, writer: S3StorageWriter, rank: int, save_id: str, base: BaseIndex | None = None) -> None:
         self.writer = writer
         self.rank = rank
         self.save_id = save_id
+        self.base = base
+        self.inherited_bytes = 0
+        self.inherited_items = 0
         self.futures: list[Future] = []
         self.keys: list[str] = []
         self.results: list[WriteResult] = []
         self.bytes = 0
         self._keep_alive: list[Any] = []  # resolved data must outlive its upload
 
-    def put(self, pairs: list) -> None:
-        """Upload ``(write item, data)`` pairs back to back as the rank's next object."""
+    def add(self, pairs: list) -> None:
+        """Checksum each ``(write item, data)`` pair; with a base, record the unchanged ones as
+        references to it; pack the rest, in order, into objects of about the configured target
+        size (an item larger than the target gets one of its own) and start uploading each
+        object as soon as it is complete."""
+        target = self.writer.config.object_size_target_bytes
+        group: list = []
+        group_bytes = 0
+        for item, data in pairs:
+            view = data if isinstance(data, memoryview) else byte_view(data)
+            sums = integrity.compute(self.writer.item_checksum, view)
+            tensor = isinstance(data, torch.Tensor)
+            dtype = dtype_to_str(data.dtype) if tensor else None
+            shape = tuple(data.shape) if tensor else None
+            if self.base is not None:
+                ref = self.base.reference(item.index, view.nbytes, dtype, shape, sums.whole)
+                if ref is not None:
+                    self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ref))
+                    self.inherited_bytes += view.nbytes
+                    self.inherited_items += 1
+                    continue
+            if group and group_bytes + view.nbytes > target:
+                self._put(group)
+                group, group_bytes = [], 0
+            group.append((item, data, view, sums, dtype, shape))
+            group_bytes += view.nbytes
+        if group:
+            self._put(group)
+
+    def _put(self, group: list) -> None:
+        """Upload checksummed items back to back as the rank's next object."""
         writer = self.writer
         name = layout.object_name(self.rank, len(self.keys), self.save_id, writer.config.key_prefix_spread)
         views: list[memoryview] = []
         offset = 0
-        for item, data in pairs:
-            view = data if isinstance(data, memoryview) else byte_view(data)
-            sums = integrity.compute(writer.config.checksum, view)
-            tensor = isinstance(data, torch.Tensor)
+        for item, _data, view, sums, dtype, shape in group:
             self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ItemLocation(
                 object_name=name, offset=offset, length=view.nbytes, checksum=sums.whole,
-                dtype=dtype_to_str(data.dtype) if tensor else None,
-                shape=tuple(data.shape) if tensor else None,
+                dtype=dtype, shape=shape,
                 block_size=integrity.BLOCK_SIZE_BYTES if sums.blocks else 0,
                 block_checksums=sums.blocks,
             )))
@@ -338,7 +423,7 @@ class _Uploads:
             offset += view.nbytes
         key = writer._uri.key(name)
         self.keys.append(key)
-        self._keep_alive.append(pairs)
+        self._keep_alive.append(group)
         self.futures.append(writer.client.put(writer._uri.bucket, key, views))
         self.bytes += offset
 
@@ -367,12 +452,13 @@ class _Uploads:
                         len(done), self.writer._uri, exc_info=True)
 
 
+def _own_names(locations) -> set[str]:
+    """The names of this checkpoint's own objects (not references into a base)."""
+    return {loc.object_name for loc in locations if "/" not in loc.object_name}
+
+
 def _is_tensor(data: Any) -> bool:
     return isinstance(data, torch.Tensor)
-
-
-def _nbytes(data: Any) -> int:
-    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
 
 
 _USED_SAVE_IDS: dict[str, int] = {}  # save ids this process has written, and how often

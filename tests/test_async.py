@@ -227,3 +227,20 @@ def test_cuda_staging_uses_pinned_memory_and_a_side_stream(bucket, config):
     out = _load(f"s3://{bucket}/gpu", config, {k: v for k, v in expected.items()} | {"step": 0, "extra": {}})
     for k, v in expected.items():
         assert torch.equal(out[k], v), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_arenas_are_exactly_their_size_and_unpinned_when_released():
+    """Arenas are registered host memory, not torch's caching pinned allocator (which rounds up
+    to a power of two and never gives memory back)."""
+    pool = HostBufferPool()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    size = 9 * MiB + 123  # rounds to 16 MiB in 8 MiB steps; torch's allocator would pin 16 MiB+
+    arena = pool.acquire(size)
+    assert arena.buffer.is_pinned() and arena.capacity == 16 * MiB
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before
+    buffer = arena.buffer
+    pool.release(arena)
+    pool.clear()
+    assert not buffer.is_pinned(), "release_staging_memory left the arena pinned"

@@ -19,6 +19,14 @@ from s3dcp import S3StorageWriter, __version__, cli
 from s3dcp.config import MiB
 
 BIN = os.path.join(os.path.dirname(sys.executable), "s3dcp")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, "-m", "s3dcp.cli"]  # this checkout's CLI, whichever s3dcp the venv installed
+
+
+def _cli_env(**extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +83,7 @@ def run_dir(bucket, s3_config, boto3_client):
 # ------------------------------------------------------------------------------ basics
 def test_help_version_and_usage_errors(capsys):
     assert subprocess.run([BIN, "--help"], capture_output=True, text=True).returncode == 0  # the console script
-    for command in ("ls", "inspect", "verify", "rm", "gc", "download", "server"):
+    for command in ("ls", "inspect", "verify", "rm", "gc", "download", "mb", "server"):
         code, out, _ = run(capsys, command, "--help")
         assert code == 0 and out.startswith(f"usage: s3dcp {command}"), command
     code, out, _ = run(capsys, "--version")
@@ -135,9 +143,26 @@ def test_ls(capsys, run_dir):
     assert rows[2]["bytes"] == 10 and rows[1]["bytes"] > 4000 and rows[0]["uri"] == f"{run_dir}/step-10"
     assert all(r["age_s"] is not None and r["age_s"] < 600 for r in rows)
 
+    assert {r["run"] for r in rows} == {run_dir}
+
     code, out, err = run(capsys, "ls", run_dir + "/nothing-here")
     assert code == 0 and out == "" and "no checkpoints under" in err
     assert json.loads(run(capsys, "ls", "--json", run_dir + "/nothing-here")[1]) == []
+
+
+def test_ls_of_a_bucket_groups_checkpoints_by_run(capsys, bucket, s3_config):
+    for name in ("a/step-1", "a/step-2", "b/x/step-5"):
+        _save(f"s3://{bucket}/{name}", {"w": torch.ones(4)}, s3_config)
+    code, out, _ = run(capsys, "ls", f"s3://{bucket}")
+    assert code == 0
+    blocks = [b.splitlines() for b in out.strip().split("\n\n")]
+    assert [b[0].split()[0] for b in blocks] == [f"s3://{bucket}/a/", f"s3://{bucket}/b/x/"]
+    assert "latest committed step 2" in blocks[0][0]
+    assert [line.split()[0] for line in blocks[0][2:]] == ["step-1", "step-2"]
+    assert [line.split()[0] for line in blocks[1][2:]] == ["step-5"]
+    rows = json.loads(run(capsys, "ls", "--json", f"s3://{bucket}")[1])
+    assert [(r["run"], r["name"]) for r in rows] == [
+        (f"s3://{bucket}/a", "a/step-1"), (f"s3://{bucket}/a", "a/step-2"), (f"s3://{bucket}/b/x", "b/x/step-5")]
 
 
 # ------------------------------------------------------------------------------ inspect
@@ -147,7 +172,7 @@ def test_inspect(capsys, bucket, s3_config):
     code, out, _ = run(capsys, "inspect", "--json", uri)
     assert code == 0
     report = json.loads(out)
-    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 1
+    assert report["format"] == "s3dcp-metadata" and report["format_version"] == 2
     tensors = {t["fqn"]: t for t in report["tensors"]}
     assert tensors["model.w"] == {"fqn": "model.w", "dtype": "float32", "shape": [64, 32], "chunks": 1,
                                   "bytes": 64 * 32 * 4}
@@ -162,7 +187,7 @@ def test_inspect(capsys, bucket, s3_config):
     code, out, _ = run(capsys, "inspect", uri)
     assert code == 0
     assert re.search(r"model\.w\s+float32\s+64x32\s+1\s+8192", out)
-    assert "format s3dcp-metadata v1" in out and f"total: {report['total_bytes']} bytes" in out
+    assert "format s3dcp-metadata v2" in out and f"total: {report['total_bytes']} bytes" in out
 
 
 def test_inspect_an_incomplete_checkpoint_fails(capsys, bucket, s3_config, boto3_client):
@@ -238,7 +263,15 @@ def test_rm(capsys, run_dir, bucket, boto3_client):
 def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     before = _keys(boto3_client, bucket)
     code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
-    assert code == 0 and "deleted 0 object(s)" in out and "1 recent unreferenced" in out
+    assert code == 0 and "deleted 0 object(s)" in out and "skipped 1 recent unreferenced" in out
+    assert f"skipped: s3://{bucket}/run/step-30/ (1 object(s)): unreferenced data newer than --older-than 1h" in out
+    report = json.loads(run(capsys, "gc", "--json", run_dir, "--older-than", "1h")[1])
+    assert [(s["prefix"], s["objects"]) for s in report["skipped"]] == [(f"s3://{bucket}/run/step-30/", 1)]
+    assert "a save may still be writing it" in report["skipped"][0]["reason"]
+    upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key="run/step-40/__0_0.bbbbbbbbbbbb.distcp")["UploadId"]
+    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
+    assert f"skipped: s3://{bucket}/run/step-40/__0_0.bbbbbbbbbbbb.distcp (upload {upload_id}): its save was active " \
+           "less than --older-than 1h ago" in out
     time.sleep(1.1)  # S3 times have one-second resolution
     code, out, _ = run(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
     assert code == 0 and f"would delete: s3://{bucket}/run/step-30/__0_0.aaaaaaaaaaaa.distcp" in out
@@ -275,7 +308,10 @@ def test_download_to_torch_save(capsys, bucket, s3_config, tmp_path):
 
     code, _, err = run(capsys, "download", uri, "--to-torch-save", str(out_file))
     assert code == 2 and "--force" in err
-    assert run(capsys, "download", uri, "--to-torch-save", str(out_file), "--force")[0] == 0
+    code, out, _ = run(capsys, "download", uri, "--to-torch-save", str(out_file), "--force", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["file"] == str(out_file) and report["bytes"] == out_file.stat().st_size
+    assert report["top_level_keys"] == sorted(state)
     code, _, err = run(capsys, "download", f"s3://{bucket}/run/none", "--to-torch-save", str(tmp_path / "x.pt"))
     assert code == 1 and "no checkpoint at" in err and not (tmp_path / "x.pt").exists()
 
@@ -292,24 +328,34 @@ def test_download_unpickles_only_with_allow_pickle(capsys, bucket, s3_config, tm
 
 
 # ------------------------------------------------------------------------------ server
-def test_server_command_runs_until_ctrl_c(capsys, monkeypatch):
-    proc = subprocess.Popen([BIN, "server", "--bucket", "demo"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def _read_exports(stream) -> dict[str, str]:
+    exports = {}
+    for line in stream:
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].strip().partition("=")
+            exports[name] = value
+        if line.startswith("# Ctrl-C"):
+            break
+    return exports
+
+
+def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monkeypatch, tmp_path):
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
+    proc = subprocess.Popen([*CLI, "server"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        exports = {}
-        for line in proc.stdout:
-            if line.startswith("export "):
-                name, _, value = line[len("export "):].strip().partition("=")
-                exports[name] = value
-            if line.startswith("# Ctrl-C"):
-                break
+        exports = _read_exports(proc.stdout)
         assert exports["AWS_ENDPOINT_URL_S3"].startswith("http://127.0.0.1:")
+        # a second shell: eval "$(s3dcp server --print-env)" gives the same server, starts none
+        other = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=60)
+        assert other.returncode == 0 and f"pid {proc.pid}" in other.stderr
+        assert _read_exports(other.stdout.splitlines(keepends=True)) == exports
         for name, value in exports.items():
             monkeypatch.setenv(name, value)
-        code, _, err = run(capsys, "ls", "s3://demo/")
+        code, _, err = run(capsys, "ls", "s3://demo/")  # the default bucket exists
         assert code == 0 and "no checkpoints under s3://demo" in err
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        assert not (tmp_path / "server.json").exists()  # it forgot itself
     finally:
         if proc.poll() is None:  # a failed assertion: stop it the way that lets it stop its server
             proc.terminate()
@@ -318,3 +364,108 @@ def test_server_command_runs_until_ctrl_c(capsys, monkeypatch):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_server_print_env_starts_one_in_the_background_and_stop_ends_it(tmp_path):
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
+    done = subprocess.run(["bash", "-c", 'eval "$("$@" server --print-env --bucket first)" && '
+                                         '"$@" mb s3://second && "$@" ls s3://first/ && echo "$AWS_REGION"',
+                           "_", *CLI], capture_output=True, text=True, env=env, timeout=120)
+    state = json.loads((tmp_path / "server.json").read_text()) if (tmp_path / "server.json").exists() else None
+    try:
+        assert done.returncode == 0, done.stderr
+        assert "created: s3://second" in done.stdout and done.stdout.rstrip().endswith("us-east-1")
+        assert "no checkpoints under s3://first" in done.stderr and "s3dcp server --stop" in done.stderr
+        assert oct((tmp_path / "server.json").stat().st_mode & 0o777) == "0o600"
+    finally:
+        stopped = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
+    assert state is not None and stopped.returncode == 0 and f"pid {state['pid']}" in stopped.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(state["weed_pid"], 0)
+    assert not (tmp_path / "server.json").exists()
+    again = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
+    assert again.returncode == 0 and "no s3dcp server is running" in again.stderr
+
+
+def test_server_with_a_kept_data_dir_starts_again_with_its_buckets(tmp_path):
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path / "state"))
+    data = str(tmp_path / "data")
+    for attempt in range(2):
+        proc = subprocess.Popen([*CLI, "server", "--dir", data], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+        try:
+            exports = _read_exports(proc.stdout)
+            assert exports, proc.stderr.read() if proc.poll() is not None else "no exports"
+            client = _boto3_for(exports)
+            if attempt == 0:
+                client.put_object(Bucket="demo", Key="kept", Body=b"x")
+            else:
+                assert client.get_object(Bucket="demo", Key="kept")["Body"].read() == b"x"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _boto3_for(exports):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3", endpoint_url=exports["AWS_ENDPOINT_URL_S3"], region_name=exports["AWS_REGION"],
+        aws_access_key_id=exports["AWS_ACCESS_KEY_ID"], aws_secret_access_key=exports["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}, proxies={}))
+
+
+def test_server_help_lists_only_its_own_options(capsys):
+    code, out, _ = run(capsys, "server", "--help")
+    assert code == 0 and "--print-env" in out and "--bucket" in out
+    assert "--endpoint-url" not in out and "--region" not in out
+
+
+# ------------------------------------------------------------------------------ mb
+def test_mb_creates_a_bucket_once(capsys, s3_server):
+    import uuid
+
+    name = f"mb-{uuid.uuid4().hex[:10]}"
+    code, out, _ = run(capsys, "mb", f"s3://{name}")
+    assert code == 0 and out.startswith(f"created: s3://{name}")
+    assert name in [b["Name"] for b in s3_server.boto3_client().list_buckets()["Buckets"]]
+    code, out, _ = run(capsys, "mb", "--json", f"s3://{name}")
+    assert code == 0 and json.loads(out)["created"] is False
+    code, _, err = run(capsys, "mb", f"s3://{name}/prefix")
+    assert code == 2 and "not a prefix" in err
+
+
+def test_a_missing_bucket_names_the_command_that_creates_it(capsys):
+    code, _, err = run(capsys, "ls", "s3://no-such-bucket-xyz/run")
+    assert code == 1 and "s3dcp mb s3://no-such-bucket-xyz" in err
+
+
+# ------------------------------------------------------------------------------ errors, pipes, TLS
+def test_json_errors_are_json_on_stderr(capsys):
+    code, out, err = run(capsys, "ls", "--json", "s3://no-such-bucket-xyz/run")
+    report = json.loads(err)["error"]
+    assert code == 1 and out == "" and report["exit_code"] == 1
+    assert report["type"] == "NoSuchBucketError" and report["bucket"] == "no-such-bucket-xyz"
+    assert report["status"] == 404 and "bucket does not exist" in report["message"]
+    code, _, err = run(capsys, "gc", "--json", "s3://bucket/x", "--older-than", "soon")
+    report = json.loads(err)["error"]
+    assert code == 2 and report == {"type": "UsageError", "exit_code": 2, "message": report["message"]}
+    assert "invalid duration" in report["message"]
+
+
+def test_a_closed_pipe_ends_quietly(run_dir):
+    proc = subprocess.Popen([*CLI, "ls", "--json", run_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_cli_env())
+    proc.stdout.close()  # like `| head -0`: the reader is gone before anything is written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == b""
+
+
+def test_an_https_endpoint_at_a_plain_http_server_says_so(capsys, s3_server, bucket):
+    https = s3_server.endpoint_url.replace("http://", "https://")
+    code, _, err = run(capsys, "--endpoint-url", https, "ls", f"s3://{bucket}/")
+    assert code == 1 and "answers plain HTTP, not TLS" in err and f"use {s3_server.endpoint_url}" in err

@@ -64,7 +64,7 @@ def test_key_building():
         ("request_timeout_s", 0, "request_timeout_s=0"),
         ("max_inflight_checkpoints", 0, "max_inflight_checkpoints=0"),
         ("key_prefix_spread", 300, "key_prefix_spread=300 must be an int in [1, 256]"),
-        ("crt_memory_limit_bytes", 100 * MiB, "crt_memory_limit_bytes=104857600 must be None or an int >= 256 MiB"),
+        ("crt_memory_limit_bytes", 100 * MiB, "crt_memory_limit_bytes=104857600 must be None (sized from the part size), 0"),
     ],
 )
 def test_invalid_config_values_are_named(field, value, words):
@@ -115,3 +115,12 @@ def test_endpoint_without_scheme_is_https_unless_loopback():
     assert S3Config(endpoint_url="127.0.0.1:9000").resolved({}).endpoint_url == "http://127.0.0.1:9000"
     assert S3Config(endpoint_url="localhost:9000").resolved({}).endpoint_url == "http://localhost:9000"
     assert S3Config(endpoint_url="minio.internal:9000").resolved({}).endpoint_url == "https://minio.internal:9000"
+
+
+def test_crt_memory_limit_is_sized_from_what_is_in_use():
+    assert S3Config().effective_crt_memory_limit_bytes == 299 * MiB  # a quarter second of 10 Gb/s
+    assert S3Config(part_size_bytes=128 * MiB).effective_crt_memory_limit_bytes == 512 * MiB  # four parts
+    assert S3Config(throughput_target_gbps=100).effective_crt_memory_limit_bytes == 2981 * MiB
+    assert S3Config(part_size_bytes=8 * MiB, throughput_target_gbps=1).effective_crt_memory_limit_bytes == 256 * MiB
+    assert S3Config(crt_memory_limit_bytes=0).effective_crt_memory_limit_bytes is None  # the CRT's own
+    assert S3Config(crt_memory_limit_bytes=1024 * MiB).effective_crt_memory_limit_bytes == 1024 * MiB

@@ -367,3 +367,32 @@ def test_two_ranks_sharded_staging_and_a_metadata_fault_on_one_rank(s3_server, b
         assert result["denied"] == ("AccessDeniedError", [1]), (rank, result["denied"])
     names = _names(boto3_client, bucket, "two/sharded") - {METADATA_NAME}
     assert len(_save_ids(names)) == 1 and {p.rank for p in map(parse_object_name, names)} == {0, 1}
+
+
+# ------------------------------------------------------------------ staging copies (no server)
+def test_staging_copies_every_kind_of_tensor_exactly(s3_config, pool):
+    gen = torch.Generator().manual_seed(5)
+    state = {
+        "big": [torch.randn(3_000_000, generator=gen) for _ in range(3)],  # split into chunks across threads
+        "small": {f"t{i}": torch.randn(i % 97 + 1, generator=gen) for i in range(600)},
+        "transposed": torch.randn(300, 200, generator=gen).t(),
+        "bf16": torch.randn(1001, generator=gen).to(torch.bfloat16),
+        "bool": torch.rand(333, generator=gen) > 0.5,
+        "complex": torch.randn(17, dtype=torch.complex64, generator=gen),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "int8": torch.randint(-128, 127, (4097,), dtype=torch.int8, generator=gen),
+    }
+    writer = S3StorageWriter("s3://bucket/x", config=s3_config, pool=pool)
+    staged = writer.stage(state)
+    writer.synchronize_staging()
+    from s3dcp import statetree
+
+    pairs = list(zip(statetree.tensors(state), statetree.tensors(staged)))
+    assert len(pairs) == 3 + 600 + 7
+    for original, copy in pairs:
+        assert copy.dtype == original.dtype and copy.shape == original.shape and copy.is_contiguous()
+        assert torch.equal(copy, original)
+        if original.numel():
+            assert writer._lease.arena.owns(copy)
+    writer._lease.release()

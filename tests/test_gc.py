@@ -61,3 +61,10 @@ def test_gc_knows_spread_object_names(bucket, s3_config):
     client.put(bucket, "r/step-9/02-__3_1.eeeeeeeeeeee.distcp", b"x").result()
     report = gc(f"s3://{bucket}/r", older_than_s=0, client=client, now=time.time() + 10)
     assert report.deleted == ["r/step-9/02-__3_1.eeeeeeeeeeee.distcp"]
+
+
+def test_s3dcp_gc_is_the_function_whatever_was_imported_before():
+    import s3dcp
+    import s3dcp.collect  # noqa: F401 - a submodule named like the function would replace it
+
+    assert callable(s3dcp.gc) and s3dcp.gc is gc

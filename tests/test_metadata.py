@@ -1,17 +1,26 @@
-"""Tests for s3dcp.metadata: DCP Metadata <-> versioned JSON, exact round trip, no pickle."""
+"""Tests for s3dcp.metadata: DCP Metadata <-> format versions 1 (JSON) and 2 (columnar), exact round
+trip, the lazy storage_data mapping, refusal of damaged input, no pickle."""
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import enum
+import gc
+import importlib.util
 import inspect
 import json
 import math
 import pathlib
 import pickle
+import struct
+import sys
+import zlib
 from collections import namedtuple
+from collections.abc import Mapping
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -28,11 +37,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import s3dcp.metadata as s3md
+import s3dcp.metadata_columns as s3cols
+import s3dcp.metadata_storage as s3storage
+import s3dcp.metadata_v2 as s3v2
 from s3dcp.errors import MetadataFormatError
 from s3dcp.layout import ItemLocation
 from s3dcp.metadata import (
-    FORMAT_NAME, FORMAT_VERSION, decode_metadata, dtype_to_str, encode_metadata, str_to_dtype,
+    FORMAT_NAME, FORMAT_VERSION, decode_metadata, dtype_to_str, encode_metadata, format_version_of, str_to_dtype,
 )
+from s3dcp.metadata_v2 import LazyStorageData
+
+VERSIONS = [1, 2]
 
 # Built independently of s3dcp.metadata, so a dtype its table missed fails the tests.
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -65,12 +80,42 @@ def assert_same(a, b, path="md"):
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def roundtrip(md: Metadata) -> Metadata:
-    data = encode_metadata(md)
-    assert encode_metadata(md) == data  # deterministic
-    out = decode_metadata(data)
-    assert encode_metadata(out) == data  # and the decoded object encodes to the same bytes
+def roundtrip(md: Metadata, version: int = FORMAT_VERSION) -> Metadata:
+    """Encode in ``version`` and decode in full; for v2 also decode lazily and check that the lazy
+    mapping gives exactly what the full decode gives, and that both encode to the same bytes."""
+    data = encode_metadata(md, version=version)
+    assert encode_metadata(md, version=version) == data  # deterministic
+    assert format_version_of(data) == version
+    out = decode_metadata(data, lazy=False)
+    assert encode_metadata(out, version=version) == data  # and the decoded object encodes to the same bytes
+    lazy = decode_metadata(data)
+    if version == 1 or md.storage_data is None:
+        assert_same(lazy, out)
+    else:
+        assert type(lazy.storage_data) is LazyStorageData and type(out.storage_data) is dict
+        assert_same(dataclasses.replace(lazy, storage_data=out.storage_data), out)
+        assert_lazy_like_dict(lazy.storage_data, out.storage_data)
+        assert encode_metadata(lazy, version=version) == data
+        assert encode_metadata(lazy, version=1) == encode_metadata(md, version=1)  # converts back to v1
     return out
+
+
+def assert_lazy_like_dict(lazy: LazyStorageData, eager: dict) -> None:
+    assert len(lazy) == len(eager)
+    for got, want in zip(lazy, eager):  # same keys, same order, same index hints
+        assert_same(got, want)
+    for key, loc in eager.items():
+        assert key in lazy
+        assert_same(lazy[key], loc)
+        assert lazy.get(key) is lazy[key]  # built once, then kept
+        # The hint is only a hint: a key without it, or with a wrong one, finds the same item.
+        for index in (None, 0, 1, 10**9):
+            assert_same(lazy[MetadataIndex(key.fqn, key.offset, index)], loc)
+    assert_same(dict(lazy.items()), eager)
+    assert_same(list(lazy.keys()), list(eager))
+    assert_same(list(lazy.values()), list(eager.values()))
+    assert lazy == eager and eager == lazy and not (lazy != eager)
+    assert_same(pickle.loads(pickle.dumps(lazy)), eager)  # pickles as the plain dict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +145,8 @@ def planner_metadata() -> tuple[Metadata, list]:
     return md, plans[0].items
 
 
-def test_realistic_roundtrip():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_realistic_roundtrip(version):
     md, items = planner_metadata()
     storage_data = {}
     for i, item in enumerate(items):
@@ -123,7 +169,7 @@ def test_realistic_roundtrip():
     )
     assert isinstance(md.planner_data["optim.param_groups.0.lr"], tuple)  # the flatten mapping
 
-    out = roundtrip(md)
+    out = roundtrip(md, version)
     assert out == md
     assert_same(out, md)
     for fqn, item in out.state_dict_metadata.items():
@@ -141,10 +187,10 @@ def test_realistic_roundtrip():
 def test_json_layout():
     md, _ = planner_metadata()
     md = dataclasses.replace(md, storage_data={MetadataIndex("epoch"): ItemLocation("o", 0, 5, None)})
-    doc = json.loads(encode_metadata(md))
+    doc = json.loads(encode_metadata(md, version=1))
     assert list(doc) == ["format", "version", "dcp_version", "state_dict_metadata", "storage_data",
                          "planner_data", "storage_meta"]
-    assert (doc["format"], doc["version"], doc["dcp_version"]) == (FORMAT_NAME, FORMAT_VERSION, None)
+    assert (doc["format"], doc["version"], doc["dcp_version"]) == (FORMAT_NAME, 1, None)
     assert doc["state_dict_metadata"]["epoch"] == {"type": "bytes"}
     assert doc["storage_data"] == [{
         "index": {"fqn": "epoch", "offset": None, "index": None},
@@ -158,18 +204,21 @@ def test_every_item_location_field_is_encoded():
     """A field added to ItemLocation must be added to the encoder too, or it would be lost on save."""
     loc = ItemLocation("o", 1, 2, "crc32c:0", "float32", (2,), block_size=1, block_checksums=("a", "b"))
     md = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("x"): loc})
-    doc = json.loads(encode_metadata(md))
+    doc = json.loads(encode_metadata(md, version=1))
     assert set(doc["storage_data"][0]["location"]) == {f.name for f in dataclasses.fields(ItemLocation)}
     assert_same(decode_metadata(json.dumps(doc).encode()).storage_data, {MetadataIndex("x"): loc})
+    assert_same(roundtrip(md, 2).storage_data, {MetadataIndex("x"): loc})
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("storage_data", [None, {}])
-def test_empty_storage_data(storage_data):
-    out = roundtrip(Metadata(state_dict_metadata={}, storage_data=storage_data))
+def test_empty_storage_data(storage_data, version):
+    out = roundtrip(Metadata(state_dict_metadata={}, storage_data=storage_data), version)
     assert_same(out, Metadata(state_dict_metadata={}, storage_data=storage_data))
 
 
-def test_every_dtype_layout_and_memory_format():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_dtype_layout_and_memory_format(version):
     wanted = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.uint64, torch.quint8}
     assert wanted <= set(ALL_DTYPES)
     for dtype in ALL_DTYPES:
@@ -187,12 +236,13 @@ def test_every_dtype_layout_and_memory_format():
         )
     }
     md = Metadata(state_dict_metadata=sdm)
-    assert_same(roundtrip(md), md)
+    assert_same(roundtrip(md, version), md)
     for mf in ALL_MEMORY_FORMATS + ALL_LAYOUTS:  # every one of them appears
         assert any(mf in (t.properties.layout, t.properties.memory_format) for t in sdm.values())
 
 
-def test_planner_data_tags():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_planner_data_tags(version):
     tricky = {
         "__tuple__": [1, 2],  # a user key that looks like a tag
         "__dict__": {"__bytes__": "x"},
@@ -204,13 +254,15 @@ def test_planner_data_tags():
         "nested": [(), [], {}, ((),)],
         "big": 2**100,
     }
-    out = roundtrip(Metadata(state_dict_metadata={}, planner_data=tricky))
+    out = roundtrip(Metadata(state_dict_metadata={}, planner_data=tricky), version)
     assert_same(out.planner_data, tricky)
 
 
-def test_pathlike_checkpoint_id_stored_as_str():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pathlike_checkpoint_id_stored_as_str(version):
     md = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(pathlib.PurePosixPath("/ckpt/1")))
-    assert decode_metadata(encode_metadata(md)).storage_meta == StorageMeta(checkpoint_id="/ckpt/1")
+    out = decode_metadata(encode_metadata(md, version=version))
+    assert out.storage_meta == StorageMeta(checkpoint_id="/ckpt/1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +333,37 @@ metadata = st.builds(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(metadata)
 def test_random_metadata_roundtrip(md):
-    assert_same(roundtrip(md), md)
+    for version in VERSIONS:
+        assert_same(roundtrip(md, version), md)
+
+
+@st.composite
+def chunked_metadata(draw):
+    """Metadata whose storage keys name its chunks, as DCP's writes do (v2 stores them by reference)."""
+    md = draw(metadata)
+    storage = dict(draw(st.dictionaries(indexes, locations, max_size=3)))
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            if draw(st.booleans()):
+                storage[MetadataIndex(fqn)] = draw(locations)
+            continue
+        for j, chunk in enumerate(item.chunks):
+            if draw(st.booleans()):
+                loc = draw(locations)
+                if draw(st.booleans()):
+                    loc = dataclasses.replace(loc, shape=tuple(chunk.sizes))
+                index = draw(st.sampled_from([None, j, j + 1]))
+                storage[MetadataIndex(fqn, chunk.offsets, index)] = loc
+    keys = list(storage)
+    order = draw(st.permutations(range(len(keys))))
+    return dataclasses.replace(md, storage_data={keys[i]: storage[keys[i]] for i in order})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunked_metadata())
+def test_random_chunked_metadata_roundtrip(md):
+    for version in VERSIONS:
+        assert_same(roundtrip(md, version), md)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +385,7 @@ def valid_doc() -> dict:
         storage_data={MetadataIndex("w", [0], 0): ItemLocation("o.data", 0, 8, "crc32c:0", "float32", (2,))},
         storage_meta=StorageMeta("s3://bucket/ckpt"),
     )
-    return json.loads(encode_metadata(md))
+    return json.loads(encode_metadata(md, version=1))
 
 
 def refuse(data: bytes, *words: str) -> str:
@@ -343,11 +425,13 @@ def test_refuses_bad_documents(data, words):
 
 def test_refuses_newer_version():
     doc = valid_doc()
-    doc["version"] = 2
-    doc["state_dict_metadata"] = "whatever a v2 writer puts here"
+    doc["version"] = 3
+    doc["state_dict_metadata"] = "whatever a v3 writer puts here"
     msg = refuse(dumps(doc))
-    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 2); "
-                   "this s3dcp reads version 1 — upgrade s3dcp")
+    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 3); "
+                   "this s3dcp reads versions 1 to 2 — upgrade s3dcp")
+    doc["version"] = 2  # version 2 is never JSON
+    refuse(dumps(doc), "format version 2 is binary")
 
 
 @pytest.mark.parametrize(
@@ -508,11 +592,297 @@ def test_torch_pickled_metadata_refused():
     refuse(pickle.dumps(md), "not s3dcp metadata")
 
 
-def test_decoder_cannot_run_code():
-    """Static guard: the module imports no deserializer that can run code and calls no eval."""
-    tree = ast.parse(inspect.getsource(s3md))
+@pytest.mark.parametrize("module", [s3md, s3v2, s3cols, s3storage])
+def test_decoder_cannot_run_code(module):
+    """Static guard: the modules import no deserializer that can run code and call no eval."""
+    tree = ast.parse(inspect.getsource(module))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"pickle", "marshal", "shelve", "dill", "cloudpickle", "importlib", "yaml"}
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert not called & {"eval", "exec", "compile", "__import__", "getattr"}
+    attrs = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert "load" not in attrs and "allow_pickle" not in inspect.getsource(module)  # np.load can unpickle
+
+
+# ---------------------------------------------------------------------------------------------
+# (6) version 2: layout, damaged objects, checksums, the lazy mapping, size at scale
+
+
+def v2_sample() -> Metadata:
+    """Small but with every v2 path: shared chunk layouts, chunk-keyed and own-offset rows, a bytes
+    item, a key whose fqn is not in state_dict_metadata, block checksums, an explicit shape."""
+    props = TensorProperties(torch.bfloat16)
+    chunks = [ChunkStorageMetadata(torch.Size([4 * r, 0]), torch.Size([4, 8])) for r in range(3)]
+    sdm = {
+        "a.weight": TensorStorageMetadata(props, torch.Size([12, 8]), chunks),
+        "b.weight": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([12, 8]), list(chunks)),
+        "step": BytesStorageMetadata(),
+    }
+    sd = {}
+    for r in range(3):
+        for i, fqn in enumerate(["a.weight", "b.weight"]):
+            blocks = (f"crc32c:{r:04x}{i:04x}", "crc32c:00000001") if r == 1 else ()
+            sd[MetadataIndex(fqn, chunks[r].offsets)] = ItemLocation(
+                f"__{r}_0.tok.distcp", 64 * i, 64, f"crc32c:{r:02x}{i:02x}beef", "bfloat16" if i == 0 else "float32",
+                (4, 8) if r != 2 else (32,), block_size=32 if blocks else 0, block_checksums=blocks)
+    sd[MetadataIndex("step")] = ItemLocation("__0_0.tok.distcp", 128, 5, "crc32c:0000abcd")
+    sd[MetadataIndex("a.weight", [1, 1], 7)] = ItemLocation("../step-1/__0_0.old.distcp", 0, 4, None, "bfloat16", (1,))
+    sd[MetadataIndex("only.in.storage", [0])] = ItemLocation("x", 0, 1, "crc32c:00000000", None, None)
+    return Metadata(sdm, planner_data={"a.weight": ("a", "weight")}, storage_data=sd,
+                    storage_meta=StorageMeta("s3://b/ckpt", save_id="tok"), version="1.0.0")
+
+
+def v2_parts(data: bytes) -> tuple[dict, bytes]:
+    (head_len,) = struct.unpack_from("<Q", data, 8)
+    return json.loads(data[16:16 + head_len]), data[16 + head_len:-4]
+
+
+def v2_pack(header: dict, body: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    out = s3v2.MAGIC + struct.pack("<Q", len(head)) + head + body
+    return out + struct.pack("<I", zlib.crc32(out))
+
+
+def with_column(header: dict, body: bytes, name: str, values, kind: str = "u4") -> tuple[dict, bytes]:
+    raw = np.array(values, dtype=s3cols.TYPES[kind]).tobytes()
+    header["columns"][name] = {"type": kind, "count": len(values), "offset": len(body), "length": len(raw),
+                               "codec": "none"}
+    return header, body + raw
+
+
+def test_v2_layout():
+    md = v2_sample()
+    data = encode_metadata(md)
+    assert data.startswith(b"\x89S3DCPMD") and format_version_of(data) == 2 == FORMAT_VERSION
+    header, body = v2_parts(data)
+    assert (header["format"], header["version"], header["dcp_version"]) == (FORMAT_NAME, 2, "1.0.0")
+    assert header["fqns"] == ["a.weight", "b.weight", "step", "only.in.storage"]
+    assert header["state_dict_entries"] == 3
+    assert header["properties"] == [["bfloat16", "strided", False, "contiguous_format", False],
+                                    ["float32", "strided", False, "contiguous_format", False]]
+    sd = header["storage_data"]
+    assert sd["rows"] == 9
+    assert sd["object_names"] == ["__0_0.tok.distcp", "__1_0.tok.distcp", "__2_0.tok.distcp",
+                                  "../step-1/__0_0.old.distcp", "x"]
+    assert sd["checksum"] == sd["block_checksum"] == {"algorithm": "crc32c", "hex_digits": 8}
+    assert header["columns"]["layout.count"]["count"] == 1  # both tensors share one chunk layout
+    assert header["columns"]["sd.checksum"]["type"] == "u4"  # raw integers, not strings
+    assert header["columns"]["sd.key.len"]["count"] == 3  # three rows keep their own offset
+    out = decode_metadata(data, lazy=False)
+    assert_same(out, md)
+
+
+def test_v2_every_truncation_refused():
+    data = encode_metadata(v2_sample())
+    for n in range(len(data)):
+        refuse(data[:n])
+    refuse(data + b"\x00", "CRC32")
+
+
+def test_v2_every_damaged_byte_refused():
+    data = encode_metadata(v2_sample())
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x55
+        refuse(bytes(bad))
+
+
+def test_v2_damaged_compressed_column_refused():
+    md = build_scaled(8, 6)
+    header, body = v2_parts(encode_metadata(md))
+    entry = header["columns"]["sd.offset"]
+    assert entry["codec"] == "shuffle-zlib"  # offsets compress
+    raw = bytearray(body)
+    raw[entry["offset"] + entry["length"] // 2] ^= 0xFF
+    refuse(v2_pack(header, bytes(raw)), "sd.offset")
+
+
+def _set(path, value):
+    def mutate(header, body):
+        node = header
+        for step in path[:-1]:
+            node = node[step]
+        node[path[-1]] = value
+        return header, body
+    return mutate
+
+
+def _drop_column(name):
+    def mutate(header, body):
+        del header["columns"][name]
+        return header, body
+    return mutate
+
+
+def _column(name, values, kind="u4"):
+    return lambda header, body: with_column(header, body, name, values, kind)
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (_set(["version"], 3), ["newer s3dcp (format version 3)", "upgrade s3dcp"]),
+        (_set(["version"], 1), ["format version 1 is JSON text"]),
+        (_set(["version"], "2"), ["version", "integer"]),
+        (_set(["format"], "other"), ["format is not 's3dcp-metadata'"]),
+        (_drop_column("sd.offset"), ["columns['sd.offset']", "missing column"]),
+        (_set(["columns", "sd.offset", "count"], 8), ["columns['sd.offset']", "8 values, expected 9"]),
+        (_set(["columns", "sd.offset", "offset"], 10**9), ["columns['sd.offset']", "truncated"]),
+        (_set(["columns", "sd.offset", "codec"], "brotli"), ["unknown codec 'brotli'"]),
+        (_set(["columns", "sd.offset", "type"], "f8"), ["unknown column type 'f8'"]),
+        (_set(["columns", "sd.offset", "length"], -1), ["sd.offset", "non-negative integer"]),
+        (_column("sd.fqn", [0] * 8 + [99]), ["sd.fqn", "outside"]),
+        (_column("sd.object", [0] * 8 + [5]), ["sd.object", "outside"]),
+        (_column("sd.dtype", [9] * 9), ["sd.dtype", "outside"]),
+        (_column("sd.chunk", [0] * 9), ["duplicate key"]),
+        (_column("sd.chunk", [5] * 9), ["sd.chunk", "does not have"]),
+        (_column("sd.shape.kind", [0] * 9, "u1"), ["sd.shape.kind", "chunk's"]),
+        (_column("sd.blocks", [1] * 9), ["sd.block_checksum", "expected"]),
+        (_column("sdm.properties", [3, 1, 0]), ["sdm.properties", "outside"]),
+        (_column("sdm.properties", [1, 1, 1]), ["odd_chunks", "missing the chunks of state_dict_metadata['step']"]),
+        (_column("sdm.layout", [1, 1, 1]), ["bytes item with a size or chunks"]),
+        (_set(["storage_data", "checksum", "hex_digits"], 2), ["sd.checksum", "wider than 2 hex digits"]),
+        (_set(["storage_data", "object_names"], "x"), ["object_names", "array"]),
+        (_set(["fqns"], ["a.weight", "a.weight", "step", "x"]), ["duplicate names"]),
+        (_set(["state_dict_entries"], 5), ["state_dict_entries", "not in 0..4"]),
+        (_set(["properties", 0, 0], "float99"), ["unknown torch dtype 'float99'"]),
+        (_set(["properties", 0], ["bfloat16"]), ["properties[0]"]),
+        (_set(["odd_chunks"], {"0": []}), ["odd_chunks", "belong to no tensor"]),
+        (_set(["columns"], []), ["columns", "object"]),
+        (_set(["storage_data"], {"rows": 9}), ["missing field"]),
+    ],
+)
+def test_v2_refuses_inconsistent_objects(mutate, words):
+    """Objects with a valid CRC but contents no encoder writes: each is refused, naming the problem."""
+    header, body = v2_parts(encode_metadata(v2_sample()))
+    refuse(v2_pack(*mutate(header, body)), *words)
+
+
+def test_v2_ignores_unknown_columns_and_fields():
+    """How a later writer adds optional data (say an 'inherited' flag per item) without a new version."""
+    header, body = v2_parts(encode_metadata(v2_sample()))
+    header["added_by_a_later_writer"] = {"x": 1}
+    header, body = with_column(header, body, "sd.inherited", [0, 1] * 4 + [1], "u1")
+    assert_same(decode_metadata(v2_pack(header, body), lazy=False), v2_sample())
+
+
+def test_v1_objects_still_decode():
+    """A checkpoint written before version 2 (v1 JSON, bytes as an older s3dcp wrote them) still loads."""
+    md = v2_sample()
+    v1 = encode_metadata(md, version=1)
+    assert v1.startswith(b'{"format":"s3dcp-metadata","version":1,')
+    assert format_version_of(v1) == 1
+    for lazy in (True, False):
+        out = decode_metadata(v1, lazy=lazy)
+        assert type(out.storage_data) is dict
+        assert_same(out, md)
+    assert format_version_of(b"garbage") is None and format_version_of(s3v2.MAGIC + b"\x00") is None
+    assert format_version_of(b'{"version": 1, "format": "s3dcp-metadata"}') == 1  # any field order
+    assert format_version_of(b'{"format": "other", "version": 1}') is None
+
+
+@pytest.mark.parametrize(
+    "checksums, spec",
+    [
+        (["crc32c:0000abcd", "crc32c:ffffffff"], {"algorithm": "crc32c", "hex_digits": 8}),
+        (["crc64nvme:0123456789abcdef", None], {"algorithm": "crc64nvme", "hex_digits": 16}),
+        ([None, None], {"strings": []}),
+        (["crc32c:0000ABCD", "crc32c:0000abcd"], {"strings": ["crc32c:0000ABCD", "crc32c:0000abcd"]}),
+        (["crc32c:+000abcd"], {"strings": ["crc32c:+000abcd"]}),
+        (["crc32c:0000abcd", "crc64nvme:0123456789abcdef"], {"strings": ["crc32c:0000abcd", "crc64nvme:0123456789abcdef"]}),
+        (["sha256:" + "ab" * 32], {"strings": ["sha256:" + "ab" * 32]}),
+        (["crc32c:abc", "crc32c:abcd"], {"strings": ["crc32c:abc", "crc32c:abcd"]}),
+        (["", "nocolon"], {"strings": ["", "nocolon"]}),
+    ],
+)
+def test_v2_checksums_kept_exactly(checksums, spec):
+    sd = {MetadataIndex(f"t{i}"): ItemLocation("o", i, 1, c, block_size=1 if c else 0,
+                                                 block_checksums=(c, c) if c else ())
+          for i, c in enumerate(checksums)}
+    md = Metadata({}, storage_data=sd)
+    data = encode_metadata(md)
+    header, _ = v2_parts(data)
+    assert header["storage_data"]["checksum"] == spec
+    assert_same(roundtrip(md), md)
+
+
+def test_lazy_storage_data_is_a_read_only_mapping():
+    md = v2_sample()
+    lazy = decode_metadata(encode_metadata(md)).storage_data
+    assert isinstance(lazy, Mapping) and not isinstance(lazy, dict)
+    assert len(lazy) == 9 and repr(lazy) == "<LazyStorageData: 9 items>"
+    assert list(lazy) == list(md.storage_data)
+    missing = [MetadataIndex("a.weight", [2, 0]), MetadataIndex("nope"), MetadataIndex("step", [0]),
+               MetadataIndex("a.weight"), MetadataIndex("only.in.storage", [1])]
+    for key in missing:
+        assert key not in lazy and lazy.get(key, "default") == "default"
+        with pytest.raises(KeyError):
+            lazy[key]
+    for key in ["a.weight", None, ("a.weight", (0, 0))]:
+        assert key not in lazy
+    assert lazy[MetadataIndex("a.weight", [4, 0], 1)] == md.storage_data[MetadataIndex("a.weight", [4, 0])]
+    assert lazy[MetadataIndex("a.weight", torch.Size([1, 1]))].object_name == "../step-1/__0_0.old.distcp"
+    with pytest.raises(TypeError):
+        lazy[MetadataIndex("step")] = None
+    assert lazy == md.storage_data and md.storage_data == lazy and dict(lazy) == md.storage_data
+    assert lazy != {**md.storage_data, MetadataIndex("z"): ItemLocation("o", 0, 0, None)}
+    assert_same(copy.deepcopy(lazy), md.storage_data)
+    assert lazy.object_names() == {loc.object_name for loc in md.storage_data.values()}
+    assert_same(pickle.loads(pickle.dumps(decode_metadata(encode_metadata(md)))), md)
+
+
+def build_scaled(ranks: int, tensors: int) -> Metadata:
+    spec = importlib.util.spec_from_file_location(
+        "metadata_scale", pathlib.Path(__file__).parent.parent / "benchmarks" / "metadata_scale.py")
+    module = sys.modules.get("metadata_scale")
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["metadata_scale"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return module.build_metadata(ranks, tensors)
+
+
+def test_v2_size_at_scale():
+    """The benchmark's synthetic checkpoint, scaled down: sizes are deterministic, so they are asserted."""
+    md = build_scaled(64, 50)
+    assert len(md.storage_data) == 64 * 50 + 5
+    assert sum(1 for loc in md.storage_data.values() if loc.block_checksums) > 0  # big shards have blocks
+    v2, v1, pickled = encode_metadata(md), encode_metadata(md, version=1), pickle.dumps(md)
+    assert len(v2) * 4 <= len(pickled), (len(v2), len(pickled))  # the issue's goal: <= 1/4 of the pickle
+    assert len(v2) * 10 <= len(v1)
+    out = decode_metadata(v2, lazy=False)
+    assert out == md and all(loc.checksum for loc in out.storage_data.values())
+    lazy = decode_metadata(v2)
+    rank = 17
+    for fqn, item in md.state_dict_metadata.items():  # what one rank's load looks up, with DCP's hints
+        if isinstance(item, TensorStorageMetadata):
+            key = MetadataIndex(fqn, item.chunks[rank].offsets, rank)
+            assert lazy.storage_data[key] == md.storage_data[key]
+
+
+def test_decode_pauses_the_garbage_collector_and_restores_it():
+    data = encode_metadata(v2_sample())
+    seen = []  # the collector's state while planner_data is decoded, inside the decode
+    original = s3md._decode_tree
+
+    def probe(node, where):
+        seen.append(gc.isenabled())
+        return original(node, where)
+
+    assert gc.isenabled()
+    s3md._decode_tree = probe
+    try:
+        decode_metadata(data)
+        with pytest.raises(MetadataFormatError):
+            decode_metadata(data[:-1])
+        assert gc.isenabled()  # back on after success and after a refusal
+        gc.disable()
+        try:
+            decode_metadata(data)
+            assert not gc.isenabled()  # off before, off after
+        finally:
+            gc.enable()
+    finally:
+        s3md._decode_tree = original
+    assert seen and not any(seen)

@@ -123,7 +123,7 @@ def test_objects_in_the_bucket(uri, bucket, small_parts, boto3_client):
     assert f"ckpt/{METADATA_NAME}" in keys
     assert len(data) >= 2 and all(k.startswith("ckpt/__0_") for k in data)  # 8 MiB at a 4 MiB target
     meta = boto3_client.get_object(Bucket=bucket, Key=f"ckpt/{METADATA_NAME}")["Body"].read()
-    assert meta.startswith(b"{") and b'"format":"s3dcp-metadata"' in meta  # JSON, not pickle
+    assert meta.startswith(b"\x89S3DCPMD") and b'"format":"s3dcp-metadata"' in meta  # s3dcp format v2, not pickle
 
 
 def test_saving_onto_a_committed_checkpoint_is_refused(uri, small_parts):

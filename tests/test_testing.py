@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import boto3
@@ -170,27 +172,62 @@ def test_unstopped_server_is_stopped_at_interpreter_exit():
     assert not os.path.exists(data_dir)
 
 
-def test_server_goes_when_its_starter_is_killed():
-    """SIGKILL leaves no exit hook to run: the server must still not outlive its starter."""
+def _weed_sockets(ports: dict[str, int]) -> set[str]:
+    """The unix sockets weed mini puts in /tmp whatever TMPDIR says (hard-coded in weed 4.x)."""
+    return {f"/tmp/seaweedfs-{name}-grpc-{ports[name + '.port.grpc']}.sock"
+            for name in ("master", "volume", "filer", "s3", "admin")}
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_start_and_stop_leave_nothing_in_the_temp_directories(tmp_path, monkeypatch):
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))  # what gettempdir() returns
+    with SeaweedServer(buckets=["leftovers"]) as server:
+        assert server.data_dir.startswith(str(private_tmp))
+        server.boto3_client().put_object(Bucket="leftovers", Key="k", Body=b"x" * 100_000)
+        sockets = _weed_sockets(server.ports)
+        # the check below looks where weed really puts them
+        assert _wait_until(lambda: any(os.path.exists(p) for p in sockets), 15), sockets
+    assert sorted(os.listdir(private_tmp)) == []
+    assert sorted(p for p in sockets if os.path.lexists(p)) == []
+
+
+def test_server_goes_when_its_starter_is_killed(tmp_path):
+    """SIGKILL leaves no exit hook to run: the server must still not outlive its starter, and
+    its data dir and sockets must go with it."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
     code = (
-        "import time\n"
+        "import json, time\n"
         "from s3dcp.testing import SeaweedServer\n"
         "s = SeaweedServer().start()\n"
-        "print(s.pid, flush=True)\n"
+        "print(json.dumps([s.pid, s.data_dir, s.ports]), flush=True)\n"
         "time.sleep(120)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(private_tmp)})
     try:
-        pid = int(proc.stdout.readline())
+        pid, data_dir, ports = json.loads(proc.stdout.readline())
         assert not _gone(pid)  # running
+        assert data_dir.startswith(str(private_tmp)) and os.path.isdir(data_dir)
         proc.kill()
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 30  # weed takes a second or two to shut down on SIGTERM
-        while not _gone(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not _gone(pid):
+        # weed takes a second or two to shut down on SIGTERM
+        if not _wait_until(lambda: _gone(pid), 30):
             os.kill(pid, signal.SIGKILL)  # do not leave it behind, but fail
             pytest.fail("the server outlived the process that started it")
+        assert _wait_until(lambda: not os.path.exists(data_dir), 10), os.listdir(data_dir)
+        assert sorted(os.listdir(private_tmp)) == []
+        assert sorted(p for p in _weed_sockets(ports) if os.path.lexists(p)) == []
     finally:
         if proc.poll() is None:
             proc.kill()

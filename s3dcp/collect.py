@@ -14,8 +14,11 @@ the key of each of its unfinished multipart uploads. In each checkpoint director
   is older than ``older_than_s``. A slow rank still uploading keeps the objects that faster
   ranks finished long ago, so its commit never points at deleted keys (and the commit checks
   anyway: :meth:`s3dcp.S3StorageWriter.finish`);
-- objects that committed metadata references, and the metadata, are never touched; nothing is
-  deleted next to metadata that cannot be read;
+- objects that committed metadata references, and the metadata, are never touched — also
+  objects of a deleted checkpoint that an incremental sibling still references: references are
+  collected from every committed checkpoint under each directory's parent prefix
+  (:func:`s3dcp.incremental.references`); nothing is deleted under a parent prefix where some
+  metadata cannot be read;
 - an unfinished upload whose key is not a data object name is judged alone, by its own age.
 """
 
@@ -27,9 +30,8 @@ from dataclasses import dataclass, field
 
 from .client import S3Client, UploadInfo
 from .config import S3Config
-from .errors import MetadataFormatError
-from .layout import METADATA_NAME, parse_object_name
-from .metadata import decode_metadata
+from .incremental import References, references
+from .layout import parse_object_name
 from .uri import parse_s3_uri
 
 __all__ = ["gc", "GcReport"]
@@ -94,25 +96,31 @@ def gc(
 
     saves: dict[tuple[str, str], _Save] = {}  # (directory, save id) -> its leftovers
     unreadable: set[str] = set()
+    parents: dict[str, References] = {}  # parent listing prefix -> what its committed checkpoints use
+
+    def refs_of(directory: str) -> References:
+        parent = directory.rpartition("/")[0]
+        parent = f"{parent}/" if parent else ""
+        if parent not in parents:
+            parents[parent] = references(client, target.bucket, parent)
+            report.unreadable_metadata.extend(parents[parent].unreadable)
+        return parents[parent]
+
     for directory, names in by_dir.items():
-        referenced: set[str] = set()
-        if METADATA_NAME in names:
-            try:
-                referenced = _referenced(client, target.bucket, names[METADATA_NAME].key)
-            except MetadataFormatError:
-                report.unreadable_metadata.append(names[METADATA_NAME].key)
-                unreadable.add(directory)
-                continue  # never delete next to metadata we cannot read
+        refs = refs_of(directory)
+        if refs.unreadable:
+            unreadable.add(directory)
+            continue  # never delete where metadata we cannot read may reference it
         for name, obj in names.items():
             parsed = parse_object_name(name)
-            if parsed and name not in referenced:
+            if parsed and not refs.users(obj.key):
                 save = saves.setdefault((directory, parsed.token), _Save())
                 save.objects.append(obj)
                 save.saw(obj.last_modified, now)
 
     for upload in uploads:
         directory, _, name = upload.key.rpartition("/")
-        if directory in unreadable:
+        if directory in unreadable or refs_of(directory).unreadable:
             continue
         parsed = parse_object_name(name)
         save = saves.setdefault((directory, parsed.token) if parsed else (directory, f"upload:{upload.upload_id}"),
@@ -144,9 +152,3 @@ def gc(
              "would delete" if dry_run else "deleted", len(report.deleted), report.deleted_bytes,
              len(report.aborted_uploads), len(report.kept_recent), len(report.kept_recent_uploads), older_than_s)
     return report
-
-
-def _referenced(client: S3Client, bucket: str, metadata_key: str) -> set[str]:
-    raw = client.get(bucket, metadata_key).result()
-    metadata = decode_metadata(raw, source=f"s3://{bucket}/{metadata_key}")
-    return {loc.object_name for loc in (metadata.storage_data or {}).values()}

@@ -1,0 +1,211 @@
+"""One call to save, save asynchronously or load a checkpoint in S3, with errors you can catch.
+
+    s3dcp.save(state_dict, "s3://bucket/run/step-1000")            # -> DCP Metadata, once committed
+    future = s3dcp.async_save(state_dict, "s3://bucket/run/step-2000")
+    ...                                                             # the loop goes on once staged
+    future.result()                                                 # committed, or raises
+    s3dcp.load(state_dict, "s3://bucket/run/step-1000")             # in place, like dcp.load
+
+Why these exist next to ``dcp.save(..., storage_writer=S3StorageWriter(...))``:
+
+- DCP picks a storage class from a bare ``checkpoint_id`` only among its own (file system,
+  fsspec); a plugin cannot register. These calls pick :class:`S3StorageWriter` /
+  :class:`S3StorageReader` for an ``s3://`` path.
+- DCP reports every failure as a ``CheckpointException``, a ``BaseException`` (so
+  ``except Exception`` misses it) whose text is a traceback per rank. These calls raise the
+  error that caused it instead — an :class:`~s3dcp.errors.S3DCPError` subclass such as
+  :class:`~s3dcp.errors.CheckpointNotFoundError` or :class:`~s3dcp.errors.AccessDeniedError`
+  when s3dcp raised it, else the original exception — with ``failed_ranks`` (the ranks that
+  failed, ascending) and ``rank_errors`` ({rank: exception}) attached, chained ``from`` DCP's
+  exception.
+
+They run on every rank, like DCP's calls, with the process group when torch.distributed is
+initialized and without one otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import warnings
+from typing import Any
+
+from .client import S3Client
+from .config import S3Config
+from .errors import ConfigError
+from .reader import S3StorageReader
+
+__all__ = ["save", "async_save", "load", "unwrap_error"]
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    config: S3Config | None = None,
+    client: S3Client | None = None,
+    overwrite: bool = False,
+    planner: Any = None,
+    process_group: Any = None,
+):
+    """``dcp.save`` to ``path`` (``s3://bucket/prefix``) through :class:`S3StorageWriter`.
+
+    Returns DCP's ``Metadata`` once the checkpoint is committed. Raises the underlying error
+    (see the module docstring); a committed checkpoint at ``path`` raises
+    :class:`~s3dcp.errors.CheckpointExistsError` unless ``overwrite=True``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from .writer import S3StorageWriter
+
+    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite)
+    try:
+        with _single_process_is_meant():
+                return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                            no_dist=not _dist_on())
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise unwrap_error(e) from _cause(e)
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    config: S3Config | None = None,
+    client: S3Client | None = None,
+    overwrite: bool = False,
+    planner: Any = None,
+    process_group: Any = None,
+    async_checkpointer_type: Any = None,
+) -> concurrent.futures.Future:
+    """``dcp.async_save`` to ``path`` through :class:`S3StorageWriter`.
+
+    Returns once the state is staged (copied to host memory), so the caller may change its
+    tensors; the returned future resolves to DCP's ``Metadata`` when the checkpoint is
+    committed, or raises the underlying error (see the module docstring), never a
+    ``CheckpointException``.
+
+    ``async_checkpointer_type=AsyncCheckpointerType.PROCESS`` uploads from a separate process;
+    DCP needs torch.distributed initialized for it (one rank is enough: see
+    ``examples/process_executor.py``), so without it this raises :class:`ConfigError`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from .writer import S3StorageWriter
+
+    executor = async_checkpointer_type or AsyncCheckpointerType.THREAD
+    if executor == AsyncCheckpointerType.PROCESS and not _dist_on():
+        raise ConfigError(
+            "async_save with AsyncCheckpointerType.PROCESS needs torch.distributed initialized (DCP's "
+            "process executor talks to its worker through the default process group), even for one "
+            "process: call torch.distributed.init_process_group('gloo', ...) first (see "
+            "examples/process_executor.py), or use the default thread executor")
+    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite)
+    try:
+        with _single_process_is_meant():
+            response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                      process_group=process_group, async_checkpointer_type=executor,
+                                      no_dist=not _dist_on())
+        staged = getattr(response, "staging_completion", None)
+        if staged is not None:  # an AsyncSaveResponse: keep "returns once staged"
+            staged.result()
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise unwrap_error(e) from _cause(e)
+    upload = getattr(response, "upload_completion", response)
+    outer: concurrent.futures.Future = concurrent.futures.Future()
+    outer.set_running_or_notify_cancel()
+
+    def done(inner: concurrent.futures.Future) -> None:
+        try:
+            result = inner.result()
+        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped, on the future
+            error = unwrap_error(e)
+            if error is not e:
+                error.__cause__ = _cause(e)
+            outer.set_exception(error)
+            return
+        outer.set_result(result)
+
+    upload.add_done_callback(done)
+    return outer
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str,
+    *,
+    config: S3Config | None = None,
+    client: S3Client | None = None,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    planner: Any = None,
+    process_group: Any = None,
+) -> None:
+    """``dcp.load`` from ``path`` into ``state_dict`` (in place) through :class:`S3StorageReader`.
+
+    A missing checkpoint raises :class:`~s3dcp.errors.CheckpointNotFoundError`, one without
+    its metadata object :class:`~s3dcp.errors.IncompleteCheckpointError` — and DCP prints no
+    "Global metadata is not found" tracebacks for them.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    reader = S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle)
+    try:
+        with _single_process_is_meant():
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                     no_dist=not _dist_on())
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise unwrap_error(e) from _cause(e)
+
+
+def unwrap_error(error: BaseException) -> BaseException:
+    """The exception that caused DCP's ``CheckpointException`` ``error``, with ``failed_ranks``
+    and ``rank_errors`` attached; any other exception as it is.
+
+    The cause is the lowest failing rank's error, preferring an s3dcp error over another
+    rank's collateral one (a rank that failed only because a peer did).
+    """
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures or isinstance(error, Exception):
+        return error
+    rank_errors: dict[int, BaseException] = {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, BaseException):
+            rank_errors[rank] = inner
+    if not rank_errors:
+        return error
+    from .errors import S3DCPError
+
+    ours = [e for e in rank_errors.values() if isinstance(e, S3DCPError)]
+    cause = ours[0] if ours else next(iter(rank_errors.values()))
+    try:
+        cause.failed_ranks = sorted(rank_errors)
+        cause.rank_errors = rank_errors
+    except AttributeError:  # an exception type with __slots__: give it back as it is
+        pass
+    return cause
+
+
+def _cause(error: BaseException) -> BaseException | None:
+    """What the unwrapped error is chained ``from``: DCP's exception, when there was one."""
+    return error if getattr(error, "failures", None) else error.__cause__
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """Without torch.distributed, DCP warns on every call that it assumes a single process;
+    here that is what the caller asked for, so it says nothing."""
+    if _dist_on():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

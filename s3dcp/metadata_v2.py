@@ -1,0 +1,441 @@
+"""Metadata format version 2: a JSON header and typed binary columns, decoded lazily where it pays.
+
+Why: at 1,024 ranks x 900 tensors a checkpoint has ~920k chunks. Version 1 (one JSON document)
+is ~290 MB there and every rank spends ~35 s parsing it; DCP's pickle is 170 MB and ~21 s. Most of
+it is numbers that repeat (chunk boxes are the same for every tensor of one shape) or that only
+one rank needs (where each item lives). Version 2 stores those numbers as columns and builds Python
+objects only for what is asked for.
+
+Layout of the object (all integers little-endian)::
+
+    magic     8 bytes  b"\\x89S3DCPMD"  (0x89: never the first byte of JSON text, so v1 and v2 are told apart)
+    length    8 bytes  u64, length of the header
+    header    JSON (UTF-8, ASCII in practice): {"format": "s3dcp-metadata", "version": 2, ...}
+    body      the columns' bytes, where the header's "columns" entries say
+    crc32     4 bytes  zlib.crc32 of everything before it (truncation and bit rot are caught)
+
+The header holds everything that is small or not numeric, in the same vocabulary as version 1:
+``dcp_version``, ``planner_data`` (the tagged tree), ``storage_meta``, and tables that columns
+index into: ``fqns`` (state_dict_metadata keys in order, then fqns only storage keys use),
+``properties`` (distinct TensorProperties as ``[dtype, layout, requires_grad, memory_format,
+pin_memory]``), and under ``storage_data``: ``object_names`` (interned; any string, so a later
+incremental checkpoint may point at ``"../step-1000/__0_0.tok.distcp"``), ``dtypes``, and how
+checksums are stored (below). Columns (see :mod:`s3dcp.metadata_columns`):
+
+    state_dict_metadata, one value per entry:
+      sdm.properties   0 = bytes item, k = properties[k-1]
+      sdm.size.len, sdm.size         ragged: ndim, then the flat global sizes
+      sdm.layout       k = chunk layout k-1; 0 = bytes item, or chunk boxes of mixed ndim kept in
+                       the header's "odd_chunks" {position: [[offsets, sizes], ...]}
+    chunk layouts (distinct chunk lists: every tensor of one shape shares one, e.g. 6 for 921k chunks):
+      layout.ndim, layout.count, layout.offsets, layout.sizes (flat, count x ndim each)
+    storage_data, one value per item, in the dict's order:
+      sd.fqn           index into fqns
+      sd.chunk, sd.chunk.null   the key's offset is chunk #n of its fqn's chunk list (stored once,
+                       there); null rows keep their offset in sd.key.len/sd.key.null/sd.key
+      sd.index, sd.index.null   MetadataIndex.index
+      sd.object        index into object_names;  sd.offset, sd.length  byte range
+      sd.checksum      the item checksum (see below)
+      sd.dtype         0 = None, k = dtypes[k-1]
+      sd.shape.kind    0 = same as the chunk's sizes, 1 = None, 2 = in sd.shape.len/sd.shape
+      sd.block_size, sd.blocks  per-block checksum size and count;  sd.block_checksum  flat
+
+A checksum column is raw integers when every value has the form ``algorithm:hex`` of one algorithm
+and one width (``crc32c:1a2b3c4d`` -> u4, ``crc64nvme`` -> u8; header ``{"algorithm": "crc32c",
+"hex_digits": 8}``, plus a ``.null`` column for items without one); otherwise it falls back to an
+interned string table (``{"strings": [...]}``, column value 0 = None). Every item keeps its checksum.
+
+Decoding validates everything before returning: lengths, bounds, types, duplicate keys, the
+trailer CRC; a bad object raises MetadataFormatError. ``state_dict_metadata`` is always built in
+full: DCP's load planner matches every chunk box against the rank's tensors. ``storage_data`` is
+either a plain dict (``lazy=False``) or a :class:`LazyStorageData` mapping that builds an
+ItemLocation only when the storage reader asks for it (one rank reads only its own items).
+
+Compatibility: a reader ignores header fields and columns it does not know, so a later writer may
+add optional ones (say an ``sd.inherited`` u1 column for incremental checkpoints) without a new
+version; a change old readers cannot ignore bumps ``version``, which they refuse by name.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from . import metadata as m
+from .errors import MetadataFormatError
+from .layout import ItemLocation
+from .metadata_columns import MAX_COUNT, ColumnReader, ColumnWriter, bounded
+from .metadata_storage import LazyStorageData, Rows
+
+__all__ = ["MAGIC", "VERSION", "encode", "decode", "header_of", "LazyStorageData"]
+
+MAGIC = b"\x89S3DCPMD"
+VERSION = 2
+_HEAD = struct.Struct("<8sQ")
+_TRAILER = struct.Struct("<I")
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode(md: Metadata) -> bytes:
+    """Encode ``md`` (already type-checked at the top level by :func:`s3dcp.metadata.encode_metadata`)."""
+    cols = ColumnWriter()
+    sdm = md.state_dict_metadata
+    fqns: list[str] = []
+    props: dict[tuple, int] = {}
+    layouts: dict[tuple, int] = {}
+    lay_ndim: list[int] = []
+    lay_count: list[int] = []
+    lay_offs: list[int] = []
+    lay_sizes: list[int] = []
+    sdm_props, sdm_layout, size_len, size_vals = [], [], [], []
+    odd_chunks: dict[str, list] = {}
+    chunk_of: list[dict | None] = []  # per fqn: {offsets: first chunk position}
+    chunks_of: list[list | None] = []
+    for pos, (fqn, item) in enumerate(sdm.items()):
+        where = f"state_dict_metadata[{fqn!r}]"
+        if type(fqn) is not str:
+            raise TypeError(f"state_dict_metadata key {fqn!r} is a {m._type_name(fqn)}, not a str")
+        fqns.append(fqn)
+        if isinstance(item, BytesStorageMetadata):
+            for column in (sdm_props, sdm_layout, size_len):
+                column.append(0)
+            chunk_of.append(None)
+            chunks_of.append(None)
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise TypeError(f"{where}: cannot encode storage metadata of type {m._type_name(item)}")
+        p = item.properties
+        key = (m.dtype_to_str(p.dtype), m._to_name(m._LAYOUTS, p.layout, "layout"), bool(p.requires_grad),
+               m._to_name(m._MEMORY_FORMATS, p.memory_format, "memory_format"), bool(p.pin_memory))
+        sdm_props.append(props.setdefault(key, len(props)) + 1)
+        size = _ints(item.size, where, ".size")
+        size_len.append(len(size))
+        size_vals += size
+        chunks = list(item.chunks)
+        boxes = [(_ints(c.offsets, where, ".chunks[{}].offsets", j), _ints(c.sizes, where, ".chunks[{}].sizes", j))
+                 for j, c in enumerate(chunks)]
+        ndims = {len(o) for o, _ in boxes} | {len(s) for _, s in boxes}
+        if len(ndims) > 1:  # boxes of mixed ndim: nothing DCP writes, kept exactly anyway
+            odd_chunks[str(pos)] = [[list(o), list(s)] for o, s in boxes]
+            sdm_layout.append(0)
+        else:
+            flat_o = tuple(v for o, _ in boxes for v in o)
+            flat_s = tuple(v for _, s in boxes for v in s)
+            lkey = (ndims.pop() if ndims else 0, len(boxes), flat_o, flat_s)
+            lid = layouts.get(lkey)
+            if lid is None:
+                lid = layouts[lkey] = len(layouts)
+                lay_ndim.append(lkey[0])
+                lay_count.append(lkey[1])
+                lay_offs += flat_o
+                lay_sizes += flat_s
+            sdm_layout.append(lid + 1)
+        first: dict[tuple, int] = {}
+        for j, (o, _) in enumerate(boxes):
+            first.setdefault(o, j)
+        chunk_of.append(first)
+        chunks_of.append(boxes)
+    cols.ints("sdm.properties", sdm_props)
+    cols.ints("sdm.layout", sdm_layout)
+    cols.ints("sdm.size.len", size_len)
+    cols.ints("sdm.size", size_vals)
+    cols.ints("layout.ndim", lay_ndim)
+    cols.ints("layout.count", lay_count)
+    cols.ints("layout.offsets", lay_offs)
+    cols.ints("layout.sizes", lay_sizes)
+
+    storage = None if md.storage_data is None else _encode_rows(md.storage_data, fqns, chunk_of, chunks_of, cols)
+    header = {
+        "format": m.FORMAT_NAME,
+        "version": VERSION,
+        "dcp_version": md.version,
+        "planner_data": m._encode_tree(md.planner_data, "planner_data"),
+        "storage_meta": m._encode_storage_meta(md.storage_meta),
+        "fqns": fqns,
+        "state_dict_entries": len(sdm),
+        "properties": [list(k) for k in props],
+        "odd_chunks": odd_chunks,
+        "storage_data": storage,
+        "columns": cols.header(),
+    }
+    head = json.dumps(header, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    out = b"".join([_HEAD.pack(MAGIC, len(head)), head, cols.body()])
+    return out + _TRAILER.pack(zlib.crc32(out))
+
+
+def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols: ColumnWriter) -> dict:
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"storage_data must be dict[MetadataIndex, ItemLocation] or None, got {m._type_name(sd)}")
+    n_sdm = len(fqns)
+    fqn_ids = {f: i for i, f in enumerate(fqns)}
+    names: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    r_fqn, r_chunk, r_chunk_null, key_len, key_null, key_vals = [], [], [], [], [], []
+    r_index, r_index_null, r_obj, r_off, r_len, r_ck, r_dtype = [], [], [], [], [], [], []
+    shape_kind, shape_len, shape_vals, r_bsize, r_blocks, blocks = [], [], [], [], [], []
+    for key, loc in sd.items():
+        if not isinstance(key, MetadataIndex) or not isinstance(loc, ItemLocation):
+            raise TypeError(f"storage_data[{key!r}]: expected MetadataIndex -> ItemLocation, "
+                            f"got {m._type_name(key)} -> {m._type_name(loc)}")
+        fqn = key.fqn
+        if type(fqn) is not str:
+            raise TypeError(f"storage_data[{key!r}]: fqn is a {m._type_name(fqn)}, not a str")
+        f = fqn_ids.get(fqn)
+        if f is None:
+            f = fqn_ids[fqn] = len(fqns)
+            fqns.append(fqn)
+        r_fqn.append(f)
+        offset = None if key.offset is None else _ints(key.offset, key, ".offset")
+        j = chunk_of[f].get(offset) if f < n_sdm and chunk_of[f] is not None and offset is not None else None
+        r_chunk.append(j or 0)
+        r_chunk_null.append(j is None)
+        if j is None:
+            key_null.append(offset is None)
+            key_len.append(0 if offset is None else len(offset))
+            key_vals += offset or ()
+        r_index.append(key.index or 0)
+        r_index_null.append(key.index is None)
+        if type(loc.object_name) is not str:
+            raise TypeError(f"storage_data[{key!r}].object_name is a {m._type_name(loc.object_name)}, not a str")
+        r_obj.append(names.setdefault(loc.object_name, len(names)))
+        r_off.append(loc.offset)
+        r_len.append(loc.length)
+        r_ck.append(loc.checksum)
+        if loc.dtype is not None and type(loc.dtype) is not str:
+            raise TypeError(f"storage_data[{key!r}].dtype is a {m._type_name(loc.dtype)}, not a str")
+        r_dtype.append(0 if loc.dtype is None else dtypes.setdefault(loc.dtype, len(dtypes)) + 1)
+        if loc.shape is None:
+            shape_kind.append(1)
+        else:
+            shape = _ints(loc.shape, key, ".shape")
+            if j is not None and shape == chunks_of[f][j][1]:
+                shape_kind.append(0)
+            else:
+                shape_kind.append(2)
+                shape_len.append(len(shape))
+                shape_vals += shape
+        r_bsize.append(loc.block_size)
+        r_blocks.append(len(loc.block_checksums))
+        blocks += loc.block_checksums
+    for name, values in [("sd.index", r_index), ("sd.offset", r_off), ("sd.length", r_len), ("sd.block_size", r_bsize)]:
+        if not set(map(type, values)) <= {int}:
+            bad = next(v for v in values if type(v) is not int)
+            raise TypeError(f"storage_data: {name.removeprefix('sd.')} {bad!r} is a {m._type_name(bad)}, not an int")
+    for name, values in [
+        ("sd.fqn", r_fqn), ("sd.chunk", r_chunk), ("sd.chunk.null", r_chunk_null), ("sd.key.len", key_len),
+        ("sd.key.null", key_null), ("sd.key", key_vals), ("sd.index", r_index), ("sd.index.null", r_index_null),
+        ("sd.object", r_obj), ("sd.offset", r_off), ("sd.length", r_len), ("sd.dtype", r_dtype),
+        ("sd.shape.kind", shape_kind), ("sd.shape.len", shape_len), ("sd.shape", shape_vals),
+        ("sd.block_size", r_bsize), ("sd.blocks", r_blocks),
+    ]:
+        cols.ints(name, values)
+    return {
+        "rows": len(r_fqn),
+        "object_names": list(names),
+        "dtypes": list(dtypes),
+        "checksum": _encode_checksums(cols, "sd.checksum", r_ck),
+        "block_checksum": _encode_checksums(cols, "sd.block_checksum", blocks),
+    }
+
+
+def _encode_checksums(cols: ColumnWriter, name: str, values: list) -> dict:
+    """Raw integers when every present value is ``alg:<n lowercase hex digits>`` of one alg and n."""
+    present = [v for v in values if v is not None]
+    if not set(map(type, present)) <= {str}:
+        bad = next(v for v in present if type(v) is not str)
+        raise TypeError(f"storage_data: checksum {bad!r} is a {m._type_name(bad)}, not a str")
+    if present:
+        alg, sep, digits = present[0].partition(":")
+        fmt = f"{alg}:%0{len(digits)}x"
+        if sep and alg and 0 < len(digits) <= 16:
+            k = len(alg) + 1
+            try:
+                nums = [int(v[k:], 16) for v in present]
+            except ValueError:
+                nums = None
+            # int() also takes "A", "+a", " a", "a_b": only an exact re-spelling keeps the raw form.
+            if nums is not None and max(nums) < 16 ** len(digits) and list(map(fmt.__mod__, nums)) == present:
+                it = iter(nums)
+                cols.ints(name, [0 if v is None else next(it) for v in values])
+                cols.ints(name + ".null", [v is None for v in values])
+                return {"algorithm": alg, "hex_digits": len(digits)}
+    table: dict[str, int] = {}
+    cols.ints(name, [0 if v is None else table.setdefault(v, len(table)) + 1 for v in values])
+    return {"strings": list(table)}
+
+
+def _ints(value: Any, owner: Any, field: str, *args: Any) -> tuple[int, ...]:
+    """``value`` as a tuple of ints. The error names ``owner`` (an fqn path or a storage key) and
+    ``field.format(*args)``, built only then: this runs for every one of a million chunks."""
+    t = tuple(value)
+    if type(value) is not torch.Size and not set(map(type, t)) <= {int}:  # a Size holds only ints
+        where = owner if type(owner) is str else f"storage_data[{owner!r}]"
+        raise TypeError(f"{where}{field.format(*args)}: {value!r} is not a sequence of ints")
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def header_of(data: bytes | memoryview) -> dict:
+    """The JSON header of a version-2 object (not checked beyond being a JSON object with our format)."""
+    view = memoryview(data)
+    if len(view) < _HEAD.size + _TRAILER.size:
+        raise MetadataFormatError(f"truncated s3dcp metadata: {len(view)} bytes, shorter than the fixed header")
+    _, head_len = _HEAD.unpack_from(view)
+    if _HEAD.size + head_len + _TRAILER.size > len(view):
+        raise MetadataFormatError(
+            f"truncated s3dcp metadata: the header says {head_len} header bytes, the object has {len(view)} in all")
+    try:
+        header = json.loads(bytes(view[_HEAD.size:_HEAD.size + head_len]).decode("utf-8"),
+                            parse_constant=m._reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MetadataFormatError(f"corrupt s3dcp metadata header: not valid JSON ({e})") from None
+    if type(header) is not dict or header.get("format") != m.FORMAT_NAME:
+        raise MetadataFormatError(f"corrupt s3dcp metadata header: format is not {m.FORMAT_NAME!r}")
+    return header
+
+
+def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
+    """Decode a version-2 object (``data`` starts with :data:`MAGIC`); see the module docstring."""
+    view = memoryview(data)
+    header = header_of(view)
+    head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
+    # The version is checked before anything else is read: a newer layout may differ anywhere.
+    m._check_version(m._get(header, "version", "metadata", m._int), VERSION)
+    (crc,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
+    if zlib.crc32(view[:-_TRAILER.size]) != crc:
+        raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
+                                  "(truncated or damaged object)")
+    cols = ColumnReader(m._get(header, "columns", "metadata"), view[head_end:-_TRAILER.size])
+    fqns = m._get(header, "fqns", "metadata", m._list)
+    for i, f in enumerate(fqns):
+        m._str(f, f"metadata.fqns[{i}]")
+    if len(set(fqns)) != len(fqns):
+        raise MetadataFormatError("metadata.fqns: duplicate names")
+    n_sdm = m._get(header, "state_dict_entries", "metadata", m._int)
+    if not 0 <= n_sdm <= len(fqns):
+        raise MetadataFormatError(f"metadata.state_dict_entries: {n_sdm} is not in 0..{len(fqns)}")
+    chunks = _Chunks(header, cols, fqns[:n_sdm])
+    storage = m._get(header, "storage_data", "metadata")
+    storage_meta = m._get(header, "storage_meta", "metadata")
+    rows = None if storage is None else Rows(storage, cols, fqns, chunks)
+    return Metadata(
+        state_dict_metadata=chunks.state_dict_metadata,
+        planner_data=m._decode_tree(m._get(header, "planner_data", "metadata"), "planner_data"),
+        storage_data=None if rows is None else (LazyStorageData(rows) if lazy else rows.to_dict()),
+        storage_meta=None if storage_meta is None else m._decode_storage_meta(storage_meta),
+        version=m._get(header, "dcp_version", "metadata", m._opt(m._str)),
+    )
+
+
+class _Sizes:
+    """Interns torch.Size and tuple values: ~920k chunk boxes hold a few thousand distinct ones."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[tuple, torch.Size] = {}
+
+    def rows(self, flat: np.ndarray, count: int, ndim: int) -> list[torch.Size]:
+        cache, out = self._sizes, []
+        for t in map(tuple, flat.reshape(count, ndim).tolist()):
+            s = cache.get(t)
+            if s is None:
+                s = cache[t] = torch.Size(t)
+            out.append(s)
+        return out
+
+
+class _Chunks:
+    """state_dict_metadata of a v2 object, built in full, and each fqn's chunk boxes for storage keys."""
+
+    def __init__(self, header: dict, cols: ColumnReader, fqns: list[str]) -> None:
+        n = len(fqns)
+        table = []
+        for i, p in enumerate(m._get(header, "properties", "metadata", m._list)):
+            w = f"metadata.properties[{i}]"
+            if type(p) is not list or len(p) != 5:
+                raise MetadataFormatError(f"{w}: expected [dtype, layout, requires_grad, memory_format, pin_memory]")
+            table.append((m._from_name(m._DTYPES, p[0], "dtype"), m._from_name(m._LAYOUTS, p[1], "layout"),
+                          m._bool(p[2], w), m._from_name(m._MEMORY_FORMATS, p[3], "memory_format"), m._bool(p[4], w)))
+        props = bounded(cols.ints("sdm.properties", n), len(table) + 1, "metadata.columns['sdm.properties']")
+        lay_ndim = cols.ints("layout.ndim")
+        n_layouts = len(lay_ndim)
+        lay_ndim = bounded(lay_ndim, MAX_COUNT, "metadata.columns['layout.ndim']")
+        lay_count = bounded(cols.ints("layout.count", n_layouts), MAX_COUNT, "metadata.columns['layout.count']")
+        total = sum(a * b for a, b in zip(lay_ndim.tolist(), lay_count.tolist()))
+        lay_offs, lay_sizes = cols.ints("layout.offsets", total), cols.ints("layout.sizes", total)
+        layout = bounded(cols.ints("sdm.layout", n), n_layouts + 1, "metadata.columns['sdm.layout']")
+        size_len, size_start, size_vals = cols.ragged("sdm.size", n)
+        odd = m._get(header, "odd_chunks", "metadata", m._dict)
+
+        sizes = _Sizes()
+        boxes: list[tuple[list, list, list]] = []  # per layout: offsets, sizes, sizes as tuples
+        start = 0
+        for ndim, count in zip(lay_ndim.tolist(), lay_count.tolist()):
+            o = sizes.rows(lay_offs[start:start + ndim * count], count, ndim)
+            s = sizes.rows(lay_sizes[start:start + ndim * count], count, ndim)
+            boxes.append((o, s, [tuple(x) for x in s], len(set(o)) != len(o)))
+            start += ndim * count
+
+        self.offsets: list[list | None] = []  # per fqn: chunk offsets (None: bytes item)
+        self.shapes: list[list | None] = []   # per fqn: chunk sizes as tuples
+        self.has_dups: list[bool] = []         # per fqn: two chunks with equal offsets (never from DCP)
+        self.state_dict_metadata: dict[str, Any] = {}
+        props_l, layout_l, size_l, start_l = props.tolist(), layout.tolist(), size_len.tolist(), size_start.tolist()
+        for pos, fqn in enumerate(fqns):
+            w = f"state_dict_metadata[{fqn!r}]"
+            if props_l[pos] == 0:
+                if layout_l[pos] or size_l[pos]:
+                    raise MetadataFormatError(f"{w}: a bytes item with a size or chunks")
+                self.state_dict_metadata[fqn] = BytesStorageMetadata()
+                self._add(None, None, False)
+                continue
+            size = torch.Size(size_vals[start_l[pos]:start_l[pos] + size_l[pos]].tolist())
+            if layout_l[pos]:
+                o, s, t, dups = boxes[layout_l[pos] - 1]
+            else:
+                o, s = self._odd(odd, pos, w, sizes)
+                t, dups = [tuple(x) for x in s], len(set(o)) != len(o)
+            dtype, lay, grad, mf, pin = table[props_l[pos] - 1]
+            self.state_dict_metadata[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype, lay, grad, mf, pin), size, list(map(ChunkStorageMetadata, o, s)))
+            self._add(o, t, dups)
+        unknown = set(odd) - {str(p) for p in range(n) if layout_l[p] == 0 and props_l[p]}
+        if unknown:
+            raise MetadataFormatError(f"metadata.odd_chunks: entries {sorted(unknown)[:5]} belong to no tensor")
+
+    def _add(self, offsets: list | None, shapes: list | None, has_dups: bool) -> None:
+        self.offsets.append(offsets)
+        self.shapes.append(shapes)
+        self.has_dups.append(has_dups)
+
+    @staticmethod
+    def _odd(odd: dict, pos: int, where: str, sizes: _Sizes) -> tuple[list, list]:
+        boxes = odd.get(str(pos))
+        if type(boxes) is not list:
+            raise MetadataFormatError(f"metadata.odd_chunks: missing the chunks of {where}")
+        o, s = [], []
+        for j, box in enumerate(boxes):
+            if type(box) is not list or len(box) != 2:
+                raise MetadataFormatError(f"{where}.chunks[{j}]: expected [offsets, sizes]")
+            o.append(m._size(box[0], f"{where}.chunks[{j}].offsets"))
+            s.append(m._size(box[1], f"{where}.chunks[{j}].sizes"))
+        return o, s

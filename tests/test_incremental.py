@@ -1,0 +1,363 @@
+"""Incremental checkpoints against the real server: references into a sibling base, loads
+(1 and 2 ranks, a 2→1 reshard, async), deletion by reference (retention, rm, gc),
+materialize, corruption in a base, and bases that are refused before any upload."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from s3dcp import CheckpointManager, S3StorageReader, S3StorageWriter, cli
+from s3dcp.client import S3Client
+from s3dcp.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    MetadataFormatError,
+    root_error,
+)
+from s3dcp import gc
+from s3dcp.incremental import materialize
+from s3dcp.manager import delete_checkpoint
+from s3dcp.uri import object_key, parse_s3_uri
+
+from test_multiprocess import Job, _assert_bitwise, run_jobs
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "base.weight": torch.randn(512, 128, generator=g),  # 256 KiB, frozen
+        "base.embed": torch.randn(300, 64, generator=g).to(torch.bfloat16),  # frozen
+        "lora.a": torch.randn(8, 128, generator=g),  # trained
+        "step": 1,
+    }
+
+
+def _blank(sd: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
+
+
+def _save(sd: dict, uri: str, client: S3Client, **kw) -> S3StorageWriter:
+    writer = S3StorageWriter(uri, client=client, **kw)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def _load(sd: dict, uri: str, client: S3Client) -> dict:
+    out = _blank(sd)
+    dcp.load(out, storage_reader=S3StorageReader(uri, client=client), no_dist=True)
+    return out
+
+
+def _check(out: dict, sd: dict) -> None:
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            _assert_bitwise(out[k], v, k)
+        else:
+            assert out[k] == v, k
+
+
+def _keys(boto3_client, bucket: str, prefix: str = "run/") -> list[str]:
+    return sorted(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def _locations(uri: str, client: S3Client) -> dict[str, str]:
+    md = S3StorageReader(uri, client=client).fetch_metadata()
+    return {index.fqn: loc.object_name for index, loc in md.storage_data.items()}
+
+
+@pytest.fixture(autouse=True)
+def s3_env(monkeypatch, s3_server):
+    """The CLI takes its endpoint and credentials from the environment, as users run it."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def client(s3_config):
+    return S3Client(s3_config)
+
+
+@pytest.fixture
+def chain(bucket, client):
+    """step-1 (full, crc64nvme), step-2 (lora changed), step-3 (lora and a write through
+    ``.data`` to base.weight): each incremental on the one before."""
+    run = f"s3://{bucket}/run"
+    sd = _state()
+    states = {}
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    states[1] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    sd["lora.a"].add_(1.0)
+    sd["step"] = 2
+    w2 = _save(sd, f"{run}/step-2", client, incremental_from=f"{run}/step-1")
+    states[2] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    version = sd["base.weight"]._version
+    sd["base.weight"].data[7, 3] += 1.0  # through an alias: the version counter does not see it
+    assert sd["base.weight"]._version == version
+    sd["lora.a"].add_(1.0)
+    sd["step"] = 3
+    w3 = _save(sd, f"{run}/step-3", client, incremental_from=f"{run}/step-2")
+    states[3] = sd
+    return run, states, (w2, w3)
+
+
+# ---------------------------------------------------------------------------- pure
+def test_object_key_resolves_siblings_and_refuses_escapes():
+    uri = parse_s3_uri("s3://b-1/run/step-2")
+    assert object_key(uri, "__0_0.ab.distcp") == "run/step-2/__0_0.ab.distcp"
+    assert object_key(uri, "../step-1/__0_0.ab.distcp") == "run/step-1/__0_0.ab.distcp"
+    for bad in ("../../x/y", "a/b", "../step-1/../y", "..", "", "../step-1/", "../step-1/a/b", "/abs"):
+        with pytest.raises(MetadataFormatError, match="refusing"):
+            object_key(uri, bad)
+    with pytest.raises(MetadataFormatError):  # a checkpoint at the bucket root has no siblings' parent
+        object_key(parse_s3_uri("s3://b-1/step-2"), "../../x")
+
+
+# ---------------------------------------------------------------------------- save and load
+def test_unchanged_items_are_references_and_every_step_loads_bitwise(chain, client, bucket, boto3_client, capsys):
+    run, states, (w2, w3) = chain
+    for step, sd in states.items():
+        _check(_load(sd, f"{run}/step-{step}", client), sd)
+    loc2, loc3 = _locations(f"{run}/step-2", client), _locations(f"{run}/step-3", client)
+    # step-2: the frozen tensors are references into step-1; lora and step are its own
+    assert loc2["base.weight"].startswith("../step-1/") and loc2["base.embed"].startswith("../step-1/")
+    assert "/" not in loc2["lora.a"] and "/" not in loc2["step"]
+    # step-3: base.embed points at step-1 directly (never at step-2's reference); the write
+    # through .data and lora were uploaded
+    assert loc3["base.embed"] == loc2["base.embed"]
+    assert "/" not in loc3["base.weight"] and "/" not in loc3["lora.a"]
+    frozen = sum(states[1][k].numel() * states[1][k].element_size() for k in ("base.weight", "base.embed"))
+    assert w2.last_stats.inherited_bytes == frozen and w2.last_stats.bytes < 8 * 1024
+    assert w3.last_stats.inherited_bytes == 300 * 64 * 2  # only base.embed
+    # no object was written into a base's directory by an incremental save
+    assert len([k for k in _keys(boto3_client, bucket) if k.startswith("run/step-1/")]) == 2
+    # inspect shows bytes written vs inherited, per base
+    code, out = cli.main(["inspect", f"{run}/step-2", "--json"]), \
+        capsys.readouterr().out
+    assert code == 0
+    report = json.loads(out)
+    assert report["inherited"] == {"step-1": {"items": 2, "bytes": frozen}}
+    assert report["written"]["items"] == 2
+
+
+def test_async_incremental_save_holds_the_values_at_the_call(bucket, client):
+    run = f"s3://{bucket}/run"
+    sd = _state(3)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    sd["lora.a"].add_(2.0)
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    writer = S3StorageWriter(f"{run}/step-2", client=client, incremental_from=f"{run}/step-1")
+    response = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+    sd["base.weight"].mul_(3)  # after async_save returns, the caller may change its state
+    sd["lora.a"].mul_(3)
+    getattr(response, "upload_completion", response).result()
+    _check(_load(expected, f"{run}/step-2", client), expected)
+    assert _locations(f"{run}/step-2", client)["base.weight"].startswith("../step-1/")
+
+
+def test_a_base_without_crc64_checksums_uploads_everything(bucket, client, caplog):
+    run = f"s3://{bucket}/run"
+    sd = _state(4)
+    _save(sd, f"{run}/step-1", client)  # default crc32c item checksums: 32 bits cannot decide
+    with caplog.at_level(logging.WARNING, logger="s3dcp"):
+        writer = _save(sd, f"{run}/step-2", client, incremental_from=f"{run}/step-1")
+    assert writer.last_stats.inherited_bytes == 0 and "no crc64nvme item checksums" in caplog.text
+    assert all("/" not in name for name in _locations(f"{run}/step-2", client).values())
+
+
+def _two_rank_worker(rank: int, world: int, bucket: str, cfg) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _state(7)
+    specs = {"base.weight": Shard(0), "base.embed": Shard(0), "lora.a": Replicate()}
+    sd = {k: distribute_tensor(v, mesh, [specs[k]], src_data_rank=None) for k, v in full.items() if k != "step"}
+    run = f"s3://{bucket}/run"
+    dcp.save(sd, storage_writer=S3StorageWriter(f"{run}/step-1", config=cfg, item_checksum="crc64nvme"))
+    sd["lora.a"].to_local().add_(1.0)
+    if rank == 0:
+        sd["base.embed"].to_local()[0, 0] += 1  # one element of rank 0's shard
+    writer = S3StorageWriter(f"{run}/step-2", config=cfg, incremental_from=f"{run}/step-1")
+    dcp.save(sd, storage_writer=writer)
+    back = {k: distribute_tensor(torch.zeros_like(v), mesh, [specs[k]], src_data_rank=None) for k, v in full.items()
+            if k != "step"}
+    dcp.load(back, storage_reader=S3StorageReader(f"{run}/step-2", config=cfg))
+    for k in back:
+        _assert_bitwise(back[k].to_local(), sd[k].to_local(), f"rank {rank} {k}")
+    return {"inherited": writer.last_stats.inherited_bytes, "uploaded": writer.last_stats.bytes,
+            "full": {k: v.full_tensor() for k, v in sd.items()}}
+
+
+def test_two_ranks_round_trip_and_a_two_to_one_reshard(s3_server, bucket, client, tmp_path):
+    job = Job("incremental", _two_rank_worker, 2, (bucket, s3_server.s3_config()))
+    run_jobs(tmp_path, job)
+    r0, r1 = job.results
+    # each rank inherited its own unchanged shards; rank 0's changed embed shard was uploaded
+    assert r0["inherited"] == 256 * 128 * 4 and r1["inherited"] == 256 * 128 * 4 + 150 * 64 * 2
+    md = S3StorageReader(f"s3://{bucket}/run/step-2", client=client).fetch_metadata()
+    refs = sorted((i.fqn, tuple(i.offset)) for i, loc in md.storage_data.items()
+                  if loc.object_name.startswith("../step-1/"))
+    assert refs == [("base.embed", (150, 0)), ("base.weight", (0, 0)), ("base.weight", (256, 0))]
+    # 2 -> 1: one process loads the two-rank incremental checkpoint into plain tensors
+    full = r0["full"]
+    out = _load(full, f"s3://{bucket}/run/step-2", client)
+    for k, v in full.items():
+        _assert_bitwise(out[k], v, f"resharded {k}")
+
+
+# ---------------------------------------------------------------------------- integrity
+def test_a_flipped_byte_in_a_base_object_fails_the_incremental_load(chain, client, bucket, boto3_client):
+    run, states, _ = chain
+    name = _locations(f"{run}/step-3", client)["base.embed"]  # ../step-1/<object>
+    key = object_key(parse_s3_uri(f"{run}/step-3"), name)
+    md = S3StorageReader(f"{run}/step-1", client=client).fetch_metadata()
+    loc = next(loc for index, loc in md.storage_data.items() if index.fqn == "base.embed")
+    body = bytearray(boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[loc.offset + 11] ^= 0x01
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(BaseException) as info:
+        _load(states[3], f"{run}/step-3", client)
+    err = root_error(info.value)
+    assert isinstance(err, IntegrityError), repr(info.value)
+    assert f"s3://{bucket}/{key}" in str(err) and "'base.embed'" in str(err)
+
+
+# ---------------------------------------------------------------------------- refused bases
+def test_bad_bases_are_refused_before_any_upload(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(5)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    _save(sd, f"s3://{bucket}/other/step-1", client, item_checksum="crc64nvme")
+    # outside the parent prefix, another bucket, the target itself: refused at construction
+    for base in (f"s3://{bucket}/other/step-1", f"s3://{bucket}/run/deeper/step-1", f"s3://{bucket}-x/run/step-1",
+                 f"{run}/step-2", f"s3://{bucket}/run"):
+        with pytest.raises(ConfigError, match="same directory"):
+            S3StorageWriter(f"{run}/step-2", client=client, incremental_from=base)
+    # ...and when the path comes from checkpoint_id
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=S3StorageWriter(client=client, incremental_from=f"s3://{bucket}/other/step-1"),
+                 checkpoint_id=f"{run}/step-2", no_dist=True)
+    assert isinstance(root_error(info.value), ConfigError)
+    # missing, and incomplete (data objects but no .metadata: a failed or running save)
+    boto3_client.put_object(Bucket=bucket, Key="run/step-9/__0_0.abcdef012345.distcp", Body=b"x" * 10)
+    for base, error in ((f"{run}/step-8", CheckpointNotFoundError), (f"{run}/step-9", IncompleteCheckpointError)):
+        with pytest.raises(BaseException) as info:
+            _save(sd, f"{run}/step-2", client, incremental_from=base)
+        err = root_error(info.value)
+        assert isinstance(err, error) and f"incremental_from={base!r}" in str(err), repr(info.value)
+    assert not [k for k in _keys(boto3_client, bucket) if k.startswith("run/step-2/")]
+
+
+class _BaseDeletedBeforeCommit(S3StorageWriter):
+    """A writer whose base loses an object between the uploads and the commit (a cleanup run
+    elsewhere)."""
+
+    boto3 = None
+    doomed_key = ""
+
+    def finish(self, metadata, results):
+        self.boto3.delete_object(Bucket=self._uri.bucket, Key=self.doomed_key)
+        return super().finish(metadata, results)
+
+
+def test_commit_refuses_a_reference_whose_object_vanished(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(8)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    base_key = next(k for k in _keys(boto3_client, bucket) if k.endswith(".distcp"))
+    sd["lora.a"].add_(1.0)
+    writer = _BaseDeletedBeforeCommit(f"{run}/step-2", client=client, incremental_from=f"{run}/step-1")
+    writer.boto3, writer.doomed_key = boto3_client, base_key
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    err = root_error(info.value)
+    assert isinstance(err, IncompleteCheckpointError) and "../step-1/" in str(err) and "missing" in str(err)
+    # nothing committed, and the failed save removed only its own objects
+    assert _keys(boto3_client, bucket) == ["run/step-1/.metadata"]
+
+
+# ---------------------------------------------------------------------------- deletion by reference
+def test_rm_of_a_base_keeps_what_others_reference_and_gc_never_deletes_it(chain, client, bucket, boto3_client,
+                                                                           capsys):
+    run, states, _ = chain
+    before = [k for k in _keys(boto3_client, bucket) if k.startswith("run/step-1/")]
+    code = cli.main(["rm", f"{run}/step-1", "--yes", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["kept_referenced"] == [k for k in before if not k.endswith(".metadata")]
+    with pytest.raises(IncompleteCheckpointError):  # gone as a checkpoint (objects without metadata)...
+        S3StorageReader(f"{run}/step-1", client=client).fetch_metadata()
+    # ...not listed any more, but what step-2 and step-3 reference is still there
+    assert [c.step for c in CheckpointManager(run, client=client, name_format="step-{step}").list()] == [2, 3]
+    assert cli.main(["ls", run, "--json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["step-2", "step-3"]
+    # gc, however old everything looks, keeps referenced objects
+    report = gc(run, older_than_s=0, client=client, now=4e9)
+    assert not [k for k in report.deleted if k.startswith("run/step-1/")]
+    for step in (2, 3):
+        _check(_load(states[step], f"{run}/step-{step}", client), states[step])
+    # step-2 goes: its own objects that step-3 does not use go; step-1's object stays (step-3 uses it)
+    result = delete_checkpoint(client, parse_s3_uri(f"{run}/step-2"))
+    assert len([k for k in _keys(boto3_client, bucket) if k.startswith("run/step-1/")]) == 1
+    assert result.released == []
+    # the last reference goes: the object of the long-deleted step-1 is released with it
+    result = delete_checkpoint(client, parse_s3_uri(f"{run}/step-3"))
+    assert result.released and _keys(boto3_client, bucket) == []
+
+
+def test_retention_keep_last_1_over_incremental_checkpoints(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(6)
+    with CheckpointManager(run, client=client, keep_last=1, async_mode=False, incremental=True) as manager:
+        for step in range(1, 5):
+            sd["lora.a"].add_(1.0)
+            sd["step"] = step
+            manager.save(step, sd)
+            assert manager.last_writer.last_stats.inherited_bytes == (0 if step == 1 else 512 * 128 * 4 + 300 * 64 * 2)
+        assert [c.step for c in manager.list()] == [4]
+        out = _blank(sd)
+        assert manager.load(out) == 4
+    _check(out, sd)
+    # what is left: step 4's own objects, and step 1's object that holds the frozen tensors
+    keys = _keys(boto3_client, bucket)
+    assert [k for k in keys if "step-00000004" not in k] == [
+        k for k in keys if k.startswith("run/step-00000001/") and k.endswith(".distcp")]
+    assert len([k for k in keys if "step-00000001" in k]) == 1
+    assert len([k for k in keys if "step-00000002" in k or "step-00000003" in k]) == 0
+
+
+def test_materialize_then_deleting_every_base_leaves_it_loadable(chain, client, bucket, boto3_client, capsys):
+    run, states, _ = chain
+    code = cli.main(["materialize", f"{run}/step-3", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["items"] == 1 and report["copied_objects"] == 1
+    assert all("/" not in name for name in _locations(f"{run}/step-3", client).values())
+    for step in (1, 2):
+        delete_checkpoint(client, parse_s3_uri(f"{run}/step-{step}"))
+    assert all(k.startswith("run/step-3/") for k in _keys(boto3_client, bucket))
+    _check(_load(states[3], f"{run}/step-3", client), states[3])
+    # a second run has nothing to do
+    assert materialize(f"{run}/step-3", client=client).items == 0
+
+
+def test_server_side_copy_in_parts(s3_server, bucket, boto3_client):
+    from dataclasses import replace
+
+    client = S3Client(replace(s3_server.s3_config(), part_size_bytes=5 * 2**20))
+    body = torch.randint(0, 256, (11 * 2**20 + 123,), dtype=torch.uint8).numpy().tobytes()
+    boto3_client.put_object(Bucket=bucket, Key="src", Body=body)
+    assert client.copy(bucket, "src", "dst", len(body), multipart_threshold_bytes=2**20).result() == len(body)
+    assert boto3_client.get_object(Bucket=bucket, Key="dst")["Body"].read() == body
+    assert client.copy(bucket, "src", "dst2", len(body)).result() == len(body)  # one CopyObject
+    assert boto3_client.get_object(Bucket=bucket, Key="dst2")["Body"].read() == body
+    assert not boto3_client.list_multipart_uploads(Bucket=bucket).get("Uploads")

@@ -1,0 +1,108 @@
+"""Endurance: checkpoint cycles of a training loop leave this process as they found it.
+
+The 20-cycle version of ``benchmarks/soak.py`` (async saves through CheckpointManager with
+retention, loads into fresh state dicts, ``s3dcp verify``, synchronous saves of non-contiguous
+tensors, ``s3dcp.gc``), judged by the benchmark's own criteria: flatness, never timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
+
+import soak  # noqa: E402
+
+MiB = 1024 * 1024
+
+# 64 MiB: one state leaked per cycle is 20x the limit (5% = 3.2 MiB). The operations run in
+# cycles 1-2 (warm-up), 6, 12 and 18, so each end of the run holds one period of them: cycles
+# 3-8 and 15-20. A run that has grown by 512 MiB stops: the leak is plain by then.
+SETTINGS = soak.SoakSettings(cycles=20, state_bytes=64 * MiB, load_every=6, verify_every=6, sync_every=6,
+                             gc_every=6, stop_at_growth_bytes=512 * MiB)
+
+
+@pytest.fixture
+def no_log_records_kept():
+    """pytest keeps every log record a test emits until the test ends, and DCP logs a few
+    dozen DEBUG records per save: memory the test harness holds, not the library."""
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@pytest.mark.timeout(300)
+def test_twenty_checkpoint_cycles_stay_flat(s3_server, bucket, boto3_client, tmp_path):
+    """In a process of its own, as a training job is: this test process holds everything the
+    suite has done so far, which would be measured too. With MALLOC_ARENA_MAX=2, as the README
+    advises for long jobs: glibc gives each thread that allocates (the CRT's I/O threads come and
+    go) an arena of its own and keeps their memory, a bounded step growth of tens of MiB that is
+    the allocator's policy, not memory s3dcp holds (measured: +24 MiB over 20 cycles without it,
+    flat with it; a leak of one 64 MiB state per cycle still fails either way)."""
+    import json
+    import subprocess
+
+    config = s3_server.s3_config()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(MALLOC_ARENA_MAX="2", AWS_ACCESS_KEY_ID=config.access_key_id, AWS_SECRET_ACCESS_KEY=config.secret_access_key,
+               AWS_REGION=config.region, PYTHONPATH=os.pathsep.join(sys.path))
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(soak.__file__)), "soak.py"),
+         "--endpoint", config.endpoint_url, "--bucket", bucket,
+         "--cycles", str(SETTINGS.cycles), "--state-mib", str(SETTINGS.state_bytes // MiB),
+         "--load-every", "6", "--verify-every", "6", "--sync-every", "6", "--gc-every", "6",
+         "--stop-at-growth-mib", "512", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=280, check=False)
+    result = json.loads(out.read_text())
+    assert proc.returncode == 0 and result["passed"], f"soak failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert result["summary"]["cycles"] == SETTINGS.cycles
+
+
+# ---------------------------------------------------------------------- the judging, no server
+def _cycles(rss_mib: list[float], fds: list[int] | None = None) -> list[soak.Cycle]:
+    out = []
+    for i, rss in enumerate(rss_mib):
+        c = soak.Cycle(i + 1, loaded=True if i == 1 else None, verified=True if i == 1 else None)
+        c.sample = {"rss_bytes": int(rss * MiB), "rss_untrimmed_bytes": int(rss * MiB), "py_threads": 2,
+                    "os_threads": 8, "fds": fds[i] if fds else 20, "arenas": 1, "arena_bytes": 64 * MiB}
+        out.append(c)
+    return out
+
+
+def _verdict(cycles: list[soak.Cycle]) -> dict[str, bool]:
+    return {c.name: c.passed for c in soak.judge(soak.summarize(cycles, SETTINGS))}
+
+
+def test_a_state_leaked_per_cycle_fails_and_transients_do_not():
+    assert soak.window(SETTINGS, 20) == 6
+    flat = [400.0] * 20
+    assert all(_verdict(_cycles(flat)).values())
+
+    # every 6th cycle holds 100 MiB more for two cycles (a CRT part buffer pool before its trim)
+    spiky = [400.0 + (100 if i % 6 in (0, 1) else 0) for i in range(20)]
+    assert _verdict(_cycles(spiky))["RSS growth after cycle 2"]
+
+    leaking = [400.0 + 64 * i for i in range(20)]  # one 64 MiB state per cycle
+    assert not _verdict(_cycles(leaking))["RSS growth after cycle 2"]
+    slow = [400.0 + 0.5 * i for i in range(20)]  # 0.5 MiB per cycle: 6 MiB between the ends
+    assert not _verdict(_cycles(slow))["RSS growth after cycle 2"]
+
+    fd_leak = [20 + i // 2 for i in range(20)]  # a socket every other cycle
+    verdict = _verdict(_cycles(flat, fds=fd_leak))
+    assert not verdict["open fds flat"] and verdict["RSS growth after cycle 2"]
+
+
+def test_a_failed_operation_fails_the_run():
+    cycles = _cycles([400.0] * 20)
+    cycles[7].errors.append("verify: S3Error: boom")
+    assert not _verdict(cycles)["every checkpoint verified"]
+    cycles = _cycles([400.0] * 20)
+    cycles[5].gc_deleted = 3  # gc must never delete a committed checkpoint's objects
+    assert not _verdict(cycles)["every checkpoint verified"]

@@ -558,13 +558,18 @@ class _Call:
     def start(self, native: "_NativeClient") -> bool:
         """Make the CRT request; False if that failed (the call is then over, its future failed)."""
         self._native = native
+        # The request may end on a CRT thread before _start returns: the deadline exists before
+        # it (so _end always finds it to cancel), and the request is kept only if not over yet.
+        if self._timeout_s is not None:
+            self._deadline = deadlines().add(self._timeout_s, self._expire)
         try:
-            self._request = self._start(native.crt, self._on_done)
+            request = self._start(native.crt, self._on_done)
         except BaseException as e:  # noqa: BLE001 - reaches the future
             self._end(error=e, free_slot=False)
             return False
-        if self._timeout_s is not None:
-            self._deadline = deadlines().add(self._timeout_s, self._expire)
+        self._request = request
+        if self._finished:  # _end sets _finished before it clears _request: one of us clears it
+            self._request = None
         return True
 
     def _expire(self) -> None:

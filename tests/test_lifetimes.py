@@ -92,6 +92,34 @@ def test_finished_requests_leave_no_deadlines(client, bucket):
     assert _request_deadlines() == 0
 
 
+def test_a_request_that_ends_before_its_start_returns_keeps_nothing():
+    """The CRT may finish a request on its own thread before make_request returns to the
+    submitting thread: the deadline must still be cancelled and the request not kept."""
+
+    class Request:
+        pass
+
+    class Native:
+        crt = object()
+        slots_freed = 0
+
+        def finished(self):
+            self.slots_freed += 1
+
+    def start(_crt, on_done):
+        request = Request()
+        on_done(error=None)  # the CRT thread wins the race
+        return request
+
+    before = _request_deadlines()
+    call = client_mod._Call("GetObject", "b", "k", start, lambda: "value", [], timeout_s=600.0)
+    native = Native()
+    assert call.start(native)
+    assert call.future.result(timeout=1) == "value"
+    assert _request_deadlines() == before
+    assert call._request is None and native.slots_freed == 1
+
+
 def test_callbacks_never_block_crt_threads(s3_server, bucket):
     """One slot, a paginated listing (each page is started from the previous page's CRT
     callback) and puts from this thread competing for it: all must finish. A blocking

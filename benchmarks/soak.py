@@ -28,12 +28,17 @@ glibc keeps free for reuse; the RSS before that is recorded too).
 Growth is judged on the lowest value over the last W cycles against the lowest over the W
 cycles after cycle 2 (W: whole periods of the operations, >= 5 cycles; both ends hold the same
 mix). A leak lifts every later sample; what is let go a few seconds later (part buffers the CRT
-trims when idle, sockets and native clients that linger for the next request) lifts only some,
-not the lowest. Pass criteria, printed with the result (exit status 1 if one fails):
+trims when idle) lifts only some, not the lowest. Idle native clients, which linger for the next
+client of their config, are released and their threads awaited before each sample: how many
+linger depends on the pace of the cycles, not on leaks. Pass criteria, printed with the result
+(exit status 1 if one fails):
 
     RSS growth after cycle 2   <= 5% of the state's bytes
     threads flat               Python's: growth 0; the OS's: growth <= 1 (CRT host resolver)
-    open fds flat              growth <= 4 (connection pools open and close sockets)
+    open fds flat              files, pipes, event fds other than sockets: growth <= 2
+    sockets bounded            at most 2 x max_concurrency per native client held (the CRT pools
+                               connections, opening one when a request finds none idle, up to the
+                               highest concurrency seen: the count rises for a while, then stays)
     staging arenas flat        no arena allocated after cycle 2
     every checkpoint verified  every save committed, every load equal to what was saved, every
                                verify OK, gc deleted nothing, no operation raised
@@ -74,7 +79,8 @@ from common import (  # noqa: E402
 RSS_GROWTH_LIMIT = 0.05  # of the state's bytes
 # How much a count may grow (see summarize) without counting as growth: the CRT resolves host
 # names on threads that come and go, and its connection pools open and close sockets.
-SLACK = {"py_threads": 0, "os_threads": 1, "fds": 4}
+SLACK = {"py_threads": 0, "os_threads": 1, "other_fds": 2}
+SOCKETS_PER_SLOT = 2  # sockets bound: per request slot (max_concurrency) of each native client
 MIN_WINDOW = 5  # cycles
 TENSOR_BYTES = 4 * MiB  # the state is made of fp32 tensors of (at most) this size
 
@@ -180,13 +186,22 @@ def sample() -> dict:
 
     ``rss_bytes`` is taken after a garbage collection and ``malloc_trim``: memory still in use,
     not freed memory glibc keeps for reuse (whose amount depends on the order of frees, not on
-    leaks); ``rss_untrimmed_bytes`` is the RSS before that."""
+    leaks); ``rss_untrimmed_bytes`` is the RSS before that.
+
+    Idle native clients (which linger ``_IDLE_LINGER_S`` for the next checkpoint's client of
+    their config, at most ``_MAX_IDLE`` of them) are released first, and their CRT threads and
+    sockets awaited: how many linger at a sample depends on the cycle's pace, not on leaks. A
+    client still held after its reader or writer is done is not idle, and is counted."""
+    from s3dcp import client as client_mod
+    from s3dcp.client import close_native_clients, native_clients
     from s3dcp.staging import shared_pool
 
     me = psutil.Process()
     untrimmed = me.memory_info().rss
+    released = close_native_clients(idle_only=True, wait_s=5.0)
     release_memory()
     pool = shared_pool()
+    kinds = _fd_kinds()
     names: dict[str, int] = {}
     for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
         with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
@@ -198,11 +213,29 @@ def sample() -> dict:
         "py_threads": threading.active_count(),
         "os_threads": me.num_threads(),
         "fds": me.num_fds(),
+        "sockets": kinds.get("socket", 0),
+        "other_fds": me.num_fds() - kinds.get("socket", 0),
+        "socket_bound": SOCKETS_PER_SLOT * sum(n.limit for n in list(client_mod._NATIVE.values())),
+        "native_clients": native_clients(),
+        "idle_native_clients_released": released,
         "arenas": pool.allocations,
         "arena_bytes": pool.bytes_allocated,
         "arenas_in_use": pool.in_use,
         "os_thread_names": dict(sorted(names.items())),  # Linux: which threads, to tell what grew
+        "fd_kinds": kinds,  # Linux: sockets, pipes, files..., to tell what grew
     }
+
+
+def _fd_kinds() -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        kind = target.split(":", 1)[0] if ":" in target and not target.startswith("/") else "file"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items()))
 
 
 @contextlib.contextmanager
@@ -388,7 +421,8 @@ def summarize(cycles: list[Cycle], settings: SoakSettings) -> dict:
         "stop_at_growth_bytes": settings.stop_at_growth_bytes,
         "window_cycles": w,
     }
-    for key in ("rss_bytes", "rss_untrimmed_bytes", "py_threads", "os_threads", "fds", "arenas", "arena_bytes"):
+    for key in ("rss_bytes", "rss_untrimmed_bytes", "py_threads", "os_threads", "fds", "other_fds", "sockets",
+                "arenas", "arena_bytes"):
         low_first = min(c.sample[key] for c in first)
         low_last = min(c.sample[key] for c in last)
         out[key] = {
@@ -399,6 +433,7 @@ def summarize(cycles: list[Cycle], settings: SoakSettings) -> dict:
             "max_after_cycle2": max(c.sample[key] for c in cycles[2:]),
             "end": cycles[-1].sample[key],
         }
+    out["sockets_over_bound"] = sum(c.sample["sockets"] > c.sample["socket_bound"] for c in cycles[2:])
     between = max(1, len(cycles) - 2 - w)  # cycles from the first window's middle to the last's
     out["rss_growth_per_cycle_bytes"] = out["rss_bytes"]["growth"] / between
     out.update(
@@ -433,7 +468,11 @@ def judge(summary: dict) -> list[Criterion]:
                   f"{limit / MiB:.1f} MiB = {RSS_GROWTH_LIMIT:.0%} of {s['state_bytes'] / MiB:.0f} MiB"),
         _flat("Python threads", s, "py_threads", ends),
         _flat("OS threads", s, "os_threads", ends),
-        _flat("open fds", s, "fds", ends),
+        _flat("open fds other than sockets", s, "other_fds", ends),
+        Criterion("sockets bounded", s["sockets_over_bound"] == 0,
+                  f"highest {s['sockets']['max_after_cycle2']} (cycle 2: {s['sockets']['cycle2']}, end: "
+                  f"{s['sockets']['end']}); {s['sockets_over_bound']} samples above their bound",
+                  f"{SOCKETS_PER_SLOT} x max_concurrency per native client held"),
         Criterion("staging arenas flat",
                   s["arenas"]["max_after_cycle2"] <= s["arenas"]["cycle2"]
                   and s["arena_bytes"]["max_after_cycle2"] <= s["arena_bytes"]["cycle2"],

@@ -43,14 +43,15 @@ _LAZY = {
 }
 
 
-def close() -> None:
+def close(wait_s: float = 0.0) -> None:
     """Release what s3dcp holds process-wide: native CRT clients (idle ones at once, busy ones
     when their last request ends) and idle staging memory. Safe to call any time; anything used
-    afterwards is made again on demand."""
+    afterwards is made again on demand. With ``wait_s``, wait up to that long for the CRT's
+    threads and sockets to be gone (e.g. before forking workers)."""
     from .client import close_native_clients
     from .staging import release_staging_memory
 
-    close_native_clients()
+    close_native_clients(wait_s=wait_s)
     release_staging_memory()
 
 

@@ -22,6 +22,7 @@ import io
 import itertools
 import logging
 import threading
+import time
 import weakref
 import xml.etree.ElementTree as ET
 from concurrent.futures import Future
@@ -629,6 +630,7 @@ class _NativeClient:
         self.users = 0  # S3Clients holding it
         self.in_flight = 0
         self.closed = False  # dropped from the registry; the CRT client goes with its last request
+        self.idle_since = 0.0  # when its last S3Client let go (orders idle clients, oldest first)
         self._queue: collections.deque[_Call] = collections.deque()
         self._lock = threading.Lock()
 
@@ -666,6 +668,7 @@ class _NativeClient:
 _NATIVE: dict = {}  # key -> _NativeClient
 _NATIVE_LOCK = threading.Lock()
 _IDLE_LINGER_S = 10.0  # an unused native client waits this long for the next checkpoint's writer
+_MAX_IDLE = 2  # idle native clients kept at most (each holds CRT threads and sockets)
 
 
 class _NativeUse:
@@ -701,33 +704,59 @@ def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _Native
 
 
 def _release_native(native: _NativeClient) -> None:
+    """An S3Client let go of ``native``. Unused, it lingers for the next checkpoint's client of the
+    same configuration, but at most ``_MAX_IDLE`` idle ones are kept: a job that makes a config
+    per load (rotating credentials) holds a bounded number of CRT threads and sockets at any
+    pace, not as many as it made in the last ``_IDLE_LINGER_S``."""
     with _NATIVE_LOCK:
         native.users -= 1
-        unused = native.users == 0
-    if unused:
+        if native.users or _NATIVE.get(native.key) is not native:
+            return
+        native.idle_since = time.monotonic()
+        unused = sorted((n for n in _NATIVE.values() if n.users == 0), key=lambda n: n.idle_since)
+        surplus = unused[:-_MAX_IDLE]
+        for n in surplus:
+            del _NATIVE[n.key]
+    for n in surplus:
+        _retire(n)
+    if native not in surplus:
         deadlines().add(_IDLE_LINGER_S, lambda: _drop_if_idle(native))
 
 
 def _drop_if_idle(native: _NativeClient) -> None:
     with _NATIVE_LOCK:
-        if native.idle and _NATIVE.get(native.key) is native:
-            del _NATIVE[native.key]
-            native.closed = True
+        if not (native.idle and _NATIVE.get(native.key) is native):
+            return
+        del _NATIVE[native.key]
+    _retire(native)
+
+
+def _retire(native: _NativeClient):
+    """Close ``native``, already out of the registry: its CRT client goes now if nothing is in
+    flight, else with its last request. Returns the CRT client's shutdown event (None if gone)."""
+    with native._lock:
+        native.closed = True
+        crt = native.crt
+        if native.in_flight == 0:
             native.crt = None
+    return None if crt is None else crt.shutdown_event
 
 
-def close_native_clients() -> None:
-    """Release every native client of this process (``s3dcp.close()``): idle ones now, busy
-    ones when their last request ends. S3Clients still in use take a fresh one on their next
-    request."""
+def close_native_clients(*, idle_only: bool = False, wait_s: float = 0.0) -> int:
+    """Release native clients of this process (``s3dcp.close()``): every one, or with
+    ``idle_only`` those no S3Client holds. Idle ones go now, busy ones when their last request
+    ends; S3Clients still in use take a fresh one on their next request. With ``wait_s``, wait up
+    to that long for their CRT threads and sockets to be gone. Returns how many were released."""
     with _NATIVE_LOCK:
-        natives = list(_NATIVE.values())
-        _NATIVE.clear()
-    for native in natives:
-        with native._lock:
-            native.closed = True
-            if native.in_flight == 0:
-                native.crt = None
+        natives = [n for n in _NATIVE.values() if not idle_only or n.users == 0]
+        for native in natives:
+            del _NATIVE[native.key]
+    events = [e for e in map(_retire, natives) if e is not None]
+    deadline = time.monotonic() + wait_s
+    for event in events:
+        if wait_s > 0:
+            event.wait(max(0.0, deadline - time.monotonic()))
+    return len(natives)
 
 
 def native_clients() -> int:

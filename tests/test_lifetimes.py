@@ -208,6 +208,39 @@ def test_s3dcp_close_releases_every_native_client(s3_server, bucket):
     c.close()
 
 
+def test_idle_native_clients_are_capped(s3_server, bucket):
+    """A config per load (as with rotated credentials) must not hold a CRT client, its threads
+    and sockets, per load made in the last linger period: the oldest idle ones go at once."""
+    events = []
+    for i in range(client_mod._MAX_IDLE + 3):
+        c = S3Client(s3_server.s3_config(request_timeout_s=900.0 + i))
+        c.put(bucket, f"cap{i}", b"1").result()
+        events.append(c._native().crt.shutdown_event)
+        c.close()
+    idle = [n for n in client_mod._NATIVE.values() if n.users == 0 and n.key[1].request_timeout_s >= 900.0]
+    assert len(idle) == client_mod._MAX_IDLE
+    assert all(e.wait(10) for e in events[:-client_mod._MAX_IDLE]), "a surplus idle client was kept"
+    assert not any(e.is_set() for e in events[-client_mod._MAX_IDLE:]), "the newest idle ones must linger"
+
+
+def test_close_waits_for_native_threads_and_sockets(s3_server, bucket):
+    import psutil
+
+    me = psutil.Process()
+    s3dcp.close(wait_s=10)
+    threads, fds = me.num_threads(), me.num_fds()
+    in_use = S3Client(s3_server.s3_config(max_concurrency=7))
+    in_use.put(bucket, "w", b"1").result()
+    idle = S3Client(s3_server.s3_config(max_concurrency=8))
+    idle.put(bucket, "w2", b"1").result()
+    idle.close()
+    assert client_mod.close_native_clients(idle_only=True, wait_s=10) == 1
+    assert client_mod.native_clients() == 1  # the one an S3Client still holds
+    s3dcp.close(wait_s=10)
+    assert (me.num_threads(), me.num_fds()) == (threads, fds)
+    in_use.close()
+
+
 def test_credentials_follow_the_environment(s3_server, bucket, monkeypatch):
     good = s3_server.s3_config()
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):

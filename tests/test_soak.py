@@ -66,12 +66,14 @@ def test_twenty_checkpoint_cycles_stay_flat(s3_server, bucket, boto3_client, tmp
 
 
 # ---------------------------------------------------------------------- the judging, no server
-def _cycles(rss_mib: list[float], fds: list[int] | None = None) -> list[soak.Cycle]:
+def _cycles(rss_mib: list[float], fds: list[int] | None = None, sockets: list[int] | None = None) -> list[soak.Cycle]:
     out = []
     for i, rss in enumerate(rss_mib):
         c = soak.Cycle(i + 1, loaded=True if i == 1 else None, verified=True if i == 1 else None)
+        other, sock = fds[i] if fds else 14, sockets[i] if sockets else 6
         c.sample = {"rss_bytes": int(rss * MiB), "rss_untrimmed_bytes": int(rss * MiB), "py_threads": 2,
-                    "os_threads": 8, "fds": fds[i] if fds else 20, "arenas": 1, "arena_bytes": 64 * MiB}
+                    "os_threads": 8, "fds": other + sock, "other_fds": other, "sockets": sock,
+                    "socket_bound": 32, "arenas": 1, "arena_bytes": 64 * MiB}
         out.append(c)
     return out
 
@@ -94,9 +96,14 @@ def test_a_state_leaked_per_cycle_fails_and_transients_do_not():
     slow = [400.0 + 0.5 * i for i in range(20)]  # 0.5 MiB per cycle: 6 MiB between the ends
     assert not _verdict(_cycles(slow))["RSS growth after cycle 2"]
 
-    fd_leak = [20 + i // 2 for i in range(20)]  # a socket every other cycle
+    fd_leak = [14 + i // 2 for i in range(20)]  # a file or pipe every other cycle
     verdict = _verdict(_cycles(flat, fds=fd_leak))
-    assert not verdict["open fds flat"] and verdict["RSS growth after cycle 2"]
+    assert not verdict["open fds other than sockets flat"] and verdict["RSS growth after cycle 2"]
+
+    warming = [min(16, 3 + i) for i in range(20)]  # a connection pool growing to its working size
+    assert all(_verdict(_cycles(flat, sockets=warming)).values())
+    socket_leak = [3 + 2 * i for i in range(20)]  # two connections never closed per cycle
+    assert not _verdict(_cycles(flat, sockets=socket_leak))["sockets bounded"]
 
 
 def test_a_failed_operation_fails_the_run():

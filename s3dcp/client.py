@@ -33,7 +33,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from .config import S3Config
 from .errors import IntegrityError, NoSuchKeyError, S3ConnectionError, S3DCPError, S3Error
 from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
-from .streams import BufferStream, chain, deadlines, gather
+from .streams import BufferStream, chain, deadlines, finalizer, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error"]
 
@@ -82,7 +82,7 @@ class S3Client:
         self.config = config.resolved()
         self._lock = threading.Lock()
         self._use = _NativeUse()
-        weakref.finalize(self, self._use.release)  # an S3Client dropped without close() lets go too
+        weakref.finalize(self, finalizer(self._use.release))  # dropped without close(): lets go too
         parts = urlsplit(self.config.endpoint_url)
         self._tls = parts.scheme == "https"
         self._host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"

@@ -48,6 +48,7 @@ import torch
 
 from . import statetree
 from .pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
+from .streams import finalizer
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
 
@@ -203,7 +204,7 @@ class StagingMixin:
             lease.release()
             raise
         result = _StagedDict(staged)
-        weakref.finalize(result, lease.release)  # a save that died before it ever called the writer
+        weakref.finalize(result, finalizer(lease.release))  # a save that died before it called the writer
         if not lease.pending:
             lease.copied.set()
         self._lease = lease

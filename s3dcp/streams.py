@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import io
 import itertools
 import logging
+import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-__all__ = ["BufferStream", "Deadline", "Deadlines", "deadlines", "chain", "gather"]
+__all__ = ["BufferStream", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer"]
 
 log = logging.getLogger("s3dcp")
 
@@ -143,6 +146,68 @@ _DEADLINES = Deadlines()
 def deadlines() -> Deadlines:
     """The process-wide :class:`Deadlines` (one thread for every client)."""
     return _DEADLINES
+
+
+class _Finalizers:
+    """The thread that runs what weakref finalizers hand it.
+
+    A finalizer runs wherever its object happens to die: on any thread, at any allocation that
+    starts a garbage collection, including inside a critical section that holds the very lock
+    the finalizer's work needs (a non-reentrant lock then deadlocks; a reentrant one lets the
+    work change state half-way through that section). So s3dcp's finalizers do nothing but
+    ``SimpleQueue.put`` (reentrant, safe in finalizers), and this thread does the work.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        atexit.register(self._finish)
+
+    def wrap(self, work: Callable[[], None]) -> Callable[[], None]:
+        """``work`` as a finalizer callback. Call this where the finalizer is registered (never
+        from a finalizer): it makes sure the thread runs, in a forked child too."""
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name="s3dcp-finalizers", daemon=True)
+                    self._thread.start()
+        put = self._queue.put
+
+        def callback() -> None:
+            if getattr(weakref.finalize, "_shutdown", False):  # interpreter exit: no locks held
+                work()
+            else:
+                put(work)
+
+        return callback
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception:  # pragma: no cover - logged, the thread goes on
+                log.warning("s3dcp finalizer failed", exc_info=True)
+            del work
+
+    def _finish(self) -> None:
+        """At exit: let the thread do what it was handed and end, so that no work (freeing
+        CRT clients, staging memory) is cut off half-way by the interpreter's finalization."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout=10.0)
+
+
+_FINALIZERS = _Finalizers()
+
+
+def finalizer(work: Callable[[], None]) -> Callable[[], None]:
+    """A callback for ``weakref.finalize`` that runs ``work`` on s3dcp's finalizer thread."""
+    return _FINALIZERS.wrap(work)
 
 
 def chain(f: Future, outer: Future, handle: Callable) -> None:

@@ -241,6 +241,29 @@ def test_close_waits_for_native_threads_and_sockets(s3_server, bucket):
     in_use.close()
 
 
+def test_a_client_dropped_under_the_registry_lock_does_not_deadlock(s3_server, bucket):
+    """A finalizer runs wherever its object dies, e.g. in a garbage collection that starts at an
+    allocation inside _acquire_native's critical section (the CI once hung so): the release it
+    triggers must not need that lock on that thread."""
+    holder = [S3Client(s3_server.s3_config(max_concurrency=9))]
+    holder[0].put(bucket, "fin", b"1").result()
+    native = holder[0]._native()
+    finished = threading.Event()
+
+    def drop_under_the_lock():
+        with client_mod._NATIVE_LOCK:
+            holder.clear()
+            gc.collect()
+        finished.set()
+
+    threading.Thread(target=drop_under_the_lock, daemon=True).start()
+    assert finished.wait(10), "the dropped client's finalizer deadlocked on the registry lock"
+    deadline = time.monotonic() + 10
+    while native.users and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert native.users == 0, "the dropped client never let go of its native client"
+
+
 def test_credentials_follow_the_environment(s3_server, bucket, monkeypatch):
     good = s3_server.s3_config()
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):

@@ -6,11 +6,41 @@ the ``s3_server`` fixture errors, loudly.
 
 from __future__ import annotations
 
+import multiprocessing.util
+import os
+import shutil
+import tempfile
 import uuid
 
 import pytest
 
 from s3dcp.testing import SeaweedServer
+
+
+def pytest_configure(config):
+    """Everything the run puts in the temp directory goes into one directory of its own, removed
+    at the end: this process's temp files, the server's data and sockets, and those of every
+    subprocess (they inherit TMPDIR), including the ones killed on purpose (the FSDP2 example's
+    SIGKILL, multiprocessing's pymp-* dirs of workers that end with os._exit)."""
+    run_tmp = tempfile.mkdtemp(prefix="s3dcp-tests-")
+    config.stash[_TMP] = (run_tmp, os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"] = tempfile.tempdir = run_tmp
+
+
+def pytest_unconfigure(config):
+    run_tmp, env, previous = config.stash[_TMP]
+    tempfile.tempdir = previous
+    if env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = env
+    # Removed at exit, after multiprocessing removes its own pymp-* dir from it (its exit
+    # finalizer has priority -100; a lower one runs later), and after the server's exit hook.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(run_tmp,), kwargs={"ignore_errors": True},
+                                  exitpriority=-101)
+
+
+_TMP = pytest.StashKey[tuple]()
 
 
 @pytest.fixture(scope="session")

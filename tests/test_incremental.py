@@ -192,6 +192,59 @@ def test_async_incremental_save_holds_the_values_at_the_call(bucket, client):
     assert _locations(f"{run}/step-2", client)["base.weight"].startswith("../step-1/")
 
 
+def test_manager_async_incremental_does_not_wait_for_saves_in_flight(bucket, s3_config, monkeypatch):
+    """max_inflight_checkpoints=2: a save while the previous one still commits returns at once,
+    on the newest committed base; retention keeps that base until the save using it ends."""
+    from dataclasses import replace
+
+    client = S3Client(replace(s3_config, max_inflight_checkpoints=2))
+    held = {1: threading.Event(), 2: threading.Event()}  # released by the test
+    reached = {1: threading.Event(), 2: threading.Event()}
+    real_finish = S3StorageWriter.finish
+
+    def held_finish(self, metadata, results):  # the commit of steps 1 and 2 waits for the test
+        step = int(self._uri.prefix.rpartition("-")[2])
+        if step in held:
+            reached[step].set()
+            _wait(held[step], f"the test to let step {step} commit")
+        return real_finish(self, metadata, results)
+
+    monkeypatch.setattr(S3StorageWriter, "finish", held_finish)
+    run = f"s3://{bucket}/run"
+    sd = _state(12)
+    manager = CheckpointManager(run, client=client, keep_last=1, incremental=True)  # async_mode by default
+    try:
+        manager.save(0, sd).result(timeout=60)
+        sd["lora.a"].add_(1.0)
+        f1 = manager.save(1, sd)
+        _wait(reached[1], "step 1 to reach its commit")
+        sd["lora.a"].add_(1.0)
+        sd["step"] = 2
+        expected = _copy(sd)
+        box: dict = {}
+        second = threading.Thread(target=lambda: box.setdefault("f2", manager.save(2, sd)), daemon=True)
+        second.start()
+        second.join(60)
+        assert not second.is_alive(), "save(2) on the training thread waited for step 1's commit"
+        assert not f1.done()
+        assert manager.last_writer.incremental_from.prefix == "run/step-00000000"  # newest committed
+        _wait(reached[2], "step 2 to reach its commit")
+        held[1].set()
+        f1.result(timeout=60)  # step 1's retention (keep_last=1) must keep step 0: step 2's base
+        assert S3StorageReader(f"{run}/step-00000000", client=client).fetch_metadata() is not None
+        held[2].set()
+        box["f2"].result(timeout=60)
+        assert [c.step for c in manager.list()] == [2]
+        assert manager.last_writer.last_stats.inherited_bytes == 512 * 128 * 4 + 300 * 64 * 2
+        manager.close()
+    finally:
+        for event in held.values():
+            event.set()
+        manager._drain()
+    _check(_load(expected, f"{run}/step-00000002", client), expected)
+    assert _locations(f"{run}/step-00000002", client)["base.weight"].startswith("../step-00000000/")
+
+
 def test_a_base_without_crc64_checksums_uploads_everything(bucket, client, caplog):
     run = f"s3://{bucket}/run"
     sd = _state(4)
@@ -226,9 +279,41 @@ def _two_rank_worker(rank: int, world: int, bucket: str, cfg) -> dict:
             "full": {k: v.full_tensor() for k, v in sd.items()}}
 
 
+def _two_rank_manager_worker(rank: int, world: int, bucket: str, cfg) -> dict:
+    """Async incremental saves through the manager (its default mode) on two ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    specs = {"base.weight": Shard(0), "base.embed": Shard(0), "lora.a": Replicate()}
+    sd = {k: distribute_tensor(v, mesh, [specs[k]], src_data_rank=None) for k, v in _state(11).items() if k != "step"}
+    manager = CheckpointManager(f"s3://{bucket}/mrun", config=cfg, keep_last=2, incremental=True)
+    writers = []
+    for step in (1, 2, 3):
+        sd["lora.a"].to_local().add_(1.0)
+        manager.save(step, sd)  # async: returns once staged; the next one may change sd at once
+        writers.append(manager.last_writer)
+    manager.wait()
+    back = {k: distribute_tensor(torch.zeros_like(v.full_tensor()), mesh, [specs[k]], src_data_rank=None)
+            for k, v in sd.items()}
+    assert manager.load(back) == 3
+    for k in back:
+        _assert_bitwise(back[k].to_local(), sd[k].to_local(), f"rank {rank} {k}")
+    return {"inherited": [w.last_stats.inherited_bytes for w in writers],
+            "bases": [None if w.incremental_from is None else w.incremental_from.prefix for w in writers],
+            "listed": [c.step for c in manager.list()]}
+
+
 def test_two_ranks_round_trip_and_a_two_to_one_reshard(s3_server, bucket, client, tmp_path):
     job = Job("incremental", _two_rank_worker, 2, (bucket, s3_server.s3_config()))
-    run_jobs(tmp_path, job)
+    managed = Job("incremental-manager", _two_rank_manager_worker, 2, (bucket, s3_server.s3_config()))
+    run_jobs(tmp_path, job, managed)
+    # async incremental saves through the manager: each rank inherited its frozen shards from
+    # the checkpoint before, retention kept two
+    for r in managed.results:
+        assert r["bases"] == [None, "mrun/step-00000001", "mrun/step-00000002"]
+        assert r["inherited"] == [0] + [256 * 128 * 4 + 150 * 64 * 2] * 2
+        assert r["listed"] == [2, 3]
     r0, r1 = job.results
     # each rank inherited its own unchanged shards; rank 0's changed embed shard was uploaded
     assert r0["inherited"] == 256 * 128 * 4 and r1["inherited"] == 256 * 128 * 4 + 150 * 64 * 2
@@ -441,6 +526,7 @@ def test_rm_of_the_base_during_a_commit_never_leaves_a_dangling_reference(order,
         remover.start()
         remover.join(120)
         saver.join(120)
+        assert _dangling(client, boto3_client, bucket, run) == []
         err = outcome["save"]
         assert isinstance(err, IncompleteCheckpointError) and "deleted during the save" in str(err), repr(err)
         assert f"s3://{bucket}/run/step-1/.metadata is gone" in str(err)
@@ -449,11 +535,11 @@ def test_rm_of_the_base_during_a_commit_never_leaves_a_dangling_reference(order,
         _wait(at["checked"], "the save's checks")
         rm()
         saver.join(120)
+        assert _dangling(client, boto3_client, bucket, run) == []
         assert outcome["save"] == "committed", repr(outcome["save"])
         assert outcome["rm"].kept  # the marker made it keep what step-2 references
         _check(_load(expected, f"{run}/step-2", client), expected)
     assert not saver.is_alive()
-    assert _dangling(client, boto3_client, bucket, run) == []
     assert not [k for k in _keys(boto3_client, bucket) if k.endswith(PENDING_NAME)]
 
 

@@ -6,8 +6,8 @@
         ├─ yes: ItemLocation(object_name="../step-1000/__0_0.<save id>.distcp", the base's range)
         │       — nothing uploaded; a reference the base held is copied as is (no chains)
         └─ no:  uploaded as in a full save
-    commit (coordinator): every referenced object exists and is large enough (one LIST per
-        referenced directory), then .metadata as always
+    commit (coordinator): marker, base unchanged, every referenced object there at the size
+        the base records (one LIST per referenced directory), then .metadata as always (below)
 
 References are plain object names relative to the checkpoint directory, so the metadata format
 does not change: ``"__0_0.tok.distcp"`` is the checkpoint's own object, ``"../<sibling>/<name>"``

@@ -182,7 +182,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._base, self._base_etag = None, None
         if self.incremental_from is not None:  # every rank: its own items are decided on it
             if is_coordinator:  # before the read: the commit checks the base is still this object
-                self._base_etag = self._base_metadata_etag()
+                self._base_etag = self._base_metadata_etag()[1]
             self._base = BaseIndex.load(self.client, self._uri, self.incremental_from)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -276,7 +276,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             log.info("commit of %s was retried after a lost answer; the stored metadata is this save's", uri)
         finally:
             if marker:  # committed (the metadata now names the references) or never will be
-                self._delete_own({PENDING_NAME})
+                self._delete_pending()
         stale = replaced - {loc.object_name for loc in metadata.storage_data.values()}
         if stale:
             self._delete_replaced(sorted(stale))
@@ -305,27 +305,36 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             log.debug("could not read back %s after a failed conditional commit", key, exc_info=True)
             return False
 
-    def _base_metadata_etag(self) -> str | None:
-        """The ETag of the base's ``.metadata`` now (None when it is missing: the read that
-        follows says what is wrong)."""
+    def _base_metadata_etag(self) -> tuple[bool, str | None]:
+        """Whether the base's ``.metadata`` exists now, and its ETag (at set-up a missing one
+        is left to the read that follows, which says what is wrong)."""
         base = self.incremental_from
         try:
-            return self.client.head(base.bucket, base.key(METADATA_NAME)).result().etag
+            return True, self.client.head(base.bucket, base.key(METADATA_NAME)).result().etag
         except NoSuchKeyError:
-            return None
+            return False, None
 
     def _check_base_unchanged(self) -> None:
         """Refuse to commit unless the base's ``.metadata`` is still the object set-up read
         (same ETag): deleted, the base's objects may be going; replaced, they may differ."""
         base = self.incremental_from
         where = f"s3://{base.bucket}/{base.key(METADATA_NAME)}"
-        etag = self._base_metadata_etag()
-        if etag is None or etag != self._base_etag:
+        present, etag = self._base_metadata_etag()
+        if not present or etag != self._base_etag:
             raise IncompleteCheckpointError(
                 f"refusing to commit {self._uri}: its incremental base {base} was "
-                f"{'deleted' if etag is None else 'replaced'} during the save ({where} "
-                f"{'is gone' if etag is None else f'has ETag {etag}, not {self._base_etag}'}), so the objects "
+                f"{'replaced' if present else 'deleted'} during the save ({where} "
+                f"{f'has ETag {etag}, not {self._base_etag}' if present else 'is gone'}), so the objects "
                 "it references may be deleted; nothing was committed — save again (on another base)")
+
+    def _delete_pending(self) -> None:
+        """Delete this save's pending-references marker (after its commit, or its failure)."""
+        uri = self._uri
+        try:
+            self.client.delete(uri.bucket, [uri.key(PENDING_NAME)]).result()
+        except S3DCPError:
+            log.warning("could not delete %s; it keeps the objects it names until `s3dcp gc` removes it",
+                        uri.child(PENDING_NAME), exc_info=True)
 
     def _check_objects(self, locations) -> None:
         """Refuse to commit unless every object the metadata names is there with its size:

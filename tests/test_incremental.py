@@ -543,6 +543,29 @@ def test_rm_of_the_base_during_a_commit_never_leaves_a_dangling_reference(order,
     assert not [k for k in _keys(boto3_client, bucket) if k.endswith(PENDING_NAME)]
 
 
+def test_a_base_replaced_during_the_save_is_refused_at_the_commit(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(13)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+
+    def overwrite_the_base(point):
+        if point == "finish":  # another job saves step-1 again (its old objects go)
+            other = threading.Thread(target=_save, args=(_state(14), f"{run}/step-1", client),
+                                     kwargs={"overwrite": True, "item_checksum": "crc64nvme"})
+            other.start()
+            other.join(60)
+
+    writer = _PausingWriter(f"{run}/step-2", client=client, incremental_from=f"{run}/step-1")
+    writer.pause = overwrite_the_base
+    sd["lora.a"].add_(1.0)
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    err = root_error(info.value)
+    assert isinstance(err, IncompleteCheckpointError) and "was replaced during the save" in str(err), repr(err)
+    assert f"s3://{bucket}/run/step-1/.metadata has ETag" in str(err)
+    assert [k for k in _keys(boto3_client, bucket) if not k.startswith("run/step-1/")] == []
+
+
 def test_gc_deletes_stale_pending_markers_and_then_what_only_they_kept(chain, client, bucket, boto3_client):
     run, states, _ = chain
     # a save of step-4 died between its marker and its commit: the marker names step-2's own

@@ -94,8 +94,10 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
        the unchanged ones (incremental), pack the others into a few objects and upload them in
        parallel; nothing is visible as a checkpoint yet
     6. ``finish(metadata, results)`` — coordinator, called only if every rank's writes
-       succeeded: checks every object the metadata names (own and referenced), then writes
-       the metadata object, which commits the checkpoint
+       succeeded: with references, puts a pending-references marker and checks the base is
+       still the committed checkpoint set-up read; checks every object the metadata names
+       (own and referenced) at its exact size; then writes the metadata object, which commits
+       the checkpoint, and deletes the marker
 
     :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
     training thread (see :class:`s3dcp.staging.StagingMixin`), then runs 0-6 in the background.

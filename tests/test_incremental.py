@@ -372,6 +372,7 @@ def test_bad_bases_are_refused_before_any_upload(s3_server, bucket, client, boto
             dcp.save(sd, storage_writer=S3StorageWriter(client=proxied, incremental_from=f"s3://{bucket}/other/step-1"),
                      checkpoint_id=f"{run}/step-2", no_dist=True)
         assert isinstance(root_error(info.value), ConfigError)
+        assert _uploads(proxy) == []
         # missing, and incomplete (data objects but no .metadata: a failed or running save)
         for base, error in ((f"{run}/step-8", CheckpointNotFoundError), (f"{run}/step-9", IncompleteCheckpointError)):
             proxy.reset_stats()

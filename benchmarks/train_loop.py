@@ -28,6 +28,7 @@ PNG plots in --out.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -118,12 +119,17 @@ def train_step(model, optimizer, batch, target):
 class Checkpointer:
     """One mode's checkpoint call: ``save`` returns when the loop may go on, ``pending`` says
     whether an upload still runs, ``finish`` waits for it; ``durable_at`` is when the last
-    checkpoint became durable (perf_counter seconds)."""
+    checkpoint became durable (perf_counter seconds).
+
+    An async save's time is taken by a callback of DCP's future, and ``finish`` waits for that
+    callback's own future (``_durable``), not for DCP's: ``future.result()`` may return before
+    the callbacks have run, and would then leave the previous checkpoint's time in place."""
 
     def __init__(self, mode: str, args, config, bucket: str, scratch: str, rank: int, world: int):
         self.mode, self.args, self.config, self.bucket = mode, args, config, bucket
         self.scratch, self.rank, self.world = scratch, rank, world
-        self.future = None
+        self.future = None  # DCP's future of the upload in flight
+        self._durable: concurrent.futures.Future | None = None  # its perf_counter time once durable
         self.durable_at = 0.0
         self.boto3 = boto3_client_for(config) if mode == "monolithic" and rank == 0 else None
 
@@ -137,20 +143,24 @@ class Checkpointer:
         elif self.mode == "s3-sync":
             dcp.save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config))
         else:
-            self.future = dcp.async_save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config))
-            self.future.add_done_callback(self._mark_durable)
+            self._track(dcp.async_save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config)))
             return
         self.durable_at = time.perf_counter()
 
-    def _mark_durable(self, _future) -> None:
-        self.durable_at = time.perf_counter()
+    def _track(self, future) -> None:
+        """Follow an async save's future: its done time lands in ``self._durable``."""
+        durable: concurrent.futures.Future = concurrent.futures.Future()
+        self.future, self._durable = future, durable
+        future.add_done_callback(lambda _f: durable.set_result(time.perf_counter()))
 
     def pending(self) -> bool:
-        return self.future is not None and not self.future.done()
+        return self._durable is not None and not self._durable.done()
 
     def finish(self) -> None:
+        """Wait until the upload in flight is durable (raising its error); set ``durable_at``."""
         if self.future is not None:
-            future, self.future = self.future, None
+            future, durable, self.future, self._durable = self.future, self._durable, None, None
+            self.durable_at = durable.result()  # set by the callback: never the previous checkpoint's time
             future.result()
 
     def _uri(self, name: str) -> str:

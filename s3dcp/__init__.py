@@ -2,7 +2,7 @@
 
     import s3dcp
 
-    s3dcp.save(state_dict, "s3://bucket/run/step-1000")          # errors: s3dcp.S3DCPError subclasses
+    s3dcp.save(state_dict, "s3://bucket/run/step-1000")          # errors: catchable (except Exception)
     future = s3dcp.async_save(state_dict, "s3://bucket/run/step-2000")
     s3dcp.load(state_dict, "s3://bucket/run/step-1000")
 
@@ -31,6 +31,7 @@ _LAZY = {
     "save": ".api",
     "async_save": ".api",
     "load": ".api",
+    "last_save_stats": ".api",
     "S3StorageWriter": ".writer",
     "S3StorageReader": ".reader",
     "HostBufferPool": ".staging",

@@ -13,11 +13,16 @@ Why these exist next to ``dcp.save(..., storage_writer=S3StorageWriter(...))``:
   :class:`S3StorageReader` for an ``s3://`` path.
 - DCP reports every failure as a ``CheckpointException``, a ``BaseException`` (so
   ``except Exception`` misses it) whose text is a traceback per rank. These calls raise the
-  error that caused it instead — an :class:`~s3dcp.errors.S3DCPError` subclass such as
+  error that caused it instead (:func:`~s3dcp.errors.unwrap_error`) — an
+  :class:`~s3dcp.errors.S3DCPError` subclass such as
   :class:`~s3dcp.errors.CheckpointNotFoundError` or :class:`~s3dcp.errors.AccessDeniedError`
-  when s3dcp raised it, else the original exception — with ``failed_ranks`` (the ranks that
-  failed, ascending) and ``rank_errors`` ({rank: exception}) attached, chained ``from`` DCP's
-  exception.
+  when s3dcp raised it, else the original exception (a planner's ``ValueError``, say) — with
+  ``failed_ranks`` (the ranks that failed, ascending) and ``rank_errors`` ({rank: exception})
+  attached, chained ``from`` DCP's exception.
+- Any other keyword (``incremental_from=``, ``item_checksum=``, ``pool=``) goes to
+  :class:`S3StorageWriter`; the figures of the save (:class:`~s3dcp.writer.SaveStats`: bytes,
+  stage and upload seconds, GB/s, bytes inherited) are ``future.stats`` of an async save and
+  :func:`last_save_stats` for both.
 
 They run on every rank, like DCP's calls, with the process group when torch.distributed is
 initialized and without one otherwise.
@@ -27,15 +32,53 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .client import S3Client
 from .config import S3Config
-from .errors import ConfigError
+from .errors import ConfigError, unwrap_error
+from .errors import _dcp_cause as _cause
 from .reader import S3StorageReader
 
-__all__ = ["save", "async_save", "load", "unwrap_error"]
+if TYPE_CHECKING:
+    from .writer import S3StorageWriter, SaveStats
+
+__all__ = ["save", "async_save", "load", "unwrap_error", "last_save_stats", "SaveFuture"]
+
+_last_stats: list[Any] = [None]  # the SaveStats of the save that ended last in this process
+_last_stats_lock = threading.Lock()
+
+
+def last_save_stats() -> "SaveStats | None":
+    """The :class:`~s3dcp.writer.SaveStats` of the :func:`save` or :func:`async_save` that
+    committed last in this process (this rank's figures), or None before the first one.
+
+    With DCP's process executor the upload runs in another process, whose figures this
+    process does not see: ``stage_s`` only.
+    """
+    with _last_stats_lock:
+        return _last_stats[0]
+
+
+def _record(writer: "S3StorageWriter") -> None:
+    with _last_stats_lock:
+        _last_stats[0] = writer.last_stats
+
+
+class SaveFuture(concurrent.futures.Future):
+    """What :func:`async_save` returns: resolves to DCP's ``Metadata`` once the checkpoint is
+    committed, or raises the unwrapped error. ``writer`` is the :class:`S3StorageWriter` it
+    used; ``stats`` its :class:`~s3dcp.writer.SaveStats`, complete once the future is done."""
+
+    def __init__(self, writer: "S3StorageWriter") -> None:
+        super().__init__()
+        self.writer = writer
+
+    @property
+    def stats(self) -> "SaveStats":
+        return self.writer.last_stats
 
 
 def save(
@@ -47,24 +90,29 @@ def save(
     overwrite: bool = False,
     planner: Any = None,
     process_group: Any = None,
+    **writer_options: Any,
 ):
     """``dcp.save`` to ``path`` (``s3://bucket/prefix``) through :class:`S3StorageWriter`.
 
-    Returns DCP's ``Metadata`` once the checkpoint is committed. Raises the underlying error
-    (see the module docstring); a committed checkpoint at ``path`` raises
-    :class:`~s3dcp.errors.CheckpointExistsError` unless ``overwrite=True``.
+    Returns DCP's ``Metadata`` once the checkpoint is committed (its figures:
+    :func:`last_save_stats`). Raises the underlying error (see the module docstring); a
+    committed checkpoint at ``path`` raises :class:`~s3dcp.errors.CheckpointExistsError`
+    unless ``overwrite=True``. ``writer_options`` (``incremental_from=``, ``item_checksum=``,
+    ``pool=``) go to :class:`S3StorageWriter`.
     """
     import torch.distributed.checkpoint as dcp
 
     from .writer import S3StorageWriter
 
-    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite)
+    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
     try:
         with _single_process_is_meant():
-                return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                            no_dist=not _dist_on())
+            metadata = dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                                no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e) from _cause(e)
+    _record(writer)
+    return metadata
 
 
 def async_save(
@@ -77,13 +125,15 @@ def async_save(
     planner: Any = None,
     process_group: Any = None,
     async_checkpointer_type: Any = None,
-) -> concurrent.futures.Future:
+    **writer_options: Any,
+) -> SaveFuture:
     """``dcp.async_save`` to ``path`` through :class:`S3StorageWriter`.
 
     Returns once the state is staged (copied to host memory), so the caller may change its
-    tensors; the returned future resolves to DCP's ``Metadata`` when the checkpoint is
-    committed, or raises the underlying error (see the module docstring), never a
-    ``CheckpointException``.
+    tensors; the returned :class:`SaveFuture` resolves to DCP's ``Metadata`` when the
+    checkpoint is committed, or raises the underlying error (see the module docstring), never
+    a ``CheckpointException``; ``future.stats`` has the save's figures once it is done.
+    ``writer_options`` go to :class:`S3StorageWriter`, as for :func:`save`.
 
     ``async_checkpointer_type=AsyncCheckpointerType.PROCESS`` uploads from a separate process;
     DCP needs torch.distributed initialized for it (one rank is enough: see
@@ -101,7 +151,7 @@ def async_save(
             "process executor talks to its worker through the default process group), even for one "
             "process: call torch.distributed.init_process_group('gloo', ...) first (see "
             "examples/process_executor.py), or use the default thread executor")
-    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite)
+    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
     try:
         with _single_process_is_meant():
             response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
@@ -113,18 +163,16 @@ def async_save(
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e) from _cause(e)
     upload = getattr(response, "upload_completion", response)
-    outer: concurrent.futures.Future = concurrent.futures.Future()
+    outer = SaveFuture(writer)
     outer.set_running_or_notify_cancel()
 
     def done(inner: concurrent.futures.Future) -> None:
         try:
             result = inner.result()
-        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped, on the future
-            error = unwrap_error(e)
-            if error is not e:
-                error.__cause__ = _cause(e)
-            outer.set_exception(error)
+        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped (chained from DCP's), on the future
+            outer.set_exception(unwrap_error(e))
             return
+        _record(writer)
         outer.set_result(result)
 
     upload.add_done_callback(done)
@@ -157,40 +205,6 @@ def load(
                      no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e) from _cause(e)
-
-
-def unwrap_error(error: BaseException) -> BaseException:
-    """The exception that caused DCP's ``CheckpointException`` ``error``, with ``failed_ranks``
-    and ``rank_errors`` attached; any other exception as it is.
-
-    The cause is the lowest failing rank's error, preferring an s3dcp error over another
-    rank's collateral one (a rank that failed only because a peer did).
-    """
-    failures = getattr(error, "failures", None)
-    if not isinstance(failures, dict) or not failures or isinstance(error, Exception):
-        return error
-    rank_errors: dict[int, BaseException] = {}
-    for rank, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
-        if isinstance(inner, BaseException):
-            rank_errors[rank] = inner
-    if not rank_errors:
-        return error
-    from .errors import S3DCPError
-
-    ours = [e for e in rank_errors.values() if isinstance(e, S3DCPError)]
-    cause = ours[0] if ours else next(iter(rank_errors.values()))
-    try:
-        cause.failed_ranks = sorted(rank_errors)
-        cause.rank_errors = rank_errors
-    except AttributeError:  # an exception type with __slots__: give it back as it is
-        pass
-    return cause
-
-
-def _cause(error: BaseException) -> BaseException | None:
-    """What the unwrapped error is chained ``from``: DCP's exception, when there was one."""
-    return error if getattr(error, "failures", None) else error.__cause__
 
 
 @contextlib.contextmanager

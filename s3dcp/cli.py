@@ -234,7 +234,8 @@ def _parser() -> argparse.ArgumentParser:
                              "runs) and exit: eval \"$(s3dcp server --print-env)\"")
     action.add_argument("--stop", action="store_true", help="stop the server that --print-env names")
     p.add_argument("--bucket", action="append", default=None, metavar="NAME",
-                   help=f"create this bucket (repeatable; default: {DEFAULT_BUCKET})")
+                   help=f"create this bucket (repeatable; default: {DEFAULT_BUCKET}); with --print-env also on a "
+                        "server that runs already")
     p.add_argument("--no-bucket", action="store_true", help="create no bucket")
     p.add_argument("--dir", metavar="D", help="data directory to use and keep (default: temporary)")
     p.add_argument("--port", type=int, metavar="P", help="S3 port (default: a free one)")

@@ -44,6 +44,7 @@ __all__ = [
     "ThrottlingError",
     "S3ServerError",
     "S3ConnectionError",
+    "unwrap_error",
 ]
 
 
@@ -85,7 +86,8 @@ class UnsafePickleError(CheckpointError):
 
 def root_error(error: BaseException) -> BaseException:
     """The original error inside DCP's ``CheckpointException`` (which wraps each failed rank's
-    error with its traceback); any other error as it is."""
+    error with its traceback); any other error as it is. Prefer :func:`unwrap_error`, which
+    also says which ranks failed and prefers s3dcp's error to a rank's collateral one."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
@@ -93,6 +95,49 @@ def root_error(error: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             return inner
     return error
+
+
+def unwrap_error(error: BaseException) -> BaseException:
+    """The exception that caused DCP's ``CheckpointException`` ``error``, with ``failed_ranks``
+    (ascending) and ``rank_errors`` ({rank: exception}) attached and ``__cause__`` set to
+    ``error``; any other exception as it is.
+
+    The cause is the lowest failing rank's error, preferring an s3dcp error over another
+    rank's collateral one (a rank that failed only because a peer did). It is what
+    ``s3dcp.save``/``load``/``async_save`` and :class:`~s3dcp.CheckpointManager` raise, and
+    what to use around DCP's own calls::
+
+        try:
+            dcp.save(state_dict, storage_writer=S3StorageWriter(uri))
+        except BaseException as e:  # CheckpointException is a BaseException
+            raise s3dcp.unwrap_error(e)
+    """
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures or isinstance(error, Exception):
+        return error
+    rank_errors: dict[int, BaseException] = {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, BaseException):
+            rank_errors[rank] = inner
+    if not rank_errors:
+        return error
+    ours = [e for e in rank_errors.values() if isinstance(e, S3DCPError)]
+    cause = ours[0] if ours else next(iter(rank_errors.values()))
+    try:
+        cause.failed_ranks = sorted(rank_errors)
+        cause.rank_errors = rank_errors
+    except AttributeError:  # an exception type with __slots__: give it back as it is
+        pass
+    cause.__cause__ = error  # DCP's report (every rank's traceback) stays reachable
+    cause.__suppress_context__ = True
+    return cause
+
+
+def _dcp_cause(error: BaseException) -> BaseException | None:
+    """What :func:`unwrap_error`'s result is raised ``from``: DCP's ``CheckpointException``
+    when ``error`` is one, else the error's own cause (``raise unwrap_error(e) from _dcp_cause(e)``)."""
+    return error if getattr(error, "failures", None) else error.__cause__
 
 
 class S3Error(S3DCPError):

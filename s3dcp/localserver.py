@@ -2,7 +2,9 @@
 
     s3dcp server                          run here until Ctrl-C; creates s3://demo, prints its env
     eval "$(s3dcp server --print-env)"    in any shell: that server's AWS_* variables (when none
-                                          runs, one is started in the background first)
+                                          runs, one is started in the background first; the
+                                          buckets asked for, s3://demo by default, are created
+                                          on it when missing)
     s3dcp server --stop                   stop it
 
 The server is :class:`s3dcp.testing.SeaweedServer` (SeaweedFS ``weed mini`` on 127.0.0.1). A
@@ -101,19 +103,33 @@ def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, acces
 
 def print_env(*, buckets: Sequence[str], data_dir: str | None, port: int | None, access_key: str,
               secret_key: str | None) -> int:
-    """Print ``export`` lines for the running server, starting one in the background if none runs."""
+    """Print ``export`` lines for the running server, starting one in the background if none runs.
+
+    ``buckets`` are made sure of: a server that runs already gets those it lacks (created
+    there and recorded in its state file), so ``--print-env --bucket X`` always leaves
+    ``s3://X`` in place, or fails saying why (exit status 1).
+    """
     state = running_server()
+    created: list[str] = []
     if state is None:
         state = _start_detached(buckets=buckets, data_dir=data_dir, port=port, access_key=access_key,
                                 secret_key=secret_key)
         started = "started"
     else:
         started = "running"
+        try:
+            created = _create_missing_buckets(state, buckets)
+        except Exception as e:  # noqa: BLE001 - botocore's errors: say which server and bucket
+            print(f"s3dcp: error: could not create bucket(s) {', '.join(f's3://{b}' for b in buckets)} on the "
+                  f"running s3dcp server (pid {state['pid']}, {state['endpoint_url']}): {type(e).__name__}: {e}; "
+                  "stop it (s3dcp server --stop) and start it again", file=sys.stderr)
+            return 1
     for key, value in state["env"].items():
         print(f"export {key}={shlex.quote(value)}")
     sys.stdout.flush()
     names = ", ".join(f"s3://{b}" for b in state.get("buckets", [])) or "none (s3dcp mb s3://NAME)"
-    print(f"# s3dcp server {started}: pid {state['pid']}, {state['endpoint_url']}, bucket(s) {names}; "
+    made = f" (created now: {', '.join(f's3://{b}' for b in created)})" if created else ""
+    print(f"# s3dcp server {started}: pid {state['pid']}, {state['endpoint_url']}, bucket(s) {names}{made}; "
           "stop it with: s3dcp server --stop", file=sys.stderr)
     return 0
 
@@ -165,6 +181,32 @@ def _start_detached(*, buckets, data_dir, port, access_key, secret_key) -> dict[
                 proc.terminate()
             raise S3DCPError(f"the background s3dcp server did not start; see its log {log_path}")
         time.sleep(0.1)
+
+
+def _create_missing_buckets(state: dict[str, Any], buckets: Sequence[str]) -> list[str]:
+    """Create on the running server (``state``) those of ``buckets`` it lacks; record every one
+    in ``state`` and its file. Returns the names created."""
+    if not buckets:
+        return []
+    import boto3
+    from botocore.config import Config
+
+    env = state["env"]
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=state["endpoint_url"], region_name=env.get("AWS_REGION", "us-east-1"),
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}, proxies={}, retries={"max_attempts": 2}))
+    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    created = [name for name in buckets if name not in existing]
+    for name in created:
+        client.create_bucket(Bucket=name)
+    known = list(state.get("buckets", []))
+    if any(name not in known for name in buckets):
+        state["buckets"] = known + [name for name in buckets if name not in known]
+        current = running_server()
+        if current is not None and current["pid"] == state["pid"]:  # its file lists what --print-env names
+            _write_state(state_path(), state)
+    return created
 
 
 def _create_buckets(server, buckets: Sequence[str]) -> None:

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .client import ObjectInfo, S3Client
 from .config import S3Config
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, root_error
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
+from .errors import _dcp_cause as _cause
 from .incremental import DeleteResult, check_base, held_for_references
 from .incremental import delete_checkpoint as _delete_checkpoint
 from .layout import METADATA_NAME, is_data_object
@@ -101,7 +102,10 @@ class CheckpointManager:
 
     Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
-    triggers retention.
+    triggers retention. Every error is raised as :func:`s3dcp.unwrap_error` gives it — the
+    rank's own (an :class:`~s3dcp.errors.S3DCPError` when s3dcp raised it) with
+    ``failed_ranks`` and ``rank_errors``, chained from DCP's ``CheckpointException`` — never
+    the ``CheckpointException`` itself (a ``BaseException``).
     """
 
     def __init__(
@@ -196,9 +200,9 @@ class CheckpointManager:
             else:
                 response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
                                           no_dist=no_dist)
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             self._release_base(step)
-            raise
+            raise unwrap_error(e) from _cause(e)
         if not self.async_mode:
             self._release_base(step)
             elapsed = time.perf_counter() - started
@@ -215,10 +219,10 @@ class CheckpointManager:
             try:
                 metadata = f.result()
             except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
-                root = root_error(e)
+                error = unwrap_error(e)  # s3dcp's (or the original) error, chained from DCP's
                 log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
-                          type(root).__name__, " ".join(str(root).split()))
-                outer.set_exception(e)
+                          type(error).__name__, " ".join(str(error).split()))
+                outer.set_exception(error)
                 return
             upload_s = time.perf_counter() - returned
             self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
@@ -399,7 +403,10 @@ class CheckpointManager:
         from .reader import S3StorageReader
 
         reader = S3StorageReader(self.uri(step), config=self.config, client=self.client)
-        dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
+        try:
+            dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise unwrap_error(e) from _cause(e)
         return step
 
     def _is_coordinator(self) -> bool:

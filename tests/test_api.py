@@ -9,6 +9,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import s3dcp
+import s3dcp.api
 from s3dcp.errors import (
     AccessDeniedError,
     CheckpointExistsError,
@@ -111,6 +112,41 @@ def test_unwrap_error_prefers_an_s3dcp_error_over_collateral_ones():
     assert err is ours and err.failed_ranks == [0, 1] and err.rank_errors == {0: collateral, 1: ours}
     plain = ValueError("x")
     assert unwrap_error(plain) is plain
+
+
+def test_writer_options_pass_through_and_the_stats_are_reachable(bucket, s3_config):
+    base = f"s3://{bucket}/run/step-1"
+    state = _state()
+    s3dcp.save(state, base, config=s3_config, item_checksum="crc64nvme")  # an S3StorageWriter option
+    first = s3dcp.last_save_stats()
+    assert first.bytes >= 64 * 32 * 4 and first.upload_s > 0 and first.inherited_bytes == 0
+    state["model"]["b"].add_(1)  # w unchanged: an incremental save only refers to it
+    future = s3dcp.async_save(state, f"s3://{bucket}/run/step-2", config=s3_config, incremental_from=base)
+    assert isinstance(future, s3dcp.api.SaveFuture) and future.writer.incremental_from is not None
+    future.result(timeout=120)
+    assert future.stats.bytes == 32 * 4 and future.stats.inherited_bytes > 64 * 32 * 4  # b uploaded; w, step inherited
+    assert future.stats.stage_s > 0 and s3dcp.last_save_stats() is future.stats
+    out = _zeros(state)
+    s3dcp.load(out, f"s3://{bucket}/run/step-2", config=s3_config)
+    assert torch.equal(out["model"]["w"], state["model"]["w"]) and torch.equal(out["model"]["b"], state["model"]["b"])
+    with pytest.raises(TypeError, match="no_such_option"):
+        s3dcp.save(state, f"s3://{bucket}/run/step-3", config=s3_config, no_such_option=1)
+
+
+def test_an_error_s3dcp_did_not_raise_comes_back_as_its_own_type(uri, s3_config):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Broken(DefaultSavePlanner):
+        def create_local_plan(self):
+            raise ValueError("planner says no")
+
+    try:
+        s3dcp.save(_state(), uri, config=s3_config, planner=Broken())
+    except Exception as e:  # noqa: BLE001 - catchable, as the README says
+        caught = e
+    assert type(caught) is ValueError and str(caught) == "planner says no"
+    assert caught.failed_ranks == [0] and isinstance(caught.__cause__, CheckpointException)
+    assert s3dcp.unwrap_error is s3dcp.errors.unwrap_error is s3dcp.api.unwrap_error
 
 
 # ------------------------------------------------------------------------------ two ranks

@@ -328,9 +328,13 @@ def test_download_unpickles_only_with_allow_pickle(capsys, bucket, s3_config, tm
 
 
 # ------------------------------------------------------------------------------ server
-def _read_exports(stream) -> dict[str, str]:
+def _read_exports(stream, lines=None) -> dict[str, str]:
+    """The ``export`` lines of a server's output (up to its "# Ctrl-C" line); every line read
+    is appended to ``lines`` when given."""
     exports = {}
     for line in stream:
+        if lines is not None:
+            lines.append(line.rstrip("\n"))
         if line.startswith("export "):
             name, _, value = line[len("export "):].strip().partition("=")
             exports[name] = value
@@ -343,16 +347,28 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
     env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
     proc = subprocess.Popen([*CLI, "server"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        exports = _read_exports(proc.stdout)
+        lines: list[str] = []
+        exports = _read_exports(proc.stdout, lines)
         assert exports["AWS_ENDPOINT_URL_S3"].startswith("http://127.0.0.1:")
+        assert "# bucket: s3://demo" in lines, lines
         # a second shell: eval "$(s3dcp server --print-env)" gives the same server, starts none
         other = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=60)
-        assert other.returncode == 0 and f"pid {proc.pid}" in other.stderr
+        assert other.returncode == 0 and f"pid {proc.pid}" in other.stderr and "created now" not in other.stderr
         assert _read_exports(other.stdout.splitlines(keepends=True)) == exports
         for name, value in exports.items():
             monkeypatch.setenv(name, value)
         code, _, err = run(capsys, "ls", "s3://demo/")  # the default bucket exists
         assert code == 0 and "no checkpoints under s3://demo" in err
+        # --bucket names a bucket the running server lacks: created there, not silently ignored
+        more = subprocess.run([*CLI, "server", "--print-env", "--bucket", "more"], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert more.returncode == 0 and "created now: s3://more" in more.stderr, more.stderr
+        assert "bucket(s) s3://demo, s3://more" in more.stderr
+        code, _, err = run(capsys, "ls", "s3://more/")
+        assert code == 0 and "no checkpoints under s3://more" in err
+        again = subprocess.run([*CLI, "server", "--print-env", "--bucket", "more"], capture_output=True, text=True,
+                               env=env, timeout=60)
+        assert again.returncode == 0 and "created now" not in again.stderr and "s3://more" in again.stderr
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert not (tmp_path / "server.json").exists()  # it forgot itself

@@ -22,7 +22,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from s3dcp import CheckpointManager, S3Config
 from s3dcp.client import S3Client
-from s3dcp.errors import CheckpointNotFoundError, ConfigError, S3ServerError
+from s3dcp.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    S3ServerError,
+)
 from s3dcp.manager import delete_checkpoint
 from s3dcp.uri import parse_s3_uri
 
@@ -117,10 +123,13 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     manager.wait()
     client.fail_commit = True
     future = manager.save(2, _state(2))
-    with pytest.raises(CheckpointException) as e:
+    try:
         manager.wait()
-    assert "injected" in str(e.value)
-    assert future.exception() is not None
+    except Exception as e:  # noqa: BLE001 - s3dcp's error, not DCP's BaseException: except Exception catches it
+        caught = e
+    assert isinstance(caught, S3ServerError) and "injected" in str(caught) and caught.key.endswith("/.metadata")
+    assert caught.failed_ranks == [0] and isinstance(caught.__cause__, CheckpointException)
+    assert future.exception() is caught
     dirs = _dirs(boto3_client, bucket)
     assert _committed(dirs) == ["step-00000001"]  # the only good checkpoint stays
     assert ".metadata" not in dirs["step-00000002"]  # data of the failed save, left for gc
@@ -129,7 +138,7 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     # An error nobody waited for is raised by the next save, before it starts.
     concurrent.futures.wait([manager.save(3, _state(3))])
     client.fail_commit = False
-    with pytest.raises(CheckpointException):
+    with pytest.raises(S3ServerError, match="injected"):
         manager.save(4, _state(4))
     assert _committed(_dirs(boto3_client, bucket)) == ["step-00000001"]
 
@@ -141,11 +150,34 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     assert [i.committed for i in manager.list()] == [False, False, True]
 
     manager.save(4, _state(4))  # a committed step is never overwritten
-    with pytest.raises(CheckpointException, match="already holds a committed checkpoint"):
-        manager.wait()
+    with pytest.raises(CheckpointExistsError, match="already holds a committed checkpoint") as e:
+        manager.close()
+    assert e.value.failed_ranks == [0] and isinstance(e.value.__cause__, CheckpointException)
     manager.save(5, _state(5))  # and the failure left nothing stuck (the staging arena came back)
     manager.close()
     assert _committed(_dirs(boto3_client, bucket)) == ["step-00000005"]
+
+
+def test_sync_save_and_load_raise_s3dcp_errors_not_checkpoint_exception(bucket, s3_config, boto3_client):
+    manager = CheckpointManager(f"s3://{bucket}/run", config=s3_config, keep_last=None, async_mode=False)
+    manager.save(1, _state(1))
+    try:
+        manager.save(1, _state(2))  # synchronous: raised by save itself
+    except Exception as e:  # noqa: BLE001 - what a training script writes
+        caught = e
+    assert isinstance(caught, CheckpointExistsError) and "overwrite" in str(caught)
+    assert caught.failed_ranks == [0] and caught.rank_errors == {0: caught}
+    assert isinstance(caught.__cause__, CheckpointException)
+
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at") as e:
+        manager.load(_state(0), step=7)  # an explicit step that was never saved
+    assert e.value.failed_ranks == [0] and isinstance(e.value.__cause__, CheckpointException)
+    boto3_client.put_object(Bucket=bucket, Key="run/step-00000009/__0_0.aaaaaaaaaaaa.distcp", Body=b"x" * 10)
+    with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
+        manager.load(_state(0), step=9)
+    out = _state(0)
+    assert manager.load(out) == 1 and torch.equal(out["w"], _state(1)["w"])  # nothing stuck
+    manager.close()
 
 
 def test_latest_ignores_an_incomplete_newer_checkpoint(bucket, s3_config, boto3_client):

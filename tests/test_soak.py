@@ -91,6 +91,13 @@ def test_a_state_leaked_per_cycle_fails_and_transients_do_not():
     spiky = [400.0 + (100 if i % 6 in (0, 1) else 0) for i in range(20)]
     assert _verdict(_cycles(spiky))["RSS growth after cycle 2"]
 
+    step = [400.0 + (6 if i >= 5 else 0) for i in range(20)]  # glibc: +6 MiB once at cycle 6, then flat
+    assert _verdict(_cycles(step))["RSS growth after cycle 2"]
+    big_step = [400.0 + (40 if i >= 5 else 0) for i in range(20)]  # 40 MiB kept from cycle 6 on
+    assert not _verdict(_cycles(big_step))["RSS growth after cycle 2"]
+    staircase = [400.0 + 4 * (i // 6) for i in range(20)]  # 4 MiB more every 6th cycle (a load's leak)
+    assert not _verdict(_cycles(staircase))["RSS growth after cycle 2"]
+
     leaking = [400.0 + 64 * i for i in range(20)]  # one 64 MiB state per cycle
     assert not _verdict(_cycles(leaking))["RSS growth after cycle 2"]
     slow = [400.0 + 0.5 * i for i in range(20)]  # 0.5 MiB per cycle: 6 MiB between the ends

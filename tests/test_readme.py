@@ -1,0 +1,177 @@
+"""The README's commands and snippets run as written, against the session's server: an edit
+that breaks one fails here. ``s3://bucket/`` in a snippet becomes a fresh bucket; ``s3dcp`` and
+``python`` are this checkout's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+import s3dcp
+from s3dcp import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme() -> str:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _blocks(heading: str, lang: str) -> list[str]:
+    """The ``lang`` code blocks of the README section whose heading starts with ``heading``
+    (up to the next heading of the same or a higher level)."""
+    text = _readme()
+    match = re.search(rf"^(#+) {re.escape(heading)}.*$", text, flags=re.M)
+    assert match, f"README has no section {heading!r}"
+    level = len(match.group(1))
+    rest = text[match.end():]
+    end = re.search(rf"^#{{1,{level}}} ", rest, flags=re.M)
+    section = rest[:end.start()] if end else rest
+    return re.findall(rf"^```{lang}\n(.*?)^```", section, flags=re.M | re.S)
+
+
+@pytest.fixture
+def aws_env(monkeypatch, s3_server):
+    """The environment ``eval "$(s3dcp server --print-env)"`` gives, for in-process snippets."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+
+
+def _fresh_bucket(s3_server) -> str:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(name)
+    return name
+
+
+def _in(code: str, bucket: str) -> str:
+    """``code`` with the README's ``s3://bucket`` made ``s3://<bucket>``."""
+    changed, count = re.subn(r"s3://bucket(?=[/\s'\"]|$)", f"s3://{bucket}", code, flags=re.M)
+    assert count, code
+    return changed
+
+
+# ------------------------------------------------------------------ Try it locally in three commands
+def test_try_it_locally_runs_as_written(s3_server, boto3_client, tmp_path):
+    """The three commands in a shell whose ``s3dcp server`` is the session's server: a state
+    file names it (the stand-in pid a sleeping process, so a --stop would end only that)."""
+    (block,) = _blocks("Try it locally", "bash")
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert [line.split()[0] for line in lines] == ["eval", "python", "s3dcp"], lines
+    if "demo" in [b["Name"] for b in boto3_client.list_buckets()["Buckets"]]:  # from an earlier run: start bare
+        for obj in boto3_client.list_objects_v2(Bucket="demo").get("Contents", []):
+            boto3_client.delete_object(Bucket="demo", Key=obj["Key"])
+        boto3_client.delete_bucket(Bucket="demo")
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, argv in (("python", [sys.executable]), ("s3dcp", [sys.executable, "-m", "s3dcp.cli"])):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexec {shlex.join(argv)} \"$@\"\n")
+        (bin_dir / name).chmod(0o755)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    stand_in = subprocess.Popen(["sleep", "600"])
+    try:
+        (state_dir / "server.json").write_text(json.dumps({
+            "pid": stand_in.pid, "weed_pid": s3_server.pid, "endpoint_url": s3_server.endpoint_url,
+            "buckets": [], "data_dir": str(tmp_path), "env": s3_server.env()}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # only the eval points at S3
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", S3DCP_STATE_DIR=str(state_dir),
+                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=180)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"pid {stand_in.pid}" in done.stderr and "created now: s3://demo" in done.stderr, done.stderr
+    shown = lines[2].partition("#")[2].split()  # what the README says `s3dcp ls` prints
+    assert shown and all(word in done.stdout for word in shown), (shown, done.stdout)
+    out = {"w": torch.zeros(3)}
+    s3dcp.load(out, "s3://demo/run1/step-1", config=s3_server.s3_config())
+    assert torch.equal(out["w"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ Use
+def test_the_one_call_snippets_run_as_written(aws_env, s3_server):
+    one_call, catching, with_dcp = _blocks("Use", "python")[:3]
+    assert "s3dcp.save(" in one_call and "except s3dcp.CheckpointNotFoundError" in catching
+    assert "storage_writer=S3StorageWriter" in with_dcp
+
+    bucket = _fresh_bucket(s3_server)
+    saved = {"model": {"w": torch.randn(8, 4), "b": torch.randn(4)}, "step": 1000}
+    state = {"model": {k: v.clone() for k, v in saved["model"].items()}, "step": 1000}
+    exec(_in(one_call, bucket), {"state_dict": state})  # noqa: S102 - the README's own code
+    for step in ("step-1000", "step-2000"):
+        out = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}, "step": 0}
+        s3dcp.load(out, f"s3://{bucket}/run7/{step}")
+        assert torch.equal(out["model"]["w"], saved["model"]["w"]) and out["step"] == 1000
+
+    fresh: list[str] = []
+    exec(_in(catching, bucket), {"s3dcp": s3dcp, "state_dict": state, "start_fresh": lambda: fresh.append("x")})
+    assert fresh == []  # it is there
+    empty = _fresh_bucket(s3_server)
+    exec(_in(catching, empty), {"s3dcp": s3dcp, "state_dict": state, "start_fresh": lambda: fresh.append("x")})
+    assert fresh == ["x"]  # nothing there: the except clause caught it
+
+    exec(_in(with_dcp, empty), {"state_dict": state})  # noqa: S102
+    out = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}, "step": 0}
+    s3dcp.load(out, f"s3://{empty}/run7/step-2000")
+    assert torch.equal(out["model"]["b"], saved["model"]["b"])
+
+
+def test_the_resume_recipe_runs_and_resumes(aws_env, s3_server):
+    (recipe,) = _blocks("Checkpoint every N steps", "python")
+    bucket = _fresh_bucket(s3_server)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps: list[int] = []
+    scope = {"model": model, "optimizer": optimizer, "cfg": s3_server.s3_config(), "total_steps": 2000,
+             "train_step": lambda: steps.append(1)}
+    exec(_in(recipe, bucket), scope)  # noqa: S102
+    assert scope["start"] == 0 and len(steps) == 2000
+    weight = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    steps.clear()
+    exec(_in(recipe, bucket), scope)  # noqa: S102 - run again: resumes at the last checkpoint
+    assert scope["start"] == 2000 and steps == [] and torch.equal(model.weight, weight)
+    assert [c.step for c in scope["manager"].list()] == [1000, 2000]
+
+
+# ------------------------------------------------------------------ The s3dcp command
+def test_every_cli_line_runs(aws_env, s3_server, tmp_path, monkeypatch, capsys):
+    """Each line of the command block, flags and all (``--older-than 1h``, ``--to-torch-save``),
+    on two checkpoints made for it; ``rm`` last, the server lines by the test above and test_cli."""
+    (block,) = _blocks("The `s3dcp` command", "bash")
+    bucket = _fresh_bucket(s3_server)
+    state = {"model": {"w": torch.randn(16, 8)}, "step": 1}
+    s3dcp.save(state, f"s3://{bucket}/run7/step-00001000", item_checksum="crc64nvme")
+    state["step"] = 2
+    s3dcp.save(state, f"s3://{bucket}/run7/step-00002000", incremental_from=f"s3://{bucket}/run7/step-00001000")
+    lines = [shlex.split(_in(line, bucket) if "s3://bucket" in line else line, comments=True)
+             for line in block.splitlines()]
+    commands = [argv[1:] for argv in lines if argv and argv[0] == "s3dcp"]
+    run = [c for c in commands if c[0] not in ("server", "rm")] + [c for c in commands if c[0] == "rm"]
+    assert {c[0] for c in run} >= {"ls", "inspect", "verify", "materialize", "gc", "download", "export", "mb",
+                                   "rm"}
+    monkeypatch.chdir(tmp_path)
+    for argv in run:
+        capsys.readouterr()
+        code = cli.main(argv)
+        out, err = capsys.readouterr()
+        assert code == 0, (argv, out, err)
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert [c.step for c in s3dcp.CheckpointManager(f"s3://{bucket}/run7").list()] == [2000]

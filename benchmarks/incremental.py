@@ -18,8 +18,9 @@ stall (async_save's return). At the end: load time of the last checkpoint of eac
 in the same run; absolute times depend on the machine and the server.
 
 Goals (issue 12) for the lora scenario: each incremental checkpoint uploads <= 6% of the
-state's bytes, saves in <= 15% of a full save's time, loads in <= 1.1x a full checkpoint's
-time, and the run stores <= 1.6x one full checkpoint (a run of full ones stores 10x).
+state's bytes and saves in <= 15% of a full save's time (both judged on the worst of
+checkpoints 2..N, the median is printed too), the last one loads in <= 1.1x a full
+checkpoint's time, and the run stores <= 1.6x one full checkpoint (a run of full ones stores 10x).
 """
 
 from __future__ import annotations
@@ -251,12 +252,16 @@ def main(argv=None) -> int:
             results[name] = run_scenario(name, args, target, pool)
     if "lora" in results:
         s = results["lora"]["summary"]
-        goals = {"uploads <= 6% of the state": s["incr_uploaded_pct_max"] <= 6.0,
-                 "save <= 15% of a full save": s["save_ratio_median"] <= 0.15,
+        # "each incremental checkpoint": judged on the worst one of checkpoints 2..N
+        goals = {"uploads <= 6% of the state (worst checkpoint)": s["incr_uploaded_pct_max"] <= 6.0,
+                 "save <= 15% of a full save (worst checkpoint)": s["save_ratio_max"] <= 0.15,
                  "load <= 1.1x a full checkpoint": s["load_ratio"] <= 1.1,
                  "run stores <= 1.6x one full checkpoint": s["stored_incr_x_one"] <= 1.6}
         for goal, met in goals.items():
             print(f"lora goal: {goal}: {'met' if met else 'NOT met'}")
+        print(f"lora: incremental/full save time: worst {s['save_ratio_max']:.2f}x, median "
+              f"{s['save_ratio_median']:.2f}x; uploaded: worst {s['incr_uploaded_pct_max']:.2f}%, median "
+              f"{s['incr_uploaded_pct_median']:.2f}%")
         results["lora"]["goals"] = goals
     path = write_json(results_path(args, "incremental"), {
         "benchmark": "incremental", "environment": environment_info(), "target": target.describe(),

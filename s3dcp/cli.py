@@ -556,6 +556,8 @@ def cmd_gc(args) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     for key in report.deleted:
         print(f"{verb}: s3://{uri.bucket}/{key}")
+    for key in report.stale_markers:
+        print(f"{verb}: s3://{uri.bucket}/{key} (pending references of an incremental save that never committed)")
     for key, upload_id in report.aborted_uploads:
         print(f"{'would abort' if args.dry_run else 'aborted'} upload: s3://{uri.bucket}/{key} ({upload_id})")
     for s in skipped:

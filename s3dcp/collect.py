@@ -19,7 +19,10 @@ the key of each of its unfinished multipart uploads. In each checkpoint director
   collected from every committed checkpoint under each directory's parent prefix
   (:func:`s3dcp.incremental.references`); nothing is deleted under a parent prefix where some
   metadata cannot be read;
-- an unfinished upload whose key is not a data object name is judged alone, by its own age.
+- an unfinished upload whose key is not a data object name is judged alone, by its own age;
+- a pending-references marker (:mod:`s3dcp.incremental`) older than ``older_than_s`` belongs to
+  an incremental save that died between writing it and committing: gc ignores it when
+  collecting references and deletes it. A younger one counts as references.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from .client import S3Client, UploadInfo
 from .config import S3Config
 from .incremental import References, references
-from .layout import parse_object_name
+from .layout import PENDING_NAME, parse_object_name
 from .uri import parse_s3_uri
 
 __all__ = ["gc", "GcReport"]
@@ -49,6 +52,7 @@ class GcReport:
     kept_recent: list[str] = field(default_factory=list)  # keys of unreferenced objects too young to judge
     kept_recent_uploads: list[tuple[str, str]] = field(default_factory=list)  # uploads of saves too young
     unreadable_metadata: list[str] = field(default_factory=list)  # left alone, to be looked at
+    stale_markers: list[str] = field(default_factory=list)  # pending-references markers of saves that died
 
 
 @dataclass
@@ -93,6 +97,9 @@ def gc(
     for obj in objects:
         directory, _, name = obj.key.rpartition("/")
         by_dir.setdefault(directory, {})[name] = obj
+    stale = frozenset(o.key for o in objects if o.key.rpartition("/")[2] == PENDING_NAME
+                      and (now if o.last_modified is None else o.last_modified) < cutoff)
+    report.stale_markers = sorted(stale)
 
     saves: dict[tuple[str, str], _Save] = {}  # (directory, save id) -> its leftovers
     unreadable: set[str] = set()
@@ -102,7 +109,7 @@ def gc(
         parent = directory.rpartition("/")[0]
         parent = f"{parent}/" if parent else ""
         if parent not in parents:
-            parents[parent] = references(client, target.bucket, parent)
+            parents[parent] = references(client, target.bucket, parent, ignore=stale)
             report.unreadable_metadata.extend(parents[parent].unreadable)
         return parents[parent]
 
@@ -145,6 +152,8 @@ def gc(
     report.kept_recent.sort()
     if not dry_run:
         client.delete(target.bucket, report.deleted).result()
+        if report.stale_markers:
+            client.delete(target.bucket, report.stale_markers).result()
         for key, upload_id in report.aborted_uploads:
             client.abort_upload(target.bucket, key, upload_id).result()
     log.info("gc %s: %s %d object(s) (%d bytes) and %d multipart upload(s); kept %d object(s) and %d "

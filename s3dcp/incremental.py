@@ -6,8 +6,8 @@
         ├─ yes: ItemLocation(object_name="../step-1000/__0_0.<save id>.distcp", the base's range)
         │       — nothing uploaded; a reference the base held is copied as is (no chains)
         └─ no:  uploaded as in a full save
-    commit (coordinator): every referenced object exists and is large enough (one LIST per
-        referenced directory), then .metadata as always
+    commit (coordinator): marker, base unchanged, every referenced object there at the size
+        the base records (one LIST per referenced directory), then .metadata as always (below)
 
 References are plain object names relative to the checkpoint directory, so the metadata format
 does not change: ``"__0_0.tok.distcp"`` is the checkpoint's own object, ``"../<sibling>/<name>"``
@@ -26,12 +26,37 @@ checkpoint for 10^5 checkpoints has a chance of about 5e-9 of ever mistaking one
 cryptographic hash: someone who can write tensors meant to collide can make one.
 
 **Deleting.** Nothing referenced is deleted. :func:`references` reads every committed
-``.metadata`` under a parent prefix and collects the keys they use; retention
-(:class:`s3dcp.CheckpointManager`), ``s3dcp rm`` (:func:`delete_checkpoint`) and ``s3dcp gc``
-all go through it. Deleting a checkpoint removes its metadata first (it is no longer loadable),
-then only those of its objects no other committed checkpoint references, and frees objects of
+``.metadata`` under a parent prefix, and every pending-references marker, and collects the keys
+they use; retention (:class:`s3dcp.CheckpointManager`), ``s3dcp rm`` (:func:`delete_checkpoint`)
+and ``s3dcp gc`` all go through it. Deleting a checkpoint removes its metadata first (it is no
+longer loadable), then only those of its objects nothing references, and frees objects of
 earlier-deleted checkpoints that only it still referenced. :func:`materialize` copies the
 referenced objects into the checkpoint (server-side) so it stands alone.
+
+**Commit against a concurrent delete.** Checking the base's objects and then committing is
+not enough: a delete of the base that reads the references before the commit and deletes after
+the check would leave a committed checkpoint with a dangling reference. So the two sides follow
+a protocol (S3 is strongly consistent: a request that starts after another one completed sees
+its effect; every step below waits for the previous one to complete):
+
+    save of T on base B (coordinator, in finish)    delete of B (rm, retention)
+    s1 PUT T/.pending-references (what T uses)      d1 DELETE B/.metadata
+    s2 HEAD B/.metadata: there, and the object      d2 LIST the parent, GET every sibling's
+       whose ETag set-up saw (else: refuse)            marker, then every sibling's .metadata
+    s3 LIST: every object there, exact size         d3 DELETE the objects nothing in d2 uses
+    s4 PUT T/.metadata (the commit)
+    s5 DELETE T/.pending-references
+
+Suppose T commits. Then s2 found B's metadata, so s2 came before d1, and s1 before d2 began.
+d2 lists after s1, so T's directory is listed; it reads T's marker before T's metadata. If the
+marker GET finds nothing, s5 completed before it, so s4 did too and the metadata GET after it
+finds T's metadata. Either way d2 sees what T references, and d3 keeps it. If instead d1 came
+first, s2 refuses and T never commits. The same holds for every object T references through B
+(objects of earlier-deleted checkpoints that B references): any deleter reads references either
+while B's metadata (which names them) exists, or after d1 and so after s1. ``gc`` reads
+references the same way and, like a save's leftovers, ignores and deletes markers older than
+its ``older_than_s`` (a save that died between s1 and s5). A marker costs one small PUT and
+one DELETE per incremental save, and one GET per sibling directory per reference scan.
 """
 
 from __future__ import annotations
@@ -53,7 +78,15 @@ from .errors import (
     MetadataFormatError,
     NoSuchKeyError,
 )
-from .layout import METADATA_NAME, ItemLocation, is_data_object, new_save_id, parse_object_name
+from .layout import (
+    METADATA_NAME,
+    PENDING_NAME,
+    ItemLocation,
+    is_data_object,
+    new_save_id,
+    object_sizes,
+    parse_object_name,
+)
 from .uri import S3Uri, object_key, parent_prefix, parse_s3_uri
 
 if TYPE_CHECKING:
@@ -61,7 +94,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "split_reference", "reference_name", "sources", "object_names",
-    "References", "held_for_references",
+    "encode_pending", "pending_names", "References", "held_for_references",
     "references", "DeleteResult", "delete_checkpoint", "MaterializeResult", "materialize",
 ]
 
@@ -129,6 +162,20 @@ class BaseIndex:
             raise type(e)(f"incremental_from={str(base)!r} is not a committed checkpoint, so {target} cannot "
                           f"reference it: {e}") from e
         return cls(target, base, metadata.storage_data or {})
+
+    def object_sizes(self) -> dict[str, tuple[int, bool]]:
+        """Per object the base's items live in, named as the new checkpoint names it: ``(size,
+        exact)``. The base's own objects hold only its items, packed from offset 0, so their
+        size is where the last one ends (exact). Objects the base itself references (of an
+        earlier, deleted checkpoint) hold items the base does not name: the base knows only
+        where its last one ends (a lower bound). Built on the coordinator, at commit."""
+        storage = self._locations
+        extents = storage.object_extents() if hasattr(storage, "object_extents") else object_sizes(storage.values())
+        out: dict[str, tuple[int, bool]] = {}
+        for name, end in extents.items():
+            directory, obj = split_reference(name)
+            out[reference_name(directory or self._base_dir, obj)] = (end, directory is None)
+        return out
 
     def reference(self, index: "MetadataIndex", nbytes: int, dtype: str | None, shape: tuple | None,
                   checksum: str | None) -> ItemLocation | None:
@@ -206,47 +253,80 @@ def _v2_names(raw: bytes) -> set[str] | None:
     return names if all(isinstance(n, str) for n in names) else None
 
 
+_PENDING_FORMAT = "s3dcp-pending-references"
+
+
+def encode_pending(save_id: str, base: str, names: Iterable[str]) -> bytes:
+    """The body of a save's ``.pending-references`` marker: the object names (relative to the
+    checkpoint, as in its metadata) that the save is about to commit references to."""
+    return json.dumps({"format": _PENDING_FORMAT, "version": 1, "save_id": save_id, "base": base,
+                       "object_names": sorted(names)}).encode()
+
+
+def pending_names(raw: bytes, source: str) -> set[str]:
+    """The object names a ``.pending-references`` marker lists; :class:`MetadataFormatError`
+    naming ``source`` when it is not one."""
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != _PENDING_FORMAT or doc.get("version") != 1:
+            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+        names = set(doc["object_names"])
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError("object_names holds a non-string")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MetadataFormatError(f"{source} is not a pending-references marker of s3dcp ({e})") from e
+    return names
+
+
 @dataclass
 class References:
-    """What the committed checkpoints under one parent prefix use."""
+    """What the committed checkpoints (and the saves about to commit) under one parent prefix use."""
 
     parent: str  # the listing prefix, e.g. "run/"
     committed: set[str] = field(default_factory=set)  # directory prefixes with .metadata ("run/step-1/")
     keys: dict[str, set[str]] = field(default_factory=dict)  # object key -> directories referencing it
-    unreadable: list[str] = field(default_factory=list)  # .metadata keys that could not be read
+    unreadable: list[str] = field(default_factory=list)  # .metadata / marker keys that could not be read
+    pending: set[str] = field(default_factory=set)  # directories with a pending-references marker
 
     def users(self, key: str) -> set[str]:
         return self.keys.get(key, set())
 
 
-def references(client: S3Client, bucket: str, parent: str) -> References:
+def references(client: S3Client, bucket: str, parent: str, *, ignore: frozenset[str] = frozenset()) -> References:
     """Every object key used by a committed checkpoint directly under ``parent`` (a listing
-    prefix such as ``"run/"``): one LIST, then every sibling's ``.metadata`` (in parallel).
-    A metadata object that cannot be decoded is recorded in ``unreadable``: its references are
-    unknown, and callers must then delete nothing that it could reference."""
+    prefix such as ``"run/"``), or listed by the pending-references marker of a save there
+    about to commit: one LIST, then every sibling's marker, then every sibling's ``.metadata``
+    (each round in parallel; markers strictly before metadata, see the protocol in the module
+    docstring). A metadata object or marker that cannot be decoded is recorded in
+    ``unreadable``: its references are unknown, and callers must then delete nothing that it
+    could reference. Marker keys in ``ignore`` (stale ones ``gc`` is deleting) are not read."""
     _, prefixes = client.list(bucket, parent, delimiter="/").result()
     refs = References(parent)
-    futures = {d: client.get(bucket, f"{d}{METADATA_NAME}") for d in prefixes}
-    wait(list(futures.values()))
-    for directory, future in sorted(futures.items()):
-        err = future.exception()
-        if isinstance(err, NoSuchKeyError):
-            continue
-        if err is not None:
-            raise err
-        source = f"s3://{bucket}/{directory}{METADATA_NAME}"
-        try:
+    markers = {d: client.get(bucket, f"{d}{PENDING_NAME}") for d in prefixes if f"{d}{PENDING_NAME}" not in ignore}
+    wait(list(markers.values()))  # every marker read completes before any metadata read starts
+    metadata = {d: client.get(bucket, f"{d}{METADATA_NAME}") for d in prefixes}
+    wait(list(metadata.values()))
+    for kind, futures in (("marker", markers), ("metadata", metadata)):
+        for directory, future in sorted(futures.items()):
+            err = future.exception()
+            if isinstance(err, NoSuchKeyError):
+                continue
+            if err is not None:
+                raise err
+            source = f"s3://{bucket}/{directory}{PENDING_NAME if kind == 'marker' else METADATA_NAME}"
             uri = S3Uri(bucket, directory.rstrip("/"))
-            keys = {object_key(uri, name) for name in object_names(future.result(), source)}
-        except MetadataFormatError:
-            log.warning("cannot read %s: what it references is unknown, nothing it could use is deleted", source,
-                        exc_info=True)
-            refs.unreadable.append(f"{directory}{METADATA_NAME}")
-            refs.committed.add(directory)
-            continue
-        refs.committed.add(directory)
-        for key in keys:
-            refs.keys.setdefault(key, set()).add(directory)
+            try:
+                names = (pending_names(future.result(), source) if kind == "marker"
+                         else object_names(future.result(), source))
+                keys = {object_key(uri, name) for name in names}
+            except MetadataFormatError:
+                log.warning("cannot read %s: what it references is unknown, nothing it could use is deleted", source,
+                            exc_info=True)
+                refs.unreadable.append(source[len(f"s3://{bucket}/"):])
+                keys = set()
+            (refs.pending if kind == "marker" else refs.committed).add(directory)
+            for key in keys:
+                refs.keys.setdefault(key, set()).add(directory)
     return refs
 
 
@@ -273,15 +353,18 @@ def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]
     return held
 
 
-def _own_references(client: S3Client, uri: S3Uri, metadata_present: bool) -> set[str]:
-    """Keys outside ``uri`` that its metadata references (empty when it has none or it is unreadable)."""
-    if not metadata_present:
-        return set()
-    try:
-        raw = client.get(uri.bucket, uri.key(METADATA_NAME)).result()
-        keys = {object_key(uri, name) for name in object_names(raw, str(uri.child(METADATA_NAME)))}
-    except (NoSuchKeyError, MetadataFormatError):
-        return set()
+def _own_references(client: S3Client, uri: S3Uri, names: set[str]) -> set[str]:
+    """Keys outside ``uri`` that its metadata and its pending-references marker (those of
+    ``names`` present) reference; empty for one that is missing or unreadable."""
+    keys: set[str] = set()
+    for name in sorted(names & {METADATA_NAME, PENDING_NAME}):
+        source = str(uri.child(name))
+        try:
+            raw = client.get(uri.bucket, uri.key(name)).result()
+            used = pending_names(raw, source) if name == PENDING_NAME else object_names(raw, source)
+            keys |= {object_key(uri, n) for n in used}
+        except (NoSuchKeyError, MetadataFormatError):
+            continue
     return {k for k in keys if not k.startswith(uri.dir_prefix)}
 
 
@@ -303,18 +386,22 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
                       on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
     """Delete the checkpoint at ``uri``, keeping what other checkpoints reference.
 
-    Order: read what its metadata references; delete the ``.metadata`` (from then on it is
-    neither committed nor loadable, and a half-finished deletion reads as incomplete, never
-    as a corrupt checkpoint); read the references of every committed sibling; delete its data
-    objects that none of them references; then delete objects of earlier-deleted siblings
-    that only this checkpoint still referenced. Objects that s3dcp did not write, and deeper
-    directories, are left alone. When a sibling's metadata cannot be read, no data object is
-    deleted (``s3dcp gc`` removes them once that is fixed)."""
+    Order: read what its metadata (and a pending-references marker) references; delete the
+    ``.metadata`` (from then on it is neither committed, loadable, nor a valid base: a save
+    on it that has not passed its commit check refuses to commit, and a half-finished deletion
+    reads as incomplete, never as a corrupt checkpoint); only then read the references of
+    every sibling, committed and pending (the order the protocol in the module docstring
+    needs); delete its data objects that none of them references; delete its own marker, if a
+    save here never finished; then delete objects of earlier-deleted siblings that only this
+    checkpoint still referenced. Objects that s3dcp did not write, and deeper directories, are
+    left alone. When a sibling's metadata or marker cannot be read, no data object is deleted
+    (``s3dcp gc`` removes them once that is fixed)."""
     objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
     metadata = [o for o in objects if o.key.rpartition("/")[2] == METADATA_NAME]
     data = [o for o in objects if is_data_object(o.key.rpartition("/")[2])]
+    markers = [o for o in objects if o.key.rpartition("/")[2] == PENDING_NAME]
     result = DeleteResult()
-    own_refs = _own_references(client, uri, bool(metadata))
+    own_refs = _own_references(client, uri, {o.key.rpartition("/")[2] for o in metadata + markers})
     if metadata:
         client.delete(uri.bucket, [o.key for o in metadata]).result()
         result.deleted_objects += len(metadata)
@@ -339,6 +426,13 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
     result.deleted_bytes += sum(o.size for o in doomed)
     result.kept = sorted(o.key for o in kept)
     result.kept_bytes = sum(o.size for o in kept)
+    if markers:  # a save here that never finished: it will not commit with its objects gone
+        client.delete(uri.bucket, [o.key for o in markers]).result()
+        result.deleted_objects += len(markers)
+        result.deleted_bytes += sum(o.size for o in markers)
+        refs = references(client, uri.bucket, parent_prefix(uri))
+        if refs.unreadable:
+            return result
     result.released = _release(client, uri.bucket, own_refs, refs)
     if kept:
         log.info("deleted %s; kept %d of its object(s) (%d bytes) that other checkpoints reference", uri,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 __all__ = [
-    "METADATA_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
+    "METADATA_NAME", "PENDING_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
     "parse_object_name", "is_data_object", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
     "coalesce", "Piece", "box_pieces",
 ]
@@ -23,7 +23,10 @@ __all__ = [
 # The names of a checkpoint directory's objects, defined here and nowhere else:
 #   <prefix>/.metadata                      the commit marker: written last, by the coordinator
 #   <prefix>/[NN-]__<rank>_<i>.<save id>.distcp   data objects (see object_name)
+#   <prefix>/.pending-references            an incremental save's references, from just before its
+#                                           commit check until just after its commit (s3dcp.incremental)
 METADATA_NAME = ".metadata"
+PENDING_NAME = ".pending-references"
 DATA_SUFFIX = ".distcp"
 
 

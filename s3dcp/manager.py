@@ -18,7 +18,18 @@ running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age
 With ``incremental=True`` each save uses the newest committed checkpoint as its base
 (:mod:`s3dcp.incremental`): unchanged items become references to it. Retention then deletes a
 checkpoint's metadata and only those of its objects that no kept checkpoint references; the
-rest go when the last checkpoint referencing them goes.
+rest go when the last checkpoint referencing them goes. Choosing the base:
+
+- one process: the newest checkpoint committed when :meth:`save` is called (one LIST), without
+  waiting for saves still uploading: with ``max_inflight_checkpoints=2`` the base of a save may
+  be the one before the save in flight (correct; it only uploads more). Retention never deletes
+  a checkpoint a save in flight uses as its base: base choice and retention's choice of what
+  to delete take one lock, so neither can pick what the other just claimed;
+- several ranks: every rank must use the same base, so the coordinator chooses and broadcasts
+  it (:meth:`latest`), and that collective must not run while a save's collectives run on
+  DCP's background thread — so :meth:`save` first waits for the save in flight (its commit and
+  retention). Multi-rank jobs keep one save in flight anyway (staging waits for the previous
+  upload), so this adds only the previous save's commit and retention to the wait.
 """
 
 from __future__ import annotations
@@ -84,9 +95,10 @@ class CheckpointManager:
         name_format: directory name of a step; must hold ``{step}`` once (a format spec is fine).
         incremental: save each checkpoint as an incremental one on the newest committed
             checkpoint (unchanged items are references to it, not uploaded); every checkpoint
-            records CRC64NVME item checksums so that the next one can compare. The newest
-            committed step is looked up (collectively) before each save, after the saves in
-            flight have ended.
+            records CRC64NVME item checksums so that the next one can compare. In one process
+            the base is the newest step committed when :meth:`save` is called (saves still
+            uploading are not waited for); with several ranks it is chosen collectively after
+            the save in flight has ended (see the module docstring).
 
     Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
@@ -131,8 +143,10 @@ class CheckpointManager:
         self.process_group = process_group
         self.last_writer: S3StorageWriter | None = None
         self._pending: list[concurrent.futures.Future] = []
-        self._lock = threading.Lock()  # _pending
+        self._lock = threading.Lock()  # _pending, _bases_in_use, _doomed
         self._retention_lock = threading.Lock()
+        self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
+        self._doomed: set[int] = set()  # steps retention chose to delete: never a base again
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -160,8 +174,8 @@ class CheckpointManager:
 
         Async mode: returns a future that resolves to the DCP ``Metadata`` once the checkpoint
         is committed and retention has run; the training loop may change ``state_dict`` as
-        soon as this returns. A second save while one is still running waits (in staging) for
-        it to end, commit and retention included.
+        soon as this returns. A save while ``max_inflight_checkpoints`` saves still upload waits
+        (in staging) for the oldest to end its upload.
         Sync mode: returns ``None`` once committed. Raises the error of an earlier failed
         asynchronous save that nobody has seen yet, before starting this one.
         """
@@ -172,36 +186,36 @@ class CheckpointManager:
 
         from .writer import S3StorageWriter
 
-        base = None
-        if self.incremental:
-            latest = self.latest()  # collective; waits for the saves in flight (which staging would anyway)
-            base = self.uri(latest) if latest is not None and latest != step else None
-        writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client, incremental_from=base,
-                                 item_checksum="crc64nvme" if self.incremental else None)
-        self.last_writer = writer
-        no_dist = not _dist_on()
-        started = time.perf_counter()
-        if not self.async_mode:
-            try:
+        base = self._choose_base(step) if self.incremental else None
+        try:
+            writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client,
+                                     incremental_from=None if base is None else self.uri(base),
+                                     item_checksum="crc64nvme" if self.incremental else None)
+            self.last_writer = writer
+            no_dist = not _dist_on()
+            started = time.perf_counter()
+            if not self.async_mode:
                 metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.process_group,
                                     no_dist=no_dist)
-            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-                raise unwrap_error(e) from _cause(e)
+            else:
+                response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                          no_dist=no_dist)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self._release_base(step)
+            raise unwrap_error(e) from _cause(e)
+        if not self.async_mode:
+            self._release_base(step)
             elapsed = time.perf_counter() - started
             self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
             return None
 
-        try:
-            response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
-                                      no_dist=no_dist)
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise unwrap_error(e) from _cause(e)
         inner = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
         returned = time.perf_counter()
         outer: concurrent.futures.Future = concurrent.futures.Future()
         outer.set_running_or_notify_cancel()
 
         def done(f: concurrent.futures.Future) -> None:
+            self._release_base(step)  # committed (its references protect what it uses) or failed
             try:
                 metadata = f.result()
             except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
@@ -218,6 +232,28 @@ class CheckpointManager:
             self._pending.append(outer)
         inner.add_done_callback(done)
         return outer
+
+    def _choose_base(self, step: int) -> int | None:
+        """The step the incremental save of ``step`` uses as its base, claimed against
+        retention until that save ends (see the module docstring)."""
+        if _multi_rank(self.process_group):
+            latest = self.latest()  # collective, after the save in flight (and its retention) ended
+            base = latest if latest is not None and latest != step else None
+            with self._lock:
+                if base is not None:
+                    self._bases_in_use[step] = base
+            return base
+        committed = [info.step for info in self.list() if info.committed]  # one LIST; waits for no upload
+        with self._lock:  # the same lock retention takes to choose: a base is never one it is deleting
+            candidates = [s for s in committed if s != step and s not in self._doomed]
+            base = max(candidates) if candidates else None
+            if base is not None:
+                self._bases_in_use[step] = base
+        return base
+
+    def _release_base(self, step: int) -> None:
+        with self._lock:
+            self._bases_in_use.pop(step, None)
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first error among them (once)."""
@@ -272,6 +308,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention
     def _apply_retention(self, just_saved: int) -> list[int]:
         with self._retention_lock:
+            with self._lock:
+                self._doomed.discard(just_saved)  # saved again after an earlier deletion: a base again
             committed = [info for info in self.list() if info.committed]
             keep = {just_saved}
             if self.keep_last is None:
@@ -281,7 +319,10 @@ class CheckpointManager:
             if self.keep_every is not None:
                 keep.update(info.step for info in committed if info.step % self.keep_every == 0)
             newest = max((info.step for info in committed), default=None)
-            doomed = [info for info in committed if info.step not in keep and info.step != newest]
+            with self._lock:  # a base of a save in flight stays (it is released when that save ends)
+                keep.update(self._bases_in_use.values())
+                doomed = [info for info in committed if info.step not in keep and info.step != newest]
+                self._doomed.update(info.step for info in doomed)
             for info in doomed:
                 result = delete_checkpoint(self.client, parse_s3_uri(info.uri))
                 kept = (f"; kept {len(result.kept)} object(s), {result.kept_bytes} bytes, that newer checkpoints "
@@ -417,6 +458,15 @@ def _name_pattern(name_format: str) -> re.Pattern:
     if sample.startswith("/") or sample.endswith("/") or "//" in sample:
         raise ConfigError(f"name_format={name_format!r} must be a relative path without empty segments")
     return re.compile("".join(parts) + r"\Z")
+
+
+def _multi_rank(process_group: Any) -> bool:
+    """Whether saves run over more than one rank (then ranks must agree on collective choices)."""
+    if not _dist_on():
+        return False
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group) > 1
 
 
 def _dist_on() -> bool:

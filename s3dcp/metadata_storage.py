@@ -319,6 +319,14 @@ class LazyStorageData(Mapping):
         """The names of the objects the items live in, without building any location (for gc and rm)."""
         return {self._rows.names[i] for i in np.unique(self._rows.obj).tolist()}
 
+    def object_extents(self) -> dict[str, int]:
+        """Per object name, where its last item ends (what :func:`s3dcp.layout.object_sizes`
+        gives for the values), without building any location."""
+        rows = self._rows
+        ends = np.zeros(len(rows.names), np.int64)
+        np.maximum.at(ends, rows.obj, rows.offset + rows.length)
+        return {rows.names[i]: int(ends[i]) for i in np.unique(rows.obj).tolist()}
+
     def __reduce__(self):
         return (dict, (self._rows.to_dict(),))
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
 from . import integrity, layout
-from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, references
+from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, references
 from .client import S3Client
 from .config import S3Config
 from .errors import (
@@ -40,7 +40,7 @@ from .errors import (
     PreconditionFailedError,
     S3DCPError,
 )
-from .layout import METADATA_NAME, ItemLocation
+from .layout import METADATA_NAME, PENDING_NAME, ItemLocation
 from .metadata import decode_metadata, dtype_to_str, encode_metadata
 from .staging import StagingMixin
 from .storage import S3CheckpointPath
@@ -94,8 +94,10 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
        the unchanged ones (incremental), pack the others into a few objects and upload them in
        parallel; nothing is visible as a checkpoint yet
     6. ``finish(metadata, results)`` — coordinator, called only if every rank's writes
-       succeeded: checks every object the metadata names (own and referenced), then writes
-       the metadata object, which commits the checkpoint
+       succeeded: with references, puts a pending-references marker and checks the base is
+       still the committed checkpoint set-up read; checks every object the metadata names
+       (own and referenced) at its exact size; then writes the metadata object, which commits
+       the checkpoint, and deletes the marker
 
     :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
     training thread (see :class:`s3dcp.staging.StagingMixin`), then runs 0-6 in the background.
@@ -140,6 +142,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self.item_checksum = item_checksum or (REFERENCE_CHECKSUM if incremental_from is not None
                                                else self.config.checksum)
         self._base: BaseIndex | None = None  # the base's locations, read in set_up_storage_writer
+        self._base_etag: str | None = None  # the coordinator's: which base .metadata set-up read
         self._rank = 0
         self._is_coordinator = False
         self._save_id: str | None = None  # this rank's identity of the save in progress
@@ -178,8 +181,10 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             raise CheckpointExistsError(
                 f"{self._uri} already holds a committed checkpoint; pass overwrite=True to "
                 "S3StorageWriter to replace it, or save to a new path")
-        self._base = None
+        self._base, self._base_etag = None, None
         if self.incremental_from is not None:  # every rank: its own items are decided on it
+            if is_coordinator:  # before the read: the commit checks the base is still this object
+                self._base_etag = self._base_metadata_etag()[1]
             self._base = BaseIndex.load(self.client, self._uri, self.incremental_from)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -228,10 +233,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit (coordinator only, after every rank's writes succeeded): check that every
-        object the metadata references is there with its size, then write the metadata with
-        ``If-None-Match: *``; with ``overwrite=True``, then delete the replaced checkpoint's
-        own objects."""
+        """Commit (coordinator only, after every rank's writes succeeded). With references: put
+        the pending-references marker, then check the base is still the committed checkpoint
+        set-up read (the protocol of :mod:`s3dcp.incremental` that keeps a concurrent delete of
+        the base from leaving a dangling reference). Then check that every object the metadata
+        names is there with its exact size, write the metadata with ``If-None-Match: *``, and
+        delete the marker; with ``overwrite=True``, then delete the replaced checkpoint's own
+        objects."""
         self._attach()
         uri = self._uri
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
@@ -239,13 +247,21 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             metadata.storage_meta = self.storage_meta()
         metadata.storage_meta.checkpoint_id = self.checkpoint_id
         metadata.storage_meta.save_id = self._save_id or ""
+        referenced = sorted({loc.object_name for loc in metadata.storage_data.values() if "/" in loc.object_name})
+        marker = False
         try:
+            if referenced:
+                self.client.put(uri.bucket, uri.key(PENDING_NAME),
+                                encode_pending(self._save_id or "", str(self.incremental_from), referenced),
+                                single_request=True, content_type="application/json").result()
+                marker = True
+                self._check_base_unchanged()
             self._check_objects(metadata.storage_data.values())
             replaced = self._replaced_objects() if self.overwrite else set()
             body = encode_metadata(metadata)
         except BaseException:
             # Nothing was committed: this save's objects are garbage now, delete them.
-            self._delete_own(_own_names(metadata.storage_data.values()))
+            self._delete_own(_own_names(metadata.storage_data.values()) | ({PENDING_NAME} if marker else set()))
             raise
         key = uri.key(METADATA_NAME)
         try:
@@ -260,6 +276,9 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                     f"{uri}: another save committed this checkpoint first; this save's data objects "
                     "are left for `s3dcp gc` (nothing was overwritten)") from e
             log.info("commit of %s was retried after a lost answer; the stored metadata is this save's", uri)
+        finally:
+            if marker:  # committed (the metadata now names the references) or never will be
+                self._delete_pending()
         stale = replaced - {loc.object_name for loc in metadata.storage_data.values()}
         if stale:
             self._delete_replaced(sorted(stale))
@@ -288,28 +307,67 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             log.debug("could not read back %s after a failed conditional commit", key, exc_info=True)
             return False
 
+    def _base_metadata_etag(self) -> tuple[bool, str | None]:
+        """Whether the base's ``.metadata`` exists now, and its ETag (at set-up a missing one
+        is left to the read that follows, which says what is wrong)."""
+        base = self.incremental_from
+        try:
+            return True, self.client.head(base.bucket, base.key(METADATA_NAME)).result().etag
+        except NoSuchKeyError:
+            return False, None
+
+    def _check_base_unchanged(self) -> None:
+        """Refuse to commit unless the base's ``.metadata`` is still the object set-up read
+        (same ETag): deleted, the base's objects may be going; replaced, they may differ."""
+        base = self.incremental_from
+        where = f"s3://{base.bucket}/{base.key(METADATA_NAME)}"
+        present, etag = self._base_metadata_etag()
+        if not present or etag != self._base_etag:
+            raise IncompleteCheckpointError(
+                f"refusing to commit {self._uri}: its incremental base {base} was "
+                f"{'replaced' if present else 'deleted'} during the save ({where} "
+                f"{f'has ETag {etag}, not {self._base_etag}' if present else 'is gone'}), so the objects "
+                "it references may be deleted; nothing was committed — save again (on another base)")
+
+    def _delete_pending(self) -> None:
+        """Delete this save's pending-references marker (after its commit, or its failure)."""
+        uri = self._uri
+        try:
+            self.client.delete(uri.bucket, [uri.key(PENDING_NAME)]).result()
+        except S3DCPError:
+            log.warning("could not delete %s; it keeps the objects it names until `s3dcp gc` removes it",
+                        uri.child(PENDING_NAME), exc_info=True)
+
     def _check_objects(self, locations) -> None:
-        """Refuse to commit unless every object the metadata names is there: this save's own
-        objects with exactly the size their items add up to, referenced objects of the base at
-        least that large (one LIST per directory). Catches objects deleted by someone else (a
+        """Refuse to commit unless every object the metadata names is there with its size:
+        this save's own objects exactly the size their items add up to; a referenced object of
+        the base exactly the size the base's metadata gives it, one the base itself references
+        at least as large as the base's items in it reach (:meth:`BaseIndex.object_sizes`).
+        One LIST per directory. Catches objects deleted or replaced by someone else (a
         misjudged cleanup, a deleted base) between upload and commit."""
         uri = self._uri
         expected = layout.object_sizes(locations)
-        by_dir: dict[str, dict[str, tuple[str, int]]] = {}  # listing prefix -> key -> (name, size)
+        base_sizes = self._base.object_sizes() if self._base is not None and \
+            any("/" in name for name in expected) else {}
+        by_dir: dict[str, dict[str, tuple[str, int, bool]]] = {}  # listing prefix -> key -> (name, size, exact)
         for name, size in expected.items():
             key = object_key(uri, name)
             directory = key.rpartition("/")[0]
-            by_dir.setdefault(f"{directory}/" if directory else "", {})[key] = (name, size)
+            exact = "/" not in name
+            if not exact and name in base_sizes:
+                recorded, exact = base_sizes[name]
+                size = max(size, recorded)
+            by_dir.setdefault(f"{directory}/" if directory else "", {})[key] = (name, size, exact)
         listings = {d: self.client.list(uri.bucket, d, delimiter="/") for d in by_dir}
         missing, wrong = [], []
         for directory, wanted in sorted(by_dir.items()):
             found = {o.key: o.size for o in listings[directory].result()[0]}
-            for key, (name, size) in sorted(wanted.items()):
-                own = "/" not in name
+            for key, (name, size, exact) in sorted(wanted.items()):
+                where = f"s3://{uri.bucket}/{key}"
                 if key not in found:
-                    missing.append(name)
-                elif (found[key] != size) if own else (found[key] < size):
-                    wrong.append(f"{name} ({found[key]} bytes, expected {'' if own else 'at least '}{size})")
+                    missing.append(where)
+                elif (found[key] != size) if exact else (found[key] < size):
+                    wrong.append(f"{where} ({found[key]} bytes, expected {'' if exact else 'at least '}{size})")
         if missing or wrong:
             problems = []
             if missing:

@@ -1,11 +1,14 @@
 """Incremental checkpoints against the real server: references into a sibling base, loads
-(1 and 2 ranks, a 2→1 reshard, async), deletion by reference (retention, rm, gc),
-materialize, corruption in a base, and bases that are refused before any upload."""
+(1 and 2 ranks, a 2→1 reshard, async, through the manager), deletion by reference (retention,
+rm, gc), an rm of the base racing the commit, materialize, corruption in a base, and bases that
+are refused before any upload."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -22,10 +25,13 @@ from s3dcp.errors import (
     root_error,
 )
 from s3dcp import gc
+from s3dcp import incremental
 from s3dcp.incremental import materialize
+from s3dcp.layout import PENDING_NAME
 from s3dcp.manager import delete_checkpoint
 from s3dcp.uri import object_key, parse_s3_uri
 
+from fault_proxy import FaultProxy
 from test_multiprocess import Job, _assert_bitwise, run_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -72,6 +78,27 @@ def _keys(boto3_client, bucket: str, prefix: str = "run/") -> list[str]:
 def _locations(uri: str, client: S3Client) -> dict[str, str]:
     md = S3StorageReader(uri, client=client).fetch_metadata()
     return {index.fqn: loc.object_name for index, loc in md.storage_data.items()}
+
+
+def _dangling(client: S3Client, boto3_client, bucket: str, run: str) -> list[str]:
+    """Keys that a committed checkpoint under ``run`` references and that do not exist."""
+    present = set(_keys(boto3_client, bucket, ""))
+    missing = []
+    for key in sorted(k for k in present if k.endswith("/.metadata")):
+        uri = parse_s3_uri(f"s3://{bucket}/{key.rpartition('/')[0]}")
+        if f"{uri}/".startswith(f"{run}/"):
+            missing += [object_key(uri, n) for n in _locations(str(uri), client).values()
+                        if object_key(uri, n) not in present]
+    return missing
+
+
+def _copy(sd: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def _wait(event: threading.Event, what: str) -> None:
+    if not event.wait(60):
+        raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(autouse=True)
@@ -165,6 +192,59 @@ def test_async_incremental_save_holds_the_values_at_the_call(bucket, client):
     assert _locations(f"{run}/step-2", client)["base.weight"].startswith("../step-1/")
 
 
+def test_manager_async_incremental_does_not_wait_for_saves_in_flight(bucket, s3_config, monkeypatch):
+    """max_inflight_checkpoints=2: a save while the previous one still commits returns at once,
+    on the newest committed base; retention keeps that base until the save using it ends."""
+    from dataclasses import replace
+
+    client = S3Client(replace(s3_config, max_inflight_checkpoints=2))
+    held = {1: threading.Event(), 2: threading.Event()}  # released by the test
+    reached = {1: threading.Event(), 2: threading.Event()}
+    real_finish = S3StorageWriter.finish
+
+    def held_finish(self, metadata, results):  # the commit of steps 1 and 2 waits for the test
+        step = int(self._uri.prefix.rpartition("-")[2])
+        if step in held:
+            reached[step].set()
+            _wait(held[step], f"the test to let step {step} commit")
+        return real_finish(self, metadata, results)
+
+    monkeypatch.setattr(S3StorageWriter, "finish", held_finish)
+    run = f"s3://{bucket}/run"
+    sd = _state(12)
+    manager = CheckpointManager(run, client=client, keep_last=1, incremental=True)  # async_mode by default
+    try:
+        manager.save(0, sd).result(timeout=60)
+        sd["lora.a"].add_(1.0)
+        f1 = manager.save(1, sd)
+        _wait(reached[1], "step 1 to reach its commit")
+        sd["lora.a"].add_(1.0)
+        sd["step"] = 2
+        expected = _copy(sd)
+        box: dict = {}
+        second = threading.Thread(target=lambda: box.setdefault("f2", manager.save(2, sd)), daemon=True)
+        second.start()
+        second.join(60)
+        assert not second.is_alive(), "save(2) on the training thread waited for step 1's commit"
+        assert not f1.done()
+        assert manager.last_writer.incremental_from.prefix == "run/step-00000000"  # newest committed
+        _wait(reached[2], "step 2 to reach its commit")
+        held[1].set()
+        f1.result(timeout=60)  # step 1's retention (keep_last=1) must keep step 0: step 2's base
+        assert S3StorageReader(f"{run}/step-00000000", client=client).fetch_metadata() is not None
+        held[2].set()
+        box["f2"].result(timeout=60)
+        assert [c.step for c in manager.list()] == [2]
+        assert manager.last_writer.last_stats.inherited_bytes == 512 * 128 * 4 + 300 * 64 * 2
+        manager.close()
+    finally:
+        for event in held.values():
+            event.set()
+        manager._drain()
+    _check(_load(expected, f"{run}/step-00000002", client), expected)
+    assert _locations(f"{run}/step-00000002", client)["base.weight"].startswith("../step-00000000/")
+
+
 def test_a_base_without_crc64_checksums_uploads_everything(bucket, client, caplog):
     run = f"s3://{bucket}/run"
     sd = _state(4)
@@ -199,9 +279,41 @@ def _two_rank_worker(rank: int, world: int, bucket: str, cfg) -> dict:
             "full": {k: v.full_tensor() for k, v in sd.items()}}
 
 
+def _two_rank_manager_worker(rank: int, world: int, bucket: str, cfg) -> dict:
+    """Async incremental saves through the manager (its default mode) on two ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    specs = {"base.weight": Shard(0), "base.embed": Shard(0), "lora.a": Replicate()}
+    sd = {k: distribute_tensor(v, mesh, [specs[k]], src_data_rank=None) for k, v in _state(11).items() if k != "step"}
+    manager = CheckpointManager(f"s3://{bucket}/mrun", config=cfg, keep_last=2, incremental=True)
+    writers = []
+    for step in (1, 2, 3):
+        sd["lora.a"].to_local().add_(1.0)
+        manager.save(step, sd)  # async: returns once staged; the next one may change sd at once
+        writers.append(manager.last_writer)
+    manager.wait()
+    back = {k: distribute_tensor(torch.zeros_like(v.full_tensor()), mesh, [specs[k]], src_data_rank=None)
+            for k, v in sd.items()}
+    assert manager.load(back) == 3
+    for k in back:
+        _assert_bitwise(back[k].to_local(), sd[k].to_local(), f"rank {rank} {k}")
+    return {"inherited": [w.last_stats.inherited_bytes for w in writers],
+            "bases": [None if w.incremental_from is None else w.incremental_from.prefix for w in writers],
+            "listed": [c.step for c in manager.list()]}
+
+
 def test_two_ranks_round_trip_and_a_two_to_one_reshard(s3_server, bucket, client, tmp_path):
     job = Job("incremental", _two_rank_worker, 2, (bucket, s3_server.s3_config()))
-    run_jobs(tmp_path, job)
+    managed = Job("incremental-manager", _two_rank_manager_worker, 2, (bucket, s3_server.s3_config()))
+    run_jobs(tmp_path, job, managed)
+    # async incremental saves through the manager: each rank inherited its frozen shards from
+    # the checkpoint before, retention kept two
+    for r in managed.results:
+        assert r["bases"] == [None, "mrun/step-00000001", "mrun/step-00000002"]
+        assert r["inherited"] == [0] + [256 * 128 * 4 + 150 * 64 * 2] * 2
+        assert r["listed"] == [2, 3]
     r0, r1 = job.results
     # each rank inherited its own unchanged shards; rank 0's changed embed shard was uploaded
     assert r0["inherited"] == 256 * 128 * 4 and r1["inherited"] == 256 * 128 * 4 + 150 * 64 * 2
@@ -234,28 +346,47 @@ def test_a_flipped_byte_in_a_base_object_fails_the_incremental_load(chain, clien
 
 
 # ---------------------------------------------------------------------------- refused bases
-def test_bad_bases_are_refused_before_any_upload(bucket, client, boto3_client):
+def _uploads(proxy: FaultProxy) -> list[str]:
+    """Requests the proxy forwarded that write an object: PUT (objects, parts) and
+    CreateMultipartUpload (POST ?uploads)."""
+    return [f"{r.method} {r.target}" for r in proxy.requests
+            if r.method == "PUT" or (r.method == "POST" and "uploads" in urlsplit(r.target).query)]
+
+
+def test_bad_bases_are_refused_before_any_upload(s3_server, bucket, client, boto3_client):
     run = f"s3://{bucket}/run"
     sd = _state(5)
     _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
     _save(sd, f"s3://{bucket}/other/step-1", client, item_checksum="crc64nvme")
-    # outside the parent prefix, another bucket, the target itself: refused at construction
-    for base in (f"s3://{bucket}/other/step-1", f"s3://{bucket}/run/deeper/step-1", f"s3://{bucket}-x/run/step-1",
-                 f"{run}/step-2", f"s3://{bucket}/run"):
-        with pytest.raises(ConfigError, match="same directory"):
-            S3StorageWriter(f"{run}/step-2", client=client, incremental_from=base)
-    # ...and when the path comes from checkpoint_id
-    with pytest.raises(BaseException) as info:
-        dcp.save(sd, storage_writer=S3StorageWriter(client=client, incremental_from=f"s3://{bucket}/other/step-1"),
-                 checkpoint_id=f"{run}/step-2", no_dist=True)
-    assert isinstance(root_error(info.value), ConfigError)
-    # missing, and incomplete (data objects but no .metadata: a failed or running save)
     boto3_client.put_object(Bucket=bucket, Key="run/step-9/__0_0.abcdef012345.distcp", Body=b"x" * 10)
-    for base, error in ((f"{run}/step-8", CheckpointNotFoundError), (f"{run}/step-9", IncompleteCheckpointError)):
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:  # records every request head the writer sends
+        proxied = S3Client(s3_server.s3_config(endpoint_url=proxy.endpoint_url))
+        # outside the parent prefix, another bucket, the target itself: refused at construction
+        for base in (f"s3://{bucket}/other/step-1", f"s3://{bucket}/run/deeper/step-1",
+                     f"s3://{bucket}-x/run/step-1", f"{run}/step-2", f"s3://{bucket}/run"):
+            with pytest.raises(ConfigError, match="same directory"):
+                S3StorageWriter(f"{run}/step-2", client=proxied, incremental_from=base)
+        # ...and when the path comes from checkpoint_id
         with pytest.raises(BaseException) as info:
-            _save(sd, f"{run}/step-2", client, incremental_from=base)
-        err = root_error(info.value)
-        assert isinstance(err, error) and f"incremental_from={base!r}" in str(err), repr(info.value)
+            dcp.save(sd, storage_writer=S3StorageWriter(client=proxied, incremental_from=f"s3://{bucket}/other/step-1"),
+                     checkpoint_id=f"{run}/step-2", no_dist=True)
+        assert isinstance(root_error(info.value), ConfigError)
+        assert _uploads(proxy) == []
+        # missing, and incomplete (data objects but no .metadata: a failed or running save)
+        for base, error in ((f"{run}/step-8", CheckpointNotFoundError), (f"{run}/step-9", IncompleteCheckpointError)):
+            proxy.reset_stats()
+            with pytest.raises(BaseException) as info:
+                _save(sd, f"{run}/step-2", proxied, incremental_from=base)
+            err = root_error(info.value)
+            assert isinstance(err, error) and f"incremental_from={base!r}" in str(err), repr(info.value)
+            assert proxy.requests, "the refusal read the base through the proxy"
+            assert _uploads(proxy) == [], f"refusing {base} wrote to the bucket"
+        # the recorder does see the uploads of a save that goes ahead
+        proxy.reset_stats()
+        sd["lora.a"].add_(1.0)
+        _save(sd, f"{run}/step-3", proxied, incremental_from=f"{run}/step-1")
+        assert _uploads(proxy)
     assert not [k for k in _keys(boto3_client, bucket) if k.startswith("run/step-2/")]
 
 
@@ -282,9 +413,178 @@ def test_commit_refuses_a_reference_whose_object_vanished(bucket, client, boto3_
     with pytest.raises(BaseException) as info:
         dcp.save(sd, storage_writer=writer, no_dist=True)
     err = root_error(info.value)
-    assert isinstance(err, IncompleteCheckpointError) and "../step-1/" in str(err) and "missing" in str(err)
-    # nothing committed, and the failed save removed only its own objects
+    assert isinstance(err, IncompleteCheckpointError) and "missing" in str(err)
+    assert f"1 missing: s3://{bucket}/{base_key}" in str(err) and "../" not in str(err)  # full names
+    # nothing committed, and the failed save removed only its own objects (and its marker)
     assert _keys(boto3_client, bucket) == ["run/step-1/.metadata"]
+
+
+def test_commit_refuses_a_referenced_object_that_is_shorter_than_the_base_recorded(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(8)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    md = S3StorageReader(f"{run}/step-1", client=client).fetch_metadata()
+    last = max(md.storage_data.items(), key=lambda kv: kv[1].offset + kv[1].length)
+    assert last[0].fqn in ("lora.a", "step")  # the tail of the base's object is not referenced below
+    key = object_key(parse_s3_uri(f"{run}/step-1"), last[1].object_name)
+    body = boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    # replaced by something shorter that still holds every byte step-2 references
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=body[:last[1].offset])
+    sd["lora.a"].add_(1.0)
+    sd["step"] = 2
+    with pytest.raises(BaseException) as info:
+        _save(sd, f"{run}/step-2", client, incremental_from=f"{run}/step-1")
+    err = root_error(info.value)
+    assert isinstance(err, IncompleteCheckpointError), repr(info.value)
+    assert f"s3://{bucket}/{key} ({last[1].offset} bytes, expected {len(body)})" in str(err)
+    assert not [k for k in _keys(boto3_client, bucket) if k.startswith("run/step-2/")]
+
+
+def test_dtype_or_shape_changes_with_identical_bytes_are_uploaded(bucket, client):
+    run = f"s3://{bucket}/run"
+    sd = _state(9)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    # the same bytes as another dtype of the same width
+    retyped = dict(sd, **{"base.weight": sd["base.weight"].view(torch.int32),
+                          "base.embed": sd["base.embed"].view(torch.float16)})
+    w2 = _save(retyped, f"{run}/step-2", client, incremental_from=f"{run}/step-1")
+    # the same bytes in another shape
+    reshaped = dict(sd, **{"base.weight": sd["base.weight"].reshape(256, 256)})
+    w3 = _save(reshaped, f"{run}/step-3", client, incremental_from=f"{run}/step-1")
+    loc2, loc3 = _locations(f"{run}/step-2", client), _locations(f"{run}/step-3", client)
+    assert "/" not in loc2["base.weight"] and "/" not in loc2["base.embed"]
+    assert loc2["lora.a"].startswith("../step-1/") and loc2["step"].startswith("../step-1/")  # unchanged
+    assert w2.last_stats.inherited_items == 2 and w2.last_stats.bytes >= (512 * 128 * 4 + 300 * 64 * 2)
+    assert "/" not in loc3["base.weight"] and loc3["base.embed"].startswith("../step-1/")
+    assert w3.last_stats.inherited_items == 3 and w3.last_stats.bytes >= 512 * 128 * 4
+    _check(_load(retyped, f"{run}/step-2", client), retyped)
+    _check(_load(reshaped, f"{run}/step-3", client), reshaped)
+
+
+# ---------------------------------------------------------------------------- rm racing the commit
+class _PausingWriter(S3StorageWriter):
+    """Calls ``pause(point)`` in its commit: at "finish" (before anything) and at "checked"
+    (after its checks, just before the metadata PUT)."""
+
+    pause = staticmethod(lambda point: None)
+
+    def finish(self, metadata, results):
+        self.pause("finish")
+        return super().finish(metadata, results)
+
+    def _check_objects(self, locations):
+        super()._check_objects(locations)
+        self.pause("checked")
+
+
+@pytest.mark.parametrize("order", ["rm_reads_references_first", "rm_runs_after_the_check"])
+def test_rm_of_the_base_during_a_commit_never_leaves_a_dangling_reference(order, bucket, client, boto3_client,
+                                                                          monkeypatch):
+    run = f"s3://{bucket}/run"
+    sd = _state(10)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+    sd["lora.a"].add_(1.0)
+    expected = _copy(sd)
+    at = {name: threading.Event() for name in ("finish", "checked", "refs_read", "save_done", "rm_done")}
+    outcome: dict = {}
+
+    def pause(point):
+        at[point].set()
+        if order == "rm_reads_references_first" and point == "finish":
+            _wait(at["refs_read"], "the rm to read the references")
+        if order == "rm_runs_after_the_check" and point == "checked":
+            _wait(at["rm_done"], "the rm to end")
+
+    def save():
+        writer = _PausingWriter(f"{run}/step-2", client=client, incremental_from=f"{run}/step-1")
+        writer.pause = pause
+        try:
+            dcp.save(sd, storage_writer=writer, no_dist=True)
+            outcome["save"] = "committed"
+        except BaseException as e:  # noqa: BLE001 - judged below
+            outcome["save"] = root_error(e)
+        finally:
+            at["save_done"].set()
+
+    real_references = incremental.references
+
+    def references_then_wait(*args, **kwargs):  # the rm has read the references, has not deleted yet
+        refs = real_references(*args, **kwargs)
+        at["refs_read"].set()
+        _wait(at["save_done"], "the save to end")
+        return refs
+
+    def rm():
+        outcome["rm"] = delete_checkpoint(client, parse_s3_uri(f"{run}/step-1"))
+        at["rm_done"].set()
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    if order == "rm_reads_references_first":  # the rm deletes the base's metadata and reads before any marker
+        _wait(at["finish"], "the save's commit")
+        monkeypatch.setattr(incremental, "references", references_then_wait)
+        remover = threading.Thread(target=rm)
+        remover.start()
+        remover.join(120)
+        saver.join(120)
+        assert _dangling(client, boto3_client, bucket, run) == []
+        err = outcome["save"]
+        assert isinstance(err, IncompleteCheckpointError) and "deleted during the save" in str(err), repr(err)
+        assert f"s3://{bucket}/run/step-1/.metadata is gone" in str(err)
+        assert _keys(boto3_client, bucket) == []  # the rm deleted the base, the save removed its objects
+    else:  # the save has passed every check; the rm runs whole before the metadata PUT
+        _wait(at["checked"], "the save's checks")
+        rm()
+        saver.join(120)
+        assert _dangling(client, boto3_client, bucket, run) == []
+        assert outcome["save"] == "committed", repr(outcome["save"])
+        assert outcome["rm"].kept  # the marker made it keep what step-2 references
+        _check(_load(expected, f"{run}/step-2", client), expected)
+    assert not saver.is_alive()
+    assert not [k for k in _keys(boto3_client, bucket) if k.endswith(PENDING_NAME)]
+
+
+def test_a_base_replaced_during_the_save_is_refused_at_the_commit(bucket, client, boto3_client):
+    run = f"s3://{bucket}/run"
+    sd = _state(13)
+    _save(sd, f"{run}/step-1", client, item_checksum="crc64nvme")
+
+    def overwrite_the_base(point):
+        if point == "finish":  # another job saves step-1 again (its old objects go)
+            other = threading.Thread(target=_save, args=(_state(14), f"{run}/step-1", client),
+                                     kwargs={"overwrite": True, "item_checksum": "crc64nvme"})
+            other.start()
+            other.join(60)
+
+    writer = _PausingWriter(f"{run}/step-2", client=client, incremental_from=f"{run}/step-1")
+    writer.pause = overwrite_the_base
+    sd["lora.a"].add_(1.0)
+    with pytest.raises(BaseException) as info:
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    err = root_error(info.value)
+    assert isinstance(err, IncompleteCheckpointError) and "was replaced during the save" in str(err), repr(err)
+    assert f"s3://{bucket}/run/step-1/.metadata has ETag" in str(err)
+    assert [k for k in _keys(boto3_client, bucket) if not k.startswith("run/step-1/")] == []
+
+
+def test_gc_deletes_stale_pending_markers_and_then_what_only_they_kept(chain, client, bucket, boto3_client):
+    run, states, _ = chain
+    # a save of step-4 died between its marker and its commit: the marker names step-2's own
+    # objects (which step-3 does not use)
+    names = sorted(f"../step-2/{n}" for n in set(_locations(f"{run}/step-2", client).values())
+                   - set(_locations(f"{run}/step-3", client).values()))
+    assert names and all(n.count("/") == 2 for n in names)
+    boto3_client.put_object(Bucket=bucket, Key=f"run/step-4/{PENDING_NAME}",
+                            Body=incremental.encode_pending("0123456789ab", f"{run}/step-2", names))
+    delete_checkpoint(client, parse_s3_uri(f"{run}/step-2"))
+    kept = [k for k in _keys(boto3_client, bucket, "run/step-2/")]
+    assert kept, "a fresh marker counts as references"
+    report = gc(run, older_than_s=3600, client=client)
+    assert report.stale_markers == [] and not set(kept) & set(report.deleted)
+    report = gc(run, older_than_s=0, client=client, now=4e9)  # much later: the marker is stale
+    assert report.stale_markers == [f"run/step-4/{PENDING_NAME}"] and set(kept) <= set(report.deleted)
+    assert _keys(boto3_client, bucket, "run/step-4/") == [] and _keys(boto3_client, bucket, "run/step-2/") == []
+    _check(_load(states[3], f"{run}/step-3", client), states[3])
 
 
 # ---------------------------------------------------------------------------- deletion by reference

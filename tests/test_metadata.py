@@ -829,6 +829,9 @@ def test_lazy_storage_data_is_a_read_only_mapping():
     assert lazy != {**md.storage_data, MetadataIndex("z"): ItemLocation("o", 0, 0, None)}
     assert_same(copy.deepcopy(lazy), md.storage_data)
     assert lazy.object_names() == {loc.object_name for loc in md.storage_data.values()}
+    from s3dcp.layout import object_sizes
+
+    assert lazy.object_extents() == object_sizes(md.storage_data.values())  # incremental commit checks
     assert_same(pickle.loads(pickle.dumps(decode_metadata(encode_metadata(md)))), md)
 
 

@@ -135,6 +135,129 @@ def test_reader_errors_name_what_is_wrong(bucket, s3_config, boto3_client, tmp_p
         S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).fetch_metadata()
 
 
+class _Planner:
+    """The two planner calls read_data makes, for hand-built ReadItems (a DTensor Shard(1)
+    rank asks for a column range of each stored tensor)."""
+
+    def __init__(self, dests: dict[str, torch.Tensor]) -> None:
+        self.dests, self.committed = dests, []
+
+    def resolve_tensor(self, item):
+        return self.dests[item.dest_index.fqn]
+
+    def commit_tensor(self, item, tensor) -> None:
+        self.committed.append(item.dest_index.fqn)
+
+
+def _read_columns(reader: S3SafetensorsReader, name: str, rows: int, col: int, width: int,
+                  dtype=torch.float32) -> torch.Tensor:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    reader.set_up_storage_reader(reader.fetch_metadata(), True)
+    dest = torch.zeros(rows, width, dtype=dtype)
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(name), dest_offsets=torch.Size([0, 0]),
+                    storage_index=MetadataIndex(name, torch.Size([0, 0])), storage_offsets=torch.Size([0, col]),
+                    lengths=torch.Size([rows, width]))
+    planner = _Planner({name: dest})
+    reader.read_data(LoadPlan([item]), planner).wait()
+    assert planner.committed == [name]
+    return dest
+
+
+def _proxied_get_bytes(proxy, key: str) -> int:
+    """Bytes the client asked the server for with GETs of ``key`` (their Range headers), as the
+    proxy in front of the server saw them."""
+    total = 0
+    for r in proxy.requests:
+        if r.method == "GET" and r.target.split("?")[0].endswith("/" + key):
+            lo, hi = r.header("Range").removeprefix("bytes=").split("-")
+            total += int(hi) - int(lo) + 1
+    return total
+
+
+def test_a_column_range_fetches_about_its_share_as_the_server_sees_it(s3_server, bucket, boto3_client, tmp_path):
+    """A Shard(1) rank of four asks for a quarter of the columns of an 8 x 1M fp32 tensor (rows
+    of 4 MiB): only the box's pieces are fetched, 8 of the 32 MiB, counted at the server's door
+    (a proxy reading the GETs' Range headers), default config. Fetching the smallest range
+    holding the box would read 7/8 of the tensor."""
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy
+
+    wide = torch.randn(8, 1 << 20, generator=torch.Generator().manual_seed(8))
+    save_file({"wide": wide}, tmp_path / "model.safetensors")
+    boto3_client.upload_file(str(tmp_path / "model.safetensors"), bucket, "cols/model.safetensors")
+    u = urlsplit(s3_server.endpoint_url)
+    quarter = wide.shape[1] // 4
+    with FaultProxy(u.hostname, u.port) as proxy:
+        cfg = s3_server.s3_config(endpoint_url=proxy.endpoint_url)
+        for rank in (0, 3):
+            reader = S3SafetensorsReader(f"s3://{bucket}/cols", config=cfg)
+            header_bytes = _proxied_get_bytes(proxy, "cols/model.safetensors")
+            got = _read_columns(reader, "wide", 8, rank * quarter, quarter)
+            assert torch.equal(got, wide[:, rank * quarter:(rank + 1) * quarter]), rank
+            fetched = _proxied_get_bytes(proxy, "cols/model.safetensors") - header_bytes
+            fetched -= reader.last_header_bytes
+            assert fetched == reader.last_read_bytes == wide.numel() * 4 // 4, (rank, fetched)
+
+
+def test_a_bf16_to_fp32_load_holds_bounce_memory_within_the_window(s3_server, bucket, boto3_client, tmp_path):
+    """Every byte of a bf16 file loaded into fp32 state goes through bounce memory: the load
+    takes one window (download_part_size_bytes x max_concurrency) from the pool, and the
+    process's resident memory rises by about twice that (window + the CRT's part buffers),
+    far below the 64 MiB file (a bounce buffer per tensor up front held all of it: 80+ MiB)."""
+    import threading
+
+    import psutil
+
+    from s3dcp.pool import HostBufferPool
+
+    MiB = 2**20
+    gen = torch.Generator().manual_seed(9)
+    model = {f"t{i}": torch.randn(2, 4 * MiB, generator=gen).to(torch.bfloat16) for i in range(4)}  # 4 x 16 MiB
+    save_file(model, tmp_path / "model.safetensors")
+    boto3_client.upload_file(str(tmp_path / "model.safetensors"), bucket, "bf16/model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    cfg = s3_server.s3_config(download_part_size_bytes=4 * MiB, max_concurrency=4)
+    window = cfg.download_part_size_bytes * cfg.max_concurrency
+    dest = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in model.items()}  # faulted in
+    pool = HostBufferPool(pin_memory=False)
+    allocated = []
+    acquire = pool.acquire
+
+    def counting_acquire(nbytes, **kwargs):
+        allocated.append(nbytes)
+        return acquire(nbytes, **kwargs)
+
+    pool.acquire = counting_acquire
+    S3SafetensorsReader(f"s3://{bucket}/bf16", config=cfg).fetch_metadata()  # the client exists before the baseline
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    peak = [before]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.002):
+            peak[0] = max(peak[0], me.memory_info().rss)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        dcp.load(dest, storage_reader=S3SafetensorsReader(f"s3://{bucket}/bf16", config=cfg, pool=pool))
+    finally:
+        stop.set()
+        sampler.join()
+    rise = max(peak[0], me.memory_info().rss) - before
+    for k, v in model.items():
+        assert_bitwise(dest[k], v.float(), k)
+    assert allocated and max(allocated) <= window and pool.in_use == 0, allocated
+    print(f"bf16 -> fp32 load of 64 MiB: RSS rose {rise / MiB:.1f} MiB, bounce arenas {allocated}")
+    bound = 2 * window + 8 * MiB  # the window, the CRT's part buffers for as many GETs, allocator slack
+    assert rise <= bound, f"RSS rose {rise / MiB:.0f} MiB during the load (bound {bound / MiB:.0f} MiB)"
+
+
 # ------------------------------------------------------------------------------ export
 def training_state() -> dict:
     g = torch.Generator().manual_seed(5)

@@ -437,6 +437,47 @@ def test_an_export_that_cannot_remove_its_shards_says_what_is_left(s3_server, bu
         S3SafetensorsReader(f"s3://{bucket}/hf", config=cfg).fetch_metadata()
 
 
+def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_path):
+    uri = f"s3://{bucket}/run/step-4"
+    dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))
+    calls: list[tuple[int, int]] = []
+    report = export_safetensors(uri, str(tmp_path / "o"), config=s3_config, on_progress=lambda d, t: calls.append((d, t)),
+                                **_THREE)
+    sizes = sorted(v.numel() * v.element_size() for v in training_state()["model"].values())
+    assert len(calls) == len(sizes)  # one call per tensor written
+    assert {t for _, t in calls} == {report.tensor_bytes} == {sum(sizes)}
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and len(set(done)) == len(done) and done[-1] == report.tensor_bytes
+    assert sorted(b - a for a, b in zip([0] + done, done)) == sizes  # each step is one tensor's bytes
+
+
+def test_default_shard_size_is_hugging_faces_5gb():
+    import inspect
+
+    from s3dcp.export_cli import DEFAULT_SHARD_SIZE_BYTES
+
+    assert DEFAULT_SHARD_SIZE_BYTES == 5 * 1000**3
+    assert inspect.signature(export_safetensors).parameters["shard_size_bytes"].default == 5 * 1000**3
+    args = cli._parser().parse_args(["export", "s3://b/c", "--to-safetensors", "out"])
+    assert args.shard_size == 5 * 1000**3
+
+
+def test_export_cli_strip_prefix(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_path):
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    dcp.save(training_state(), storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-8", config=s3_config))
+    out = tmp_path / "hf"
+    code = cli.main(["export", f"s3://{bucket}/run/step-8", "--to-safetensors", str(out), "--only", "model.",
+                     "--strip-prefix", "model.", "-q"])
+    assert code == 0, capsys.readouterr().err
+    model = training_state()["model"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(model)  # "model.embed.weight" -> "embed.weight"
+    loaded = load_file(out / "model-00001-of-00001.safetensors")
+    for k, v in model.items():
+        assert_bitwise(loaded[k], v, k)
+
+
 def test_export_cli_json(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_path):
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
@@ -454,6 +495,71 @@ def test_export_cli_json(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_
     code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "p"),
                      "--shard-size", "lots"])
     assert code == 2
+
+
+_BLOCKER = textwrap.dedent("""
+    # sitecustomize: this interpreter has neither optional extra installed
+    import sys
+
+    class _NotInstalled:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("safetensors", "torchsnapshot"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, _NotInstalled())
+""")
+
+_WITHOUT_EXTRAS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed.checkpoint as dcp
+    for name in ("safetensors", "torchsnapshot"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+        else:
+            raise SystemExit(f"{name} is importable: the blocker does not work")
+    import s3dcp, s3dcp.cli
+    from s3dcp import S3Config, S3SafetensorsReader, S3StorageReader, S3StorageWriter
+    cfg = S3Config(**json.loads(sys.argv[1]))
+    state = {"w": torch.arange(10.0), "step": 3}
+    dcp.save(state, storage_writer=S3StorageWriter(sys.argv[2], config=cfg))
+    back = {"w": torch.zeros(10), "step": 0}
+    dcp.load(back, storage_reader=S3StorageReader(sys.argv[2], config=cfg))
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3, back
+    print("ok")
+""")
+
+
+def _without_extras(tmp_path) -> dict:
+    """The environment of a subprocess in which ``safetensors`` and ``torchsnapshot`` cannot be
+    imported (a sitecustomize puts a blocker first on sys.meta_path)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.getcwd()]))
+
+
+def test_s3dcp_works_without_the_optional_extras(s3_config, bucket, tmp_path):
+    cfg = {k: getattr(s3_config, k) for k in ("endpoint_url", "region", "access_key_id", "secret_access_key")}
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS_SCRIPT, json.dumps(cfg), f"s3://{bucket}/plain"],
+                            capture_output=True, text=True, timeout=120, env=_without_extras(tmp_path))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_export_without_safetensors_says_what_to_install_and_creates_nothing(s3_server, s3_config, bucket,
+                                                                            tmp_path):
+    dcp.save(training_state(), storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-1", config=s3_config))
+    dest = tmp_path / "hf"
+    env = _without_extras(tmp_path)
+    env.update(s3_server.env())
+    result = subprocess.run([sys.executable, "-m", "s3dcp.cli", "export", f"s3://{bucket}/run/step-1",
+                             "--to-safetensors", str(dest)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "pip install 's3dcp[safetensors]'" in result.stderr, result.stderr
+    assert not dest.exists()
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""

@@ -9,6 +9,8 @@
           verified ──► os.pwrite at the tensor's offset in the file ──► span freed
       s3:// destination: the finished file is uploaded (multipart, from a read-only mmap) and deleted
     model.safetensors.index.json written last
+    any failure: the shard files already written are removed (local and s3://), so what is left
+    never looks like a model; if they cannot be, the error names them
 
 Memory: the placeholders are one private anonymous mapping that is only ever read, so its
 pages are the kernel's shared zero page and cost no RAM. Tensors download into one ring buffer
@@ -43,7 +45,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from . import integrity, layout
 from .client import S3Client
 from .config import S3Config
-from .errors import CheckpointExistsError, ConfigError, IntegrityError, MetadataFormatError
+from .errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
 from .safetensors_format import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
 from .ring_buffer import RingArena, align as _align
 from .tensors import byte_view
@@ -105,11 +107,16 @@ def export_safetensors(
     ``only``: keep tensors whose checkpoint name starts with one of these prefixes (default: all).
     ``strip_prefix``: remove it from the names written (``model.`` → Hugging Face names).
     Non-tensor items are left out (listed in ``ExportReport.skipped``). Every chunk's checksum
-    is verified; a mismatch raises :class:`IntegrityError` and leaves no index behind.
+    is verified; a mismatch raises :class:`IntegrityError`. A failed export removes the shard
+    files it wrote (the index is written last, so none was); when that fails too it raises
+    :class:`IncompleteCheckpointError` naming what is left. ``overwrite``: replace an earlier
+    export at ``dest`` (its index and safetensors files are deleted first, the index first);
+    without it an earlier export is refused (:class:`CheckpointExistsError`).
     ``window_bytes``: tensor bytes downloading ahead of the writer (the ring buffer's size; a
     larger tensor gets a buffer of its own size). ``on_progress(done_bytes, total_bytes)`` is
     called after each tensor is written.
     """
+    _require_safetensors()  # before anything is created at dest
     from .reader import S3StorageReader
 
     if shard_size_bytes <= 0 or window_bytes <= 0:
@@ -128,7 +135,6 @@ def export_safetensors(
     groups = layout.pack([t.nbytes for t in tensors], shard_size_bytes)
     names = [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
     target = _Destination(dest, client, overwrite, temp_dir)
-    target.check_free(names + [INDEX_NAME])
     weight_map: dict[str, str] = {}
     total = sum(t.nbytes for t in tensors)
     done = [0]
@@ -141,6 +147,7 @@ def export_safetensors(
     # Tensors download into one ring buffer: at most max(window, the largest tensor) bytes.
     arena = RingArena(max(window_bytes, max(_footprint(t) for t in tensors)))
     try:
+        target.clear_previous()
         for name, group in zip(names, groups):
             shard = [tensors[i] for i in group]
             path = target.local_path(name)
@@ -153,10 +160,21 @@ def export_safetensors(
         report.tensor_bytes = total
         doc = json.dumps(index_document(weight_map, report.tensor_bytes), indent=2).encode() + b"\n"
         target.write_small(INDEX_NAME, doc)  # last: an export without its index is incomplete
+    except BaseException as e:
+        target.discard(e)  # the shard files written so far: a failed export leaves none
+        raise
     finally:
         target.close()
     report.seconds = time.perf_counter() - start_s
     return report
+
+
+def _require_safetensors() -> None:
+    try:
+        import safetensors.torch  # noqa: F401 - the export writes its headers with it
+    except ImportError as e:
+        raise ConfigError("exporting to safetensors needs the safetensors package: "
+                          "pip install 's3dcp[safetensors]'") from e
 
 
 # ---------------------------------------------------------------------- selection
@@ -301,35 +319,54 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
 
 # ---------------------------------------------------------------------- destinations
 class _Destination:
-    """A local directory, or an S3 prefix with a local spool directory for the shard files."""
+    """A local directory, or an S3 prefix with a local spool directory for the shard files.
+
+    Call order: ``clear_previous()`` (refuses, or with ``overwrite`` removes, an earlier
+    export: its index first), then per file ``local_path`` → ``finish_file``, then
+    ``write_small(INDEX_NAME, ...)``; on any failure ``discard(error)``; always ``close()``.
+    Every finished file is recorded, so a failed export removes what it wrote and nothing
+    partial that a reader could mistake for a model stays behind."""
 
     def __init__(self, dest: str, client: S3Client, overwrite: bool, temp_dir: str | None) -> None:
         self.client, self.overwrite = client, overwrite
         self._partials: list[str] = []
+        self._written: list[str] = []  # names finished (or, for the index on S3, attempted) at dest
         if is_s3_uri(dest):
             self.uri: S3Uri | None = parse_s3_uri(dest)
+            self.where = str(self.uri)
             self.dir = tempfile.mkdtemp(prefix="s3dcp-export-", dir=temp_dir)
         else:
             self.uri = None
             self.dir = os.path.abspath(dest)
+            self.where = self.dir
             if os.path.exists(self.dir) and not os.path.isdir(self.dir):
                 raise ConfigError(f"export destination {dest} exists and is not a directory")
             os.makedirs(self.dir, exist_ok=True)
 
-    def check_free(self, names: list[str]) -> None:
-        """Refuse to replace an earlier export unless ``overwrite``."""
-        if self.overwrite:
-            return
+    def clear_previous(self) -> None:
+        """Refuse to replace an earlier export unless ``overwrite``; with it, delete the earlier
+        export's index, then its safetensors files, before anything is written, so an export
+        that fails midway never sits next to an index that makes it look complete."""
         if self.uri is not None:
             objects, _ = self.client.list(self.uri.bucket, self.uri.dir_prefix, delimiter="/").result()
             present = {o.key[len(self.uri.dir_prefix):] for o in objects}
         else:
             present = set(os.listdir(self.dir))
-        clash = sorted(n for n in present if n == INDEX_NAME or n.endswith(SUFFIX))
-        if clash:
-            where = str(self.uri) if self.uri is not None else self.dir
-            raise CheckpointExistsError(f"{where} already holds safetensors files ({', '.join(clash[:3])}"
+        clash = sorted((n for n in present if n == INDEX_NAME or n.endswith(SUFFIX)),
+                       key=lambda n: (n != INDEX_NAME, n))  # the index first
+        if not clash:
+            return
+        if not self.overwrite:
+            raise CheckpointExistsError(f"{self.where} already holds safetensors files ({', '.join(clash[:3])}"
                                         f"{', ...' if len(clash) > 3 else ''}); pass overwrite=True (--force)")
+        log.info("export: removing the earlier export at %s (%d file(s))", self.where, len(clash))
+        if self.uri is not None:
+            if INDEX_NAME in clash:
+                self.client.delete(self.uri.bucket, [self.uri.key(INDEX_NAME)]).result()
+            self.client.delete(self.uri.bucket, [self.uri.key(n) for n in clash if n != INDEX_NAME]).result()
+        else:
+            for name in clash:
+                os.unlink(os.path.join(self.dir, name))
 
     def local_path(self, name: str) -> str:
         path = os.path.join(self.dir, name + (".partial" if self.uri is None else ""))
@@ -339,9 +376,11 @@ class _Destination:
     def finish_file(self, name: str, path: str) -> None:
         if self.uri is None:
             os.replace(path, os.path.join(self.dir, name))
+            self._written.append(name)
             return
         with open(path, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # page cache, not process memory
+        self._written.append(name)  # a PUT that failed may still have landed: removed on failure too
         self.client.put(self.uri.bucket, self.uri.key(name), memoryview(data)).result()
         # The mapping is unmapped when the last view of it (the request's stream may keep one) is gone.
         del data
@@ -354,8 +393,39 @@ class _Destination:
                 f.write(data)
             os.replace(partial, os.path.join(self.dir, name))
         else:
+            self._written.append(name)
             self.client.put(self.uri.bucket, self.uri.key(name), data, single_request=True,
                             content_type="application/json").result()
+
+    def discard(self, error: BaseException) -> None:
+        """The export failed with ``error``: remove the files it wrote to the destination. When
+        that fails too, raise :class:`IncompleteCheckpointError` (caused by ``error``) naming
+        what is left, so nobody loads it as a model."""
+        if not self._written:
+            return
+        left: list[str] = []
+        why = ""
+        if self.uri is not None:
+            keys = [self.uri.key(n) for n in self._written]
+            try:
+                self.client.delete(self.uri.bucket, keys).result()
+            except Exception as e:  # noqa: BLE001 - reported below, with the export's own error
+                left, why = [f"s3://{self.uri.bucket}/{k}" for k in keys], f"{type(e).__name__}: {e}"
+        else:
+            for name in self._written:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    left.append(os.path.join(self.dir, name))
+                    why = f"{type(e).__name__}: {e}"
+        self._written = []
+        if left:
+            raise IncompleteCheckpointError(
+                f"export to {self.where} failed ({type(error).__name__}: {error}) and the {len(left)} file(s) it "
+                f"had written could not be removed ({why}): {', '.join(left)}. They are an incomplete model "
+                "(no index); delete them, or export again with --force") from error
 
     def close(self) -> None:
         if self.uri is not None:

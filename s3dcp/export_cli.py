@@ -31,7 +31,8 @@ def register_cli(command: Callable[..., Any]) -> None:
     p.add_argument("--strip-prefix", metavar="PREFIX", help="drop PREFIX from the names written, e.g. model.")
     p.add_argument("--window", type=_size_arg, default=DEFAULT_WINDOW_BYTES, metavar="SIZE",
                    help="tensor bytes downloading ahead of the writer (default 256MiB)")
-    p.add_argument("-f", "--force", action="store_true", help="replace safetensors files already at DEST")
+    p.add_argument("-f", "--force", action="store_true",
+                   help="replace an export already at DEST (its index and *.safetensors files are deleted first)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 

@@ -1,27 +1,27 @@
 """S3SafetensorsReader: ``dcp.load`` from Hugging Face safetensors files in S3.
 
-    LIST prefix ─► model.safetensors.index.json (if any) ─► which *.safetensors files hold what
+    LIST prefix ─► model.safetensors.index.json (if any; else the *.safetensors files, which must
+    be one whole set: every -0000K-of-0000N present) ─► which files hold what
     per file, in parallel: one ranged GET of the first 64 KiB (a second one if the header is longer)
-        └─► header ─► Metadata: one TensorStorageMetadata per tensor, one chunk (the whole tensor)
+        └─► header ─► Metadata: one TensorStorageMetadata per tensor, one chunk (the whole tensor),
+                      stored as an ItemLocation (file, byte range, dtype, shape; no checksum)
     DCP's planner ─► ReadItems for this rank (the part of each tensor its shards cover)
-    ReadItems ─► the smallest byte range of the file holding each part, neighbours coalesced
-        ├─ contiguous part, CPU contiguous destination of the stored dtype: bytes land in the tensor
-        └─ otherwise (a column block, another dtype, a GPU tensor): a bounce buffer, then copy_
+    ReadItems ─► S3StorageReader's read path (reader.py), as for an unverified DCP item:
+        ├─ one run of a tensor's bytes (whole, or rows of a Shard(0) load), CPU contiguous
+        │  destination of the stored dtype: the bytes land in the tensor
+        └─ otherwise (a column block, another dtype, a GPU tensor): only the box's byte ranges
+           (layout.box_pieces), through the bounded bounce window (bounce.py), then copy_
 
 Each rank reads only the bytes its shards need (plus the headers): a Shard(0) DTensor over two
-ranks reads half of every sharded tensor per rank. safetensors files carry no checksums, so
-what is verified is the format (dtype × shape = byte count, ranges inside the file) and that
-every range arrives whole.
+ranks reads half of every sharded tensor per rank, a Shard(1) one about half too (holes up to
+``coalesce_gap_bytes`` are bridged). safetensors files carry no checksums, so what is verified
+is the format (dtype × shape = byte count, ranges inside the file) and that every range
+arrives whole.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import time
-from concurrent.futures import Future, wait
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -32,49 +32,35 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future as TorchFuture
 
-from . import layout
 from .client import S3Client
 from .config import S3Config
 from .errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
-from .safetensors_format import INDEX_NAME, SUFFIX, Header, header_length, parse_header, parse_index
-from .storage import S3CheckpointPath, UnreadableMetadata
-from .tensors import byte_view
+from .layout import ItemLocation
+from .metadata import dtype_to_str
+from .pool import HostBufferPool
+from .reader import S3StorageReader
+from .safetensors_format import INDEX_NAME, SUFFIX, Header, check_shard_set, header_length, parse_header, parse_index
 
-__all__ = ["S3SafetensorsReader", "SafetensorsLocation"]
-
-log = logging.getLogger("s3dcp")
+__all__ = ["S3SafetensorsReader"]
 
 _FIRST_READ_BYTES = 64 * 1024  # most headers fit; a longer one costs a second GET
-_MAX_RUN_BYTES = 1 << 30
 
 
-@dataclass(frozen=True)
-class SafetensorsLocation:
-    """Where one tensor lives: a file (object name under the prefix) and its byte range."""
-
-    file: str
-    start: int
-    end: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-class S3SafetensorsReader(S3CheckpointPath, StorageReader):
+class S3SafetensorsReader(S3StorageReader):
     """Reads Hugging Face ``*.safetensors`` files under ``s3://bucket/prefix/`` for ``dcp.load``.
 
     Call order, as :func:`torch.distributed.checkpoint.load` makes it:
 
     0. ``reset(checkpoint_id)`` — only when ``checkpoint_id=`` is passed to load
     1. ``read_metadata()`` — lists the prefix, reads the index (``model.safetensors.index.json``,
-       else every ``*.safetensors`` file under the prefix) and each file's header
+       else every ``*.safetensors`` file under the prefix, which must be a whole set of
+       ``-0000K-of-0000N`` shards or unnumbered files) and each file's header
     2. ``set_up_storage_reader`` / ``prepare_local_plan`` / ``prepare_global_plan`` — no-ops
-    3. ``read_data(plan, planner)`` — ranged GETs for exactly the bytes this rank's ReadItems
-       cover, straight into the destination tensors where dtype and layout allow, else through
-       a bounce buffer and ``copy_`` (which converts dtype: load a bf16 file into fp32 state)
+    3. ``read_data(plan, planner)`` — :class:`S3StorageReader`'s: ranged GETs for exactly the
+       bytes this rank's ReadItems cover, straight into the destination tensors where dtype and
+       layout allow, else through a bounded bounce window and ``copy_`` (which converts dtype:
+       load a bf16 file into fp32 state)
 
     Resharding is DCP's: the destination state may be plain tensors or DTensors of any
     placement. After ``read_data``, ``last_read_bytes`` is what this rank fetched for tensor
@@ -84,89 +70,36 @@ class S3SafetensorsReader(S3CheckpointPath, StorageReader):
         path: ``s3://bucket/prefix`` of the directory holding the files (trailing ``/`` optional).
         config: :class:`S3Config`; default: resolved from the environment.
         client: an :class:`s3dcp.client.S3Client` to use.
+        pool: where the bounce window comes from (see :class:`S3StorageReader`).
     """
 
     def __init__(self, path: str | None = None, *, config: S3Config | None = None,
-                 client: S3Client | None = None) -> None:
-        super().__init__()
-        self._init_path(path, config, client)
-        self._locations: dict[MetadataIndex, SafetensorsLocation] = {}
-        self.last_read_bytes = 0
-        self.last_read_s = 0.0
+                 client: S3Client | None = None, pool: HostBufferPool | None = None) -> None:
+        # safetensors files hold no checksums: nothing to verify, and no pickled items to refuse
+        super().__init__(path, config=config, client=client, verify=False, pool=pool)
         self.last_header_bytes = 0
 
     def __repr__(self) -> str:
         return f"S3SafetensorsReader({self.checkpoint_id!r})"
 
-    # ------------------------------------------------------------------ StorageReader
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self._reset_path(checkpoint_id)
-        self._locations = {}
-
-    def read_metadata(self) -> Metadata:
-        """DCP's hook, on every rank. Never raises: a failure is raised, typed, by
-        :meth:`set_up_storage_reader` (see :class:`s3dcp.storage.UnreadableMetadata`).
-        :meth:`fetch_metadata` raises at once."""
-        try:
-            return self.fetch_metadata()
-        except Exception as e:  # noqa: BLE001 - raised again in set_up_storage_reader
-            return UnreadableMetadata(e)
-
     def fetch_metadata(self) -> Metadata:
-        """DCP metadata built from the index and the files' headers, or a typed error."""
+        """DCP metadata built from the index and the files' headers, or a typed error
+        (:meth:`read_metadata`, inherited, returns the error for DCP to raise on every rank)."""
         headers = self.read_headers()
         state: dict[str, TensorStorageMetadata] = {}
-        storage: dict[MetadataIndex, SafetensorsLocation] = {}
+        storage: dict[MetadataIndex, ItemLocation] = {}
         for file, header in headers.items():
             for t in header.tensors:
                 zeros = torch.Size([0] * len(t.shape))
                 state[t.name] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=t.dtype), size=torch.Size(t.shape),
                     chunks=[ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(t.shape))])
-                storage[MetadataIndex(t.name, zeros)] = SafetensorsLocation(file, t.start, t.end, t.dtype, t.shape)
+                storage[MetadataIndex(t.name, zeros)] = ItemLocation(
+                    object_name=file, offset=t.start, length=t.nbytes, checksum=None,
+                    dtype=dtype_to_str(t.dtype), shape=tuple(t.shape))
         metadata = Metadata(state_dict_metadata=state, storage_data=storage)
         metadata.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, load_id=os.urandom(8).hex())
         return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if isinstance(metadata, UnreadableMetadata):
-            raise metadata.error
-        self._locations = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        start_s = time.perf_counter()
-        uri = self._require_uri()
-        by_file: dict[str, list[layout.Segment]] = {}
-        reads = []
-        for item in plan.items:
-            read = self._plan_read(item, planner)
-            reads.append(read)
-            by_file.setdefault(read.location.file, []).append(layout.Segment(read.start, read.end - read.start, read))
-        futures: list[Future] = []
-        total = 0
-        for file, segments in by_file.items():
-            for run in layout.coalesce(segments, self.config.coalesce_gap_bytes, _MAX_RUN_BYTES):
-                run_start, run_end = run[0].offset, max(s.end for s in run)
-                total += run_end - run_start
-                futures.append(self.client.get_scatter(uri.bucket, uri.key(file), run_start, run_end,
-                                                       [(s.offset, s.tag.sink) for s in run]))
-        wait(futures)
-        for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
-        for read in reads:
-            read.finish(planner)
-        self.last_read_bytes = total
-        self.last_read_s = time.perf_counter() - start_s
-        fut: TorchFuture = TorchFuture()
-        fut.set_result(None)
-        return fut
 
     def _require_uri(self):
         if self._uri is None:
@@ -192,6 +125,7 @@ class S3SafetensorsReader(S3CheckpointPath, StorageReader):
         else:
             weight_map = None
             files = sorted(name for name in sizes if name.endswith(SUFFIX))
+            check_shard_set(files, where=f"{uri}/")
         if not files:
             raise CheckpointNotFoundError(f"no {INDEX_NAME} and no *{SUFFIX} files under {uri}/")
 
@@ -228,50 +162,3 @@ class S3SafetensorsReader(S3CheckpointPath, StorageReader):
                 raise MetadataFormatError(f"{INDEX_NAME} under {uri} names {len(absent)} tensor(s) no file holds, "
                                           f"e.g. {absent[:3]}")
         return headers
-
-    # ------------------------------------------------------------------ reads
-    def _plan_read(self, item: ReadItem, planner: LoadPlanner) -> "_Read":
-        if item.type != LoadItemType.TENSOR:
-            raise MetadataFormatError(f"{self._uri}: {item.dest_index.fqn!r} is not a tensor; safetensors holds "
-                                      "only tensors")
-        try:
-            loc = self._locations[item.storage_index]
-        except KeyError:
-            raise MetadataFormatError(f"{self._uri}: no tensor {item.storage_index.fqn!r} in the files") from None
-        dest = planner.resolve_tensor(item).detach()
-        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
-        if tuple(dest.shape) != lengths:
-            raise MetadataFormatError(f"{self._uri}: {item.dest_index.fqn!r}: destination shape "
-                                      f"{tuple(dest.shape)} does not match the planned {lengths}")
-        lo, hi = layout.box_byte_range(loc.shape, loc.dtype.itemsize, offsets, lengths)
-        direct = (layout.is_contiguous_box(loc.shape, offsets, lengths) and dest.device.type == "cpu"
-                  and dest.is_contiguous() and dest.dtype == loc.dtype)
-        if direct:
-            return _Read(item, loc, loc.start + lo, loc.start + hi, byte_view(dest), dest, None)
-        bounce = torch.empty(hi - lo, dtype=torch.uint8)
-        return _Read(item, loc, loc.start + lo, loc.start + hi, byte_view(bounce), dest, bounce)
-
-
-@dataclass
-class _Read:
-    """One ReadItem: the file bytes ``[start, end)`` it needs and where they land."""
-
-    item: ReadItem
-    location: SafetensorsLocation
-    start: int
-    end: int
-    sink: memoryview
-    dest: torch.Tensor
-    bounce: torch.Tensor | None
-
-    def finish(self, planner: LoadPlanner) -> None:
-        if self.bounce is not None:
-            loc = self.location
-            strides = [1] * len(loc.shape)
-            for i in range(len(loc.shape) - 2, -1, -1):
-                strides[i] = strides[i + 1] * loc.shape[i + 1]
-            # the bounce buffer starts at the box's first element: walk the box with the file's strides
-            flat = self.bounce.view(loc.dtype) if self.bounce.numel() else torch.empty(0, dtype=loc.dtype)
-            src = flat.as_strided(tuple(self.item.lengths), strides, 0)
-            self.dest.copy_(src)
-        planner.commit_tensor(self.item, self.dest)

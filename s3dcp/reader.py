@@ -2,7 +2,8 @@
 
     .metadata ──decode (JSON, never pickle)──► Metadata ──DCP planner──► ReadItems for this rank
     ReadItems ──byte ranges per object, neighbours coalesced──► parallel ranged GETs
-        ├─ whole item, CPU contiguous destination of the stored dtype: bytes land in the tensor
+        ├─ whole item (or one run of an item with nothing to verify), CPU contiguous destination
+        │  of the stored dtype: bytes land in the tensor
         └─ otherwise (part of an item, other dtype/device): the box's byte ranges (layout.box_pieces)
            land in slots of a bounded bounce window (bounce.py), taken as GETs are issued and
            reused once copied out, so bounce memory stays at
@@ -341,13 +342,20 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             raise MetadataFormatError(
                 f"{self._uri}: {item.dest_index.fqn!r}: destination shape {tuple(dest.shape)} does not match "
                 f"the {lengths} elements planned from the checkpoint")
+        in_place = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
         whole = all(o == 0 for o in offsets) and lengths == shape
-        if whole and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
+        if whole and in_place:
             return _Read(item, loc, 0, loc.length, byte_view(dest), dest=dest)
+        checked = self.verify and loc.checksum is not None
+        if in_place and not checked and layout.is_contiguous_box(shape, offsets, lengths):
+            # One run of the item's bytes (rows of a Shard(0) load) with nothing to verify: no
+            # block widening needed, so the run lands in the destination too.
+            lo, hi = layout.box_byte_range(shape, dtype.itemsize, offsets, lengths)
+            if hi > lo:
+                return _Read(item, loc, lo, hi, byte_view(dest), dest=dest)
 
         # Only the box's bytes, in pieces that fit a bounce slot, widened to checksum blocks
         # (the whole item when it has one checksum) so every fetched byte can be verified.
-        checked = self.verify and loc.checksum is not None
         pieces = layout.box_pieces(
             shape, dtype.itemsize, offsets, lengths, item_bytes=loc.length,
             block_bytes=(loc.block_size or loc.length) if checked else 0,

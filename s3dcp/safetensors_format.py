@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from .errors import MetadataFormatError
+from .errors import IncompleteCheckpointError, MetadataFormatError
 
 __all__ = [
     "HEADER_LENGTH_BYTES", "INDEX_NAME", "SUFFIX", "DTYPES", "TensorEntry", "Header",
-    "header_length", "parse_header", "parse_index", "safetensors_dtype", "shard_file_name",
+    "header_length", "parse_header", "parse_index", "safetensors_dtype", "shard_file_name", "check_shard_set",
 ]
 
 HEADER_LENGTH_BYTES = 8
@@ -141,6 +142,50 @@ def safetensors_dtype(dtype: torch.dtype, *, what: str) -> str:
 def shard_file_name(index: int, count: int) -> str:
     """Hugging Face's shard name: ``model-00001-of-00003.safetensors`` (1-based)."""
     return f"model-{index:05d}-of-{count:05d}{SUFFIX}"
+
+
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<k>\d+)-of-(?P<n>\d+)" + re.escape(SUFFIX) + "$")
+
+
+def check_shard_set(names: Sequence[str], *, where: str) -> None:
+    """Refuse safetensors files (``names``, found under ``where`` with no index beside them)
+    that are not one whole model.
+
+    Numbered files (``model-00001-of-00003.safetensors``) must all share one stem and one
+    count N, with every shard 1..N present: an export or upload that stopped midway leaves
+    some, and loading them would silently miss tensors. Unnumbered files (a single
+    ``model.safetensors``) are whole on their own but do not mix with numbered ones.
+    Raises :class:`IncompleteCheckpointError` naming the missing shards, or
+    :class:`MetadataFormatError` for files that are not one set.
+    """
+    numbered: dict[tuple[str, str], dict[int, str]] = {}
+    plain = []
+    for name in names:
+        m = _SHARD_RE.match(name)
+        if m is None:
+            plain.append(name)
+        else:
+            numbered.setdefault((m["stem"], m["n"]), {})[int(m["k"])] = m["k"]
+    if not numbered:
+        return
+    if plain or len(numbered) > 1:
+        sets = [f"{stem}-*-of-{n}{SUFFIX}" for stem, n in sorted(numbered)] + sorted(plain)
+        raise MetadataFormatError(
+            f"{where} holds safetensors files of more than one model ({', '.join(sets[:4])}) and no {INDEX_NAME} "
+            "to say which to load; put each model under a prefix of its own")
+    ((stem, n_text), ks), = numbered.items()
+    count = int(n_text)
+    width = len(next(iter(ks.values())))
+    outside = sorted(k for k in ks if not 1 <= k <= count)
+    if outside:
+        raise MetadataFormatError(f"{where}: {stem}-{ks[outside[0]]}-of-{n_text}{SUFFIX} is not shard 1..{count}")
+    missing = [f"{stem}-{k:0{width}d}-of-{n_text}{SUFFIX}" for k in range(1, count + 1) if k not in ks]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise IncompleteCheckpointError(
+            f"{where} is incomplete: no {INDEX_NAME} and {len(missing)} of {count} shard file(s) missing "
+            f"({shown}). The upload or export that wrote it failed or is still running; upload the whole "
+            "model again")
 
 
 def index_document(weight_map: Mapping[str, str], total_size_bytes: int) -> dict[str, Any]:

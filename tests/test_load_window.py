@@ -86,6 +86,28 @@ def test_a_column_range_reads_only_its_share(s3_server, bucket):
     assert reader.last_read_bytes == 4 * MiB  # 1/4 of the item: the wanted columns only
 
 
+def test_an_unverified_row_range_lands_in_place(s3_server, bucket):
+    """With nothing to verify (verify=False, or an item without checksum: safetensors files),
+    a Shard(0)-like row range is one run of the item's bytes: fetched exactly and straight into
+    the destination, no bounce window taken. Verified, it goes through the window."""
+    cfg = s3_server.s3_config()
+    rows = torch.randn(64, 1000, generator=torch.Generator().manual_seed(7))
+    _save({"rows": rows}, f"s3://{bucket}/r", cfg)
+    for verify, arenas in ((False, 0), (True, 1)):
+        pool = HostBufferPool(pin_memory=False)
+        reader = S3StorageReader(f"s3://{bucket}/r", config=cfg, verify=verify, pool=pool)
+        reader.set_up_storage_reader(reader.fetch_metadata(), True)
+        dest = torch.zeros(16, 1000)
+        item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("rows"), dest_offsets=torch.Size([0, 0]),
+                        storage_index=MetadataIndex("rows", torch.Size([0, 0])),
+                        storage_offsets=torch.Size([32, 0]), lengths=torch.Size([16, 1000]))
+        reader.read_data(LoadPlan([item]), _ColumnPlanner({"rows": dest})).wait()
+        assert torch.equal(dest, rows[32:48]), verify
+        assert pool.allocations == arenas, verify
+        if not verify:
+            assert reader.last_read_bytes == 16 * 1000 * 4
+
+
 def test_a_corrupt_block_fails_only_the_reads_that_fetch_it(s3_server, bucket, boto3_client):
     cfg = s3_server.s3_config()
     wide = torch.randn(2, 8 * MiB, generator=torch.Generator().manual_seed(1))

@@ -18,7 +18,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from s3dcp import S3StorageWriter, cli
-from s3dcp.errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError, MetadataFormatError
+from s3dcp.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    MetadataFormatError,
+)
 from s3dcp.export import export_safetensors
 from s3dcp.export_cli import parse_size
 from s3dcp.hf_reader import S3SafetensorsReader
@@ -92,6 +98,24 @@ def test_parse_size():
             parse_size(bad)
 
 
+def test_check_shard_set():
+    from s3dcp.safetensors_format import check_shard_set
+
+    check_shard_set(["model.safetensors"], where="p")
+    check_shard_set(["a.safetensors", "b.safetensors"], where="p")  # unnumbered: nothing to count
+    check_shard_set([f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)], where="p")
+    with pytest.raises(IncompleteCheckpointError, match=r"s3://b/p/ is incomplete: .*1 of 3 .*\(model-00002-of-00003"):
+        check_shard_set(["model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"], where="s3://b/p/")
+    with pytest.raises(MetadataFormatError, match="more than one model"):
+        check_shard_set(["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                         "model-00001-of-00003.safetensors"], where="p")
+    with pytest.raises(MetadataFormatError, match="more than one model"):
+        check_shard_set(["model.safetensors", "model-00001-of-00001.safetensors"], where="p")
+    with pytest.raises(MetadataFormatError, match="not shard 1..2"):
+        check_shard_set(["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                         "model-00003-of-00002.safetensors"], where="p")
+
+
 # ------------------------------------------------------------------------------ reader
 def test_reader_loads_index_and_shards_bitwise_with_dtype_conversion(bucket, s3_config, boto3_client, tmp_path):
     model = upload_hf_model(boto3_client, bucket, "models/tiny", tmp_path)
@@ -129,10 +153,145 @@ def test_reader_errors_name_what_is_wrong(bucket, s3_config, boto3_client, tmp_p
     with pytest.raises(MetadataFormatError, match="names .*model-00002-of-00002.safetensors.* but no such object"):
         S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).fetch_metadata()
 
+    # Without the index, the files must be every shard of one -of-N set.
+    boto3_client.delete_object(Bucket=bucket, Key="broken/model.safetensors.index.json")
+    with pytest.raises(IncompleteCheckpointError,
+                       match=r"s3://.*/broken/ is incomplete: no model.safetensors.index.json .*"
+                             r"model-00002-of-00002.safetensors"):
+        S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).fetch_metadata()
+
     raw = (tmp_path / "model-00002-of-00002.safetensors").read_bytes()
     boto3_client.put_object(Bucket=bucket, Key="broken/model-00002-of-00002.safetensors", Body=raw[:-10])
     with pytest.raises(MetadataFormatError, match="past the end of the .*truncated"):
         S3SafetensorsReader(f"s3://{bucket}/broken", config=s3_config).fetch_metadata()
+
+
+class _Planner:
+    """The two planner calls read_data makes, for hand-built ReadItems (a DTensor Shard(1)
+    rank asks for a column range of each stored tensor)."""
+
+    def __init__(self, dests: dict[str, torch.Tensor]) -> None:
+        self.dests, self.committed = dests, []
+
+    def resolve_tensor(self, item):
+        return self.dests[item.dest_index.fqn]
+
+    def commit_tensor(self, item, tensor) -> None:
+        self.committed.append(item.dest_index.fqn)
+
+
+def _read_columns(reader: S3SafetensorsReader, name: str, rows: int, col: int, width: int,
+                  dtype=torch.float32) -> torch.Tensor:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    reader.set_up_storage_reader(reader.fetch_metadata(), True)
+    dest = torch.zeros(rows, width, dtype=dtype)
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(name), dest_offsets=torch.Size([0, 0]),
+                    storage_index=MetadataIndex(name, torch.Size([0, 0])), storage_offsets=torch.Size([0, col]),
+                    lengths=torch.Size([rows, width]))
+    planner = _Planner({name: dest})
+    reader.read_data(LoadPlan([item]), planner).wait()
+    assert planner.committed == [name]
+    return dest
+
+
+def _proxied_get_bytes(proxy, key: str) -> int:
+    """Bytes the client asked the server for with GETs of ``key`` (their Range headers), as the
+    proxy in front of the server saw them."""
+    total = 0
+    for r in proxy.requests:
+        if r.method == "GET" and r.target.split("?")[0].endswith("/" + key):
+            lo, hi = r.header("Range").removeprefix("bytes=").split("-")
+            total += int(hi) - int(lo) + 1
+    return total
+
+
+def test_a_column_range_fetches_about_its_share_as_the_server_sees_it(s3_server, bucket, boto3_client, tmp_path):
+    """A Shard(1) rank of four asks for a quarter of the columns of an 8 x 1M fp32 tensor (rows
+    of 4 MiB): only the box's pieces are fetched, 8 of the 32 MiB, counted at the server's door
+    (a proxy reading the GETs' Range headers), default config. Fetching the smallest range
+    holding the box would read 7/8 of the tensor."""
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy
+
+    wide = torch.randn(8, 1 << 20, generator=torch.Generator().manual_seed(8))
+    save_file({"wide": wide}, tmp_path / "model.safetensors")
+    boto3_client.upload_file(str(tmp_path / "model.safetensors"), bucket, "cols/model.safetensors")
+    u = urlsplit(s3_server.endpoint_url)
+    quarter = wide.shape[1] // 4
+    with FaultProxy(u.hostname, u.port) as proxy:
+        cfg = s3_server.s3_config(endpoint_url=proxy.endpoint_url)
+        for rank in (0, 3):
+            reader = S3SafetensorsReader(f"s3://{bucket}/cols", config=cfg)
+            header_bytes = _proxied_get_bytes(proxy, "cols/model.safetensors")
+            got = _read_columns(reader, "wide", 8, rank * quarter, quarter)
+            assert torch.equal(got, wide[:, rank * quarter:(rank + 1) * quarter]), rank
+            fetched = _proxied_get_bytes(proxy, "cols/model.safetensors") - header_bytes
+            fetched -= reader.last_header_bytes
+            assert fetched == reader.last_read_bytes == wide.numel() * 4 // 4, (rank, fetched)
+
+
+def test_a_bf16_to_fp32_load_holds_bounce_memory_within_the_window(s3_server, bucket, boto3_client, tmp_path):
+    """Every byte of a bf16 file loaded into fp32 state goes through bounce memory: the load
+    takes one window (download_part_size_bytes x max_concurrency = 64 MiB) from the pool, and
+    the process's resident memory rises by at most twice that (the window and the CRT's parts in
+    flight: ~95-105 MiB measured), below the 160 MiB file (a bounce buffer per tensor up front
+    held all of it: 175 MiB). The same bound as test_load_window's for S3StorageReader."""
+    import threading
+
+    import psutil
+
+    from s3dcp.pool import HostBufferPool
+
+    MiB = 2**20
+    count, shape = 5, (2, 8 * MiB)  # 5 x 32 MiB of bf16
+
+    def tensors():
+        gen = torch.Generator().manual_seed(9)
+        for i in range(count):
+            yield f"t{i}", torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    save_file(dict(tensors()), tmp_path / "model.safetensors")
+    boto3_client.upload_file(str(tmp_path / "model.safetensors"), bucket, "bf16/model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    cfg = s3_server.s3_config(download_part_size_bytes=8 * MiB, max_concurrency=8)
+    window = cfg.download_part_size_bytes * cfg.max_concurrency
+    dest = {f"t{i}": torch.zeros(shape, dtype=torch.float32) for i in range(count)}  # 320 MiB, faulted in
+    pool = HostBufferPool(pin_memory=False)
+    allocated = []
+    acquire = pool.acquire
+
+    def counting_acquire(nbytes, **kwargs):
+        allocated.append(nbytes)
+        return acquire(nbytes, **kwargs)
+
+    pool.acquire = counting_acquire
+    S3SafetensorsReader(f"s3://{bucket}/bf16", config=cfg).fetch_metadata()  # the client exists before the baseline
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    peak = [before]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.002):
+            peak[0] = max(peak[0], me.memory_info().rss)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        dcp.load(dest, storage_reader=S3SafetensorsReader(f"s3://{bucket}/bf16", config=cfg, pool=pool))
+    finally:
+        stop.set()
+        sampler.join()
+    rise = max(peak[0], me.memory_info().rss) - before
+    print(f"bf16 -> fp32 load of {count * 32} MiB: RSS rose {rise / MiB:.1f} MiB, bounce arenas {allocated}")
+    for name, v in tensors():
+        assert_bitwise(dest[name], v.float(), name)
+    assert len(allocated) == 1 and allocated[0] <= window and pool.in_use == 0, allocated  # one window, given back
+    assert rise <= 2 * window, f"RSS rose {rise / MiB:.0f} MiB during the load (bound {2 * window / MiB:.0f} MiB)"
 
 
 # ------------------------------------------------------------------------------ export
@@ -204,6 +363,125 @@ def test_export_refuses_a_corrupted_item_and_writes_no_index(bucket, s3_config, 
     assert os.listdir(tmp_path / "out") == []  # no index, no partial files
 
 
+def _corrupt_item(boto3_client, bucket: str, uri: str, fqn: str, s3_config) -> None:
+    """Flip one bit of checkpoint item ``fqn`` in its data object."""
+    from s3dcp.reader import S3StorageReader
+
+    md = S3StorageReader(uri, config=s3_config).fetch_metadata()
+    loc = next(loc for idx, loc in md.storage_data.items() if idx.fqn == fqn)
+    key = f"{uri.split('/', 3)[3]}/{loc.object_name}"
+    body = bytearray(boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[loc.offset + 7] ^= 0x01
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+
+def _keys(boto3_client, bucket: str, prefix: str) -> list[str]:
+    return sorted(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+# shard_size 100 kB over the model: embed | proj.weight | proj.bias + scale; proj.bias fails shard 3
+_THREE = dict(only=["model."], strip_prefix="model.", shard_size_bytes=100_000)
+
+
+def test_a_multi_shard_export_failing_midway_leaves_nothing_that_loads(bucket, s3_config, boto3_client, tmp_path):
+    """Shards 1 and 2 are finished (renamed locally, uploaded to s3://) when shard 3 meets a
+    corrupted item: the export removes them. A forced re-export over a complete earlier one
+    removes the earlier index first, so its failure cannot leave old index + new files."""
+    uri = f"s3://{bucket}/run/step-2"
+    dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))
+    out = tmp_path / "out"
+    export_safetensors(uri, str(out), config=s3_config, **_THREE)
+    export_safetensors(uri, f"s3://{bucket}/hf-old", config=s3_config, temp_dir=str(tmp_path), **_THREE)
+    assert len(os.listdir(out)) == 4 and len(_keys(boto3_client, bucket, "hf-old/")) == 4
+    # An upload that lost its index and shard 2 of 3 is refused, naming what is missing.
+    for name in ("model.safetensors.index.json", "model-00002-of-00003.safetensors"):
+        boto3_client.delete_object(Bucket=bucket, Key=f"hf-old/{name}")
+    with pytest.raises(IncompleteCheckpointError, match=rf"s3://{bucket}/hf-old/ is incomplete: .*1 of 3 shard "
+                                                        r"file\(s\) missing \(model-00002-of-00003.safetensors\)"):
+        S3SafetensorsReader(f"s3://{bucket}/hf-old", config=s3_config).fetch_metadata()
+    _corrupt_item(boto3_client, bucket, uri, "model.proj.bias", s3_config)
+
+    with pytest.raises(IntegrityError, match="'model.proj.bias'"):
+        export_safetensors(uri, str(out), config=s3_config, overwrite=True, **_THREE)
+    assert os.listdir(out) == []  # neither the new shards 1-2 nor the earlier export
+    for dest in (f"s3://{bucket}/hf-new", f"s3://{bucket}/hf-old"):
+        prefix = dest.split("/", 3)[3]
+        with pytest.raises(IntegrityError, match="'model.proj.bias'"):
+            export_safetensors(uri, dest, config=s3_config, overwrite=True, temp_dir=str(tmp_path), **_THREE)
+        assert _keys(boto3_client, bucket, prefix + "/") == [], dest
+        with pytest.raises(CheckpointNotFoundError):
+            S3SafetensorsReader(dest, config=s3_config).fetch_metadata()
+    assert os.listdir(tmp_path) == ["out"]  # no spool directory left
+
+
+def test_an_export_that_cannot_remove_its_shards_says_what_is_left(s3_server, bucket, boto3_client, tmp_path):
+    """Deleting is refused too (403 through a fault proxy): the error names the files left and
+    keeps the export's own error as its cause; the reader refuses what is left."""
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+
+    cfg = s3_server.s3_config()
+    uri = f"s3://{bucket}/run/step-3"
+    dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=cfg))
+    _corrupt_item(boto3_client, bucket, uri, "model.proj.bias", cfg)
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        proxy.add_rule(Rule("error", method="POST", query_has="delete", status=403, code="AccessDenied"))
+        with pytest.raises(IncompleteCheckpointError) as info:
+            export_safetensors(uri, f"s3://{bucket}/hf", config=cfg.replace(endpoint_url=proxy.endpoint_url,
+                                                                            max_retries=0),
+                               temp_dir=str(tmp_path), **_THREE)
+    text = str(info.value)
+    for i in (1, 2):
+        assert f"s3://{bucket}/hf/model-0000{i}-of-00003.safetensors" in text
+    assert "IntegrityError" in text and "--force" in text and isinstance(info.value.__cause__, IntegrityError)
+    assert _keys(boto3_client, bucket, "hf/") == [f"hf/model-0000{i}-of-00003.safetensors" for i in (1, 2)]
+    with pytest.raises(IncompleteCheckpointError, match=r"hf/ is incomplete.*model-00003-of-00003.safetensors"):
+        S3SafetensorsReader(f"s3://{bucket}/hf", config=cfg).fetch_metadata()
+
+
+def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_path):
+    uri = f"s3://{bucket}/run/step-4"
+    dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))
+    calls: list[tuple[int, int]] = []
+    report = export_safetensors(uri, str(tmp_path / "o"), config=s3_config,
+                                on_progress=lambda done, total: calls.append((done, total)), **_THREE)
+    sizes = sorted(v.numel() * v.element_size() for v in training_state()["model"].values())
+    assert len(calls) == len(sizes)  # one call per tensor written
+    assert {t for _, t in calls} == {report.tensor_bytes} == {sum(sizes)}
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and len(set(done)) == len(done) and done[-1] == report.tensor_bytes
+    assert sorted(b - a for a, b in zip([0] + done, done)) == sizes  # each step is one tensor's bytes
+
+
+def test_default_shard_size_is_hugging_faces_5gb():
+    import inspect
+
+    from s3dcp.export_cli import DEFAULT_SHARD_SIZE_BYTES
+
+    assert DEFAULT_SHARD_SIZE_BYTES == 5 * 1000**3
+    assert inspect.signature(export_safetensors).parameters["shard_size_bytes"].default == 5 * 1000**3
+    args = cli._parser().parse_args(["export", "s3://b/c", "--to-safetensors", "out"])
+    assert args.shard_size == 5 * 1000**3
+
+
+def test_export_cli_strip_prefix(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_path):
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    dcp.save(training_state(), storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-8", config=s3_config))
+    out = tmp_path / "hf"
+    code = cli.main(["export", f"s3://{bucket}/run/step-8", "--to-safetensors", str(out), "--only", "model.",
+                     "--strip-prefix", "model.", "-q"])
+    assert code == 0, capsys.readouterr().err
+    model = training_state()["model"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(model)  # "model.embed.weight" -> "embed.weight"
+    loaded = load_file(out / "model-00001-of-00001.safetensors")
+    for k, v in model.items():
+        assert_bitwise(loaded[k], v, k)
+
+
 def test_export_cli_json(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_path):
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
@@ -221,6 +499,71 @@ def test_export_cli_json(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_
     code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "p"),
                      "--shard-size", "lots"])
     assert code == 2
+
+
+_BLOCKER = textwrap.dedent("""
+    # sitecustomize: this interpreter has neither optional extra installed
+    import sys
+
+    class _NotInstalled:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("safetensors", "torchsnapshot"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, _NotInstalled())
+""")
+
+_WITHOUT_EXTRAS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed.checkpoint as dcp
+    for name in ("safetensors", "torchsnapshot"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+        else:
+            raise SystemExit(f"{name} is importable: the blocker does not work")
+    import s3dcp, s3dcp.cli
+    from s3dcp import S3Config, S3SafetensorsReader, S3StorageReader, S3StorageWriter
+    cfg = S3Config(**json.loads(sys.argv[1]))
+    state = {"w": torch.arange(10.0), "step": 3}
+    dcp.save(state, storage_writer=S3StorageWriter(sys.argv[2], config=cfg))
+    back = {"w": torch.zeros(10), "step": 0}
+    dcp.load(back, storage_reader=S3StorageReader(sys.argv[2], config=cfg))
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3, back
+    print("ok")
+""")
+
+
+def _without_extras(tmp_path) -> dict:
+    """The environment of a subprocess in which ``safetensors`` and ``torchsnapshot`` cannot be
+    imported (a sitecustomize puts a blocker first on sys.meta_path)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.getcwd()]))
+
+
+def test_s3dcp_works_without_the_optional_extras(s3_config, bucket, tmp_path):
+    cfg = {k: getattr(s3_config, k) for k in ("endpoint_url", "region", "access_key_id", "secret_access_key")}
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS_SCRIPT, json.dumps(cfg), f"s3://{bucket}/plain"],
+                            capture_output=True, text=True, timeout=120, env=_without_extras(tmp_path))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_export_without_safetensors_says_what_to_install_and_creates_nothing(s3_server, s3_config, bucket,
+                                                                            tmp_path):
+    dcp.save(training_state(), storage_writer=S3StorageWriter(f"s3://{bucket}/run/step-1", config=s3_config))
+    dest = tmp_path / "hf"
+    env = _without_extras(tmp_path)
+    env.update(s3_server.env())
+    result = subprocess.run([sys.executable, "-m", "s3dcp.cli", "export", f"s3://{bucket}/run/step-1",
+                             "--to-safetensors", str(dest)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "pip install 's3dcp[safetensors]'" in result.stderr, result.stderr
+    assert not dest.exists()
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""

@@ -15,7 +15,14 @@ from torchsnapshot import Snapshot, StateDict
 from torchsnapshot.io_types import ReadIO, WriteIO
 from torchsnapshot.storage_plugin import url_to_storage_plugin
 
-from s3dcp.errors import AccessDeniedError, ConfigError, NoSuchBucketError, NoSuchKeyError
+from s3dcp.errors import (
+    AccessDeniedError,
+    CheckpointExistsError,
+    ConfigError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    S3DCPError,
+)
 from s3dcp.torchsnapshot_plugin import S3CRTStoragePlugin
 
 from ts_entry_point import declared_entry_point, entry_point_dir
@@ -132,6 +139,63 @@ def test_missing_bucket_and_bad_credentials_raise_s3dcp_errors(s3_config, bucket
         Snapshot(f"s3dcp://{bucket}/ok", storage_options={"config": bad}).restore(app)
     with pytest.raises(NoSuchKeyError, match=".snapshot_metadata"):
         Snapshot(f"s3dcp://{bucket}/never-taken", storage_options={"config": s3_config}).restore(app)
+
+
+def test_a_retake_onto_a_snapshot_is_refused_unless_overwrite(s3_config, bucket, boto3_client):
+    url = f"s3dcp://{bucket}/snaps/re"
+    first = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
+    Snapshot.take(url, {"app": StateDict(**first)}, storage_options={"config": s3_config})
+    objects = {o["Key"]: o["ETag"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="snaps/re/")["Contents"]}
+
+    second = {"w": torch.full((3, 4), 7.0), "step": 2}
+    with pytest.raises(CheckpointExistsError, match=rf"s3dcp://{bucket}/snaps/re/.snapshot_metadata exists.*"
+                                                    r"storage_options=\{'overwrite': True\}"):
+        Snapshot.take(url, {"app": StateDict(**second)}, storage_options={"config": s3_config})
+    after = {o["Key"]: o["ETag"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="snaps/re/")["Contents"]}
+    assert after == objects  # refused before any object was written
+    dest = StateDict(w=torch.zeros(3, 4), step=0)
+    Snapshot(url, storage_options={"config": s3_config}).restore({"app": dest})
+    assert_same(dict(dest), first)
+
+    Snapshot.take(url, {"app": StateDict(**second)}, storage_options={"config": s3_config, "overwrite": True})
+    Snapshot(url, storage_options={"config": s3_config}).restore({"app": dest})
+    assert_same(dict(dest), second)
+    with pytest.raises(ConfigError, match="overwrite='yes'"):
+        url_to_storage_plugin(url, {"config": s3_config, "overwrite": "yes"})
+
+
+def test_a_failed_retake_with_overwrite_leaves_no_snapshot(s3_server, s3_config, bucket, boto3_client,
+                                                           monkeypatch):
+    """overwrite=True deletes the old .snapshot_metadata before writing: a re-take that fails
+    midway (objects a and b replaced, c's PUT never answered by a fault proxy and timed out)
+    leaves no snapshot that would restore a mix of old and new objects."""
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+
+    monkeypatch.setenv("TORCHSNAPSHOT_DISABLE_BATCHING", "1")  # an object per tensor: 0/app/a, ...
+    url = f"s3dcp://{bucket}/snaps/mid"
+    old = {"a": torch.zeros(1000), "b": torch.zeros(1000), "c": torch.zeros(1000)}
+    Snapshot.take(url, {"app": StateDict(**old)}, storage_options={"config": s3_config})
+
+    def etags() -> dict[str, str]:
+        listed = boto3_client.list_objects_v2(Bucket=bucket, Prefix="snaps/mid/")["Contents"]
+        return {o["Key"].removeprefix("snaps/mid/"): o["ETag"] for o in listed}
+
+    before = etags()
+    new = {k: torch.full((1000,), float(i + 1)) for i, k in enumerate(old)}
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        rule = proxy.add_rule(Rule("stall", method="PUT", path_regex=r"/snaps/mid/0/app/c$"))
+        cfg = s3_config.replace(endpoint_url=proxy.endpoint_url, max_retries=0, request_timeout_s=2.0)
+        with pytest.raises(S3DCPError):
+            Snapshot.take(url, {"app": StateDict(**new)}, storage_options={"config": cfg, "overwrite": True})
+        assert rule.fired >= 1
+    after = etags()
+    assert ".snapshot_metadata" not in after, after
+    assert after["0/app/a"] != before["0/app/a"] and after["0/app/b"] != before["0/app/b"]  # midway
+    with pytest.raises(NoSuchKeyError, match=".snapshot_metadata"):
+        Snapshot(url, storage_options={"config": s3_config}).restore({"app": StateDict(**old)})
 
 
 @pytest.mark.parametrize("shape", [(16, 8), (7, 13)])

@@ -187,7 +187,8 @@ class StagingMixin:
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight(), prefault=False)
+        found = statetree.tensors(state_dict)  # one walk: sizes the arena, then the copies
+        arena = pool.acquire(self._arena_bytes(found), max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
         pool.hold(lease)
         try:
@@ -197,7 +198,7 @@ class StagingMixin:
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
-            sources = [t.detach() for t in statetree.tensors(state_dict)]
+            sources = [t.detach() for t in found]
             copies = iter(_copy_into(lease, sources))
             staged = statetree.copy_tree(state_dict, lambda _t: next(copies))
         except BaseException:
@@ -318,9 +319,11 @@ class StagingMixin:
             self._pool = shared_pool()
         return self._pool
 
-    def _arena_bytes(self, state_dict: dict[str, Any]) -> int:
+    def _arena_bytes(self, state: dict[str, Any] | list[torch.Tensor]) -> int:
+        """Bytes of the arena for ``state`` (a state dict, or the tensors found in one)."""
+        found = state if isinstance(state, list) else statetree.tensors(state)
         total = 0
-        for t in statetree.tensors(state_dict):
+        for t in found:
             total += -(-statetree.nbytes(t) // ALIGN_BYTES) * ALIGN_BYTES
         budget = self.config.staging_budget_bytes
         return min(total, budget) if budget is not None else total

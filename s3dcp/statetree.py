@@ -18,12 +18,13 @@ __all__ = ["copy_tree", "tensors", "nbytes"]
 def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with every tensor ``t`` (local shards of distributed tensors too) replaced
     by ``stage_tensor(t)``."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
+    if type(value) is torch.Tensor:  # the common case first: one check per tensor, no imports
+        return stage_tensor(value)
+    dtensor, sharded = _kinds()
+    if isinstance(value, dtensor):
         local = stage_tensor(value._local_tensor)
-        return DTensor(local, value._spec, requires_grad=False)
-    if _is_sharded_tensor(value):
+        return dtensor(local, value._spec, requires_grad=False)
+    if isinstance(value, sharded):
         return _copy_sharded_tensor(value, stage_tensor)
     if isinstance(value, torch.Tensor):
         return stage_tensor(value)
@@ -38,35 +39,51 @@ def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) 
     return copy.deepcopy(value)
 
 
-def tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor ``copy_tree`` would stage, in the same order."""
-    from torch.distributed.tensor import DTensor
+    out: list[torch.Tensor] = []
+    _collect(value, out, *_kinds())
+    return out
 
-    if isinstance(value, DTensor):
-        yield value._local_tensor
-    elif _is_sharded_tensor(value):
-        for shard in value.local_shards():
-            yield shard.tensor
+
+def _collect(value: Any, out: list, dtensor: type, sharded: Any) -> None:
+    if type(value) is torch.Tensor:
+        out.append(value)
+    elif isinstance(value, dtensor):
+        out.append(value._local_tensor)
+    elif isinstance(value, sharded):
+        out.extend(shard.tensor for shard in value.local_shards())
     elif isinstance(value, torch.Tensor):
-        yield value
+        out.append(value)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from tensors(v)
+            _collect(v, out, dtensor, sharded)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from tensors(v)
+            _collect(v, out, dtensor, sharded)
 
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _is_sharded_tensor(value: Any) -> bool:
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(value, ShardedTensor)
+_KINDS: tuple[type, Any] | None = None
+
+
+def _kinds() -> tuple[type, Any]:
+    """(DTensor, ShardedTensor), imported once: a state of hundreds of tensors walked per
+    checkpoint paid an import lookup per node. ShardedTensor is ``()`` (matches nothing) where
+    torch lacks it."""
+    global _KINDS
+    if _KINDS is None:
+        from torch.distributed.tensor import DTensor
+
+        try:
+            from torch.distributed._shard.sharded_tensor import ShardedTensor
+        except ImportError:  # pragma: no cover
+            ShardedTensor = ()  # noqa: N806
+        _KINDS = (DTensor, ShardedTensor)
+    return _KINDS
 
 
 def _copy_sharded_tensor(st, stage_tensor):

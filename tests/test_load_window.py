@@ -5,10 +5,8 @@ CPU stand-in for the CUDA path's asynchronous host-to-device copies), and every 
 is verified. Against the real server, single process; the ReadItems of a resharded load are
 built by hand (a column range of a stored full tensor is what DTensor Shard(1) asks for)."""
 
-import threading
 import warnings
 
-import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,6 +18,8 @@ from s3dcp import S3StorageReader, S3StorageWriter, bounce
 from s3dcp.config import MiB
 from s3dcp.errors import IntegrityError, NoSuchKeyError, root_error
 from s3dcp.pool import HostBufferPool
+
+from rss import rss_rise
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -137,23 +137,9 @@ def test_bounce_memory_stays_within_the_window(s3_server, bucket):
     del state
     bound = 2 * cfg.download_part_size_bytes * cfg.max_concurrency
 
-    me = psutil.Process()
-    before = me.memory_info().rss
-    peak = [before]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.002):
-            peak[0] = max(peak[0], me.memory_info().rss)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with rss_rise() as measured:
         dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/m", config=cfg))
-    finally:
-        stop.set()
-        sampler.join()
-    rise = max(peak[0], me.memory_info().rss) - before
+    rise = measured.bytes
     assert rise <= bound, f"RSS rose {rise / MiB:.0f} MiB during the load (bound {bound / MiB:.0f} MiB)"
     gen = torch.Generator().manual_seed(2)
     for i in range(6):

@@ -8,7 +8,7 @@ training loop may change anything once the copy is made.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 

@@ -25,7 +25,6 @@ from s3dcp.errors import (
     root_error,
 )
 from s3dcp.layout import METADATA_NAME, object_name, parse_object_name
-from s3dcp.writer import SavePlanData
 
 
 def _state(seed: int, n: int = 4, cols: int = 128) -> dict:

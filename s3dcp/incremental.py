@@ -500,9 +500,17 @@ def materialize(uri: str, *, client: S3Client | None = None, config=None,
         raise CheckpointError(f"materialize {target}: {len(missing)} referenced object(s) cannot be read, first "
                               f"{object_key(target, missing[0])}: {heads[missing[0]].exception()}; nothing was "
                               "changed") from heads[missing[0]].exception()
-    futures = {name: client.copy(target.bucket, object_key(target, name), target.key(new),
-                                 heads[name].result().size, **copy_options)
-               for name, new in renamed.items()}
+    # Each copy is the prefix the checkpoint uses, up to its last item there: the source may hold
+    # more (items of its own checkpoint this one changed), and an incremental save based on this
+    # one checks its own objects at exactly where their last item ends. A prefix is a ranged
+    # (UploadPartCopy) copy; the whole object, one CopyObject.
+    ends = object_sizes(loc for loc in storage.values() if loc.object_name in renamed)
+    futures = {}
+    for name, new in renamed.items():
+        options = dict(copy_options)
+        if ends[name] < heads[name].result().size:
+            options["multipart_threshold_bytes"] = 0
+        futures[name] = client.copy(target.bucket, object_key(target, name), target.key(new), ends[name], **options)
     wait(list(futures.values()))
     failed = [(name, f.exception()) for name, f in futures.items() if f.exception() is not None]
     if failed:

@@ -324,7 +324,8 @@ class LazyStorageData(Mapping):
         gives for the values), without building any location."""
         rows = self._rows
         ends = np.zeros(len(rows.names), np.int64)
-        np.maximum.at(ends, rows.obj, rows.offset + rows.length)
+        # int64 before adding: the columns are as narrow as their values (u2 offsets + u2 lengths wrap)
+        np.maximum.at(ends, rows.obj, rows.offset.astype(np.int64) + rows.length.astype(np.int64))
         return {rows.names[i]: int(ends[i]) for i in np.unique(rows.obj).tolist()}
 
     def __reduce__(self):

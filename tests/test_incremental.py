@@ -648,6 +648,12 @@ def test_materialize_then_deleting_every_base_leaves_it_loadable(chain, client, 
     _check(_load(states[3], f"{run}/step-3", client), states[3])
     # a second run has nothing to do
     assert materialize(f"{run}/step-3", client=client).items == 0
+    # and it is a base like any other: its copies hold exactly what it uses (step-1's object also
+    # held lora, which step-3 changed), so an incremental save on it commits
+    sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[3].items()}
+    sd["lora.a"].add_(1.0)
+    _save(sd, f"{run}/step-4", client, incremental_from=f"{run}/step-3")
+    _check(_load(sd, f"{run}/step-4", client), sd)
 
 
 def test_server_side_copy_in_parts(s3_server, bucket, boto3_client):

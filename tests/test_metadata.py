@@ -889,3 +889,19 @@ def test_decode_pauses_the_garbage_collector_and_restores_it():
     finally:
         s3md._decode_tree = original
     assert seen and not any(seen)
+
+
+def test_object_extents_do_not_wrap_in_narrow_columns():
+    """Offsets and lengths are stored as narrow as their values: four 16 KiB items in one object
+    have u2 offsets (up to 49152) and u2 lengths (16384); their end, 65536, must not wrap."""
+    kib16 = 16 * 1024
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i * 4096]), sizes=torch.Size([4096])) for i in range(4)]
+    md = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([16384]),
+                                                        chunks)},
+        storage_data={MetadataIndex("w", [i * 4096]): ItemLocation("__0_0.t.distcp", i * kib16, kib16,
+                                                                      "crc32c:00000000", "float32", (4096,))
+                      for i in range(4)},
+    )
+    lazy = s3md.decode_metadata(s3md.encode_metadata(md)).storage_data
+    assert lazy.object_extents() == {"__0_0.t.distcp": 4 * kib16}

@@ -48,12 +48,15 @@ class SyncCopier:
 
 class CudaCopier:
     """Host-to-device copies on a side stream, ``non_blocking`` from pinned slots; the token is
-    an event recorded after the copy. The destination's stream waits for the side stream when
-    the copier closes, so the loaded tensors are ready for work queued after the load."""
+    an event recorded after the copy. The side stream first waits for the work already queued on
+    the current stream (e.g. a model's initialisation kernels, still running, that would write
+    the destinations after the load's copies); the current stream waits for the side stream
+    when the copier closes, so the loaded tensors are ready for work queued after the load."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
 
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Any:
         with torch.cuda.stream(self.stream):

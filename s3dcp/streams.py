@@ -10,7 +10,6 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -162,40 +161,61 @@ class _Finalizers:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopped = False  # at exit: the thread has ended, work runs where it is handed over
         atexit.register(self._finish)
 
     def wrap(self, work: Callable[[], None]) -> Callable[[], None]:
         """``work`` as a finalizer callback. Call this where the finalizer is registered (never
         from a finalizer): it makes sure the thread runs, in a forked child too."""
-        if self._thread is None or not self._thread.is_alive():
+        if not self._running():
             with self._lock:
-                if self._thread is None or not self._thread.is_alive():
+                if not self._running() and not self._stopped:
                     self._thread = threading.Thread(target=self._run, name="s3dcp-finalizers", daemon=True)
                     self._thread.start()
         put = self._queue.put
 
         def callback() -> None:
-            if getattr(weakref.finalize, "_shutdown", False):  # interpreter exit: no locks held
+            # Once the thread has ended at exit (atexit handlers run on the main thread, holding
+            # none of s3dcp's locks), or in a forked child before any new registration restarted
+            # it, the work runs here rather than wait in a queue no thread serves.
+            if self._stopped or not self._running():
                 work()
             else:
                 put(work)
 
         return callback
 
+    def _running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()  # a parent's thread is not alive in a fork
+
     def _run(self) -> None:
         while True:
             work = self._queue.get()
             if work is None:
-                return
-            try:
-                work()
-            except Exception:  # pragma: no cover - logged, the thread goes on
-                log.warning("s3dcp finalizer failed", exc_info=True)
+                break
+            self._do(work)
             del work
+        while True:  # handed over while _finish was stopping the thread
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if work is not None:
+                self._do(work)
+
+    @staticmethod
+    def _do(work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception:  # pragma: no cover - logged, the thread goes on
+            log.warning("s3dcp finalizer failed", exc_info=True)
 
     def _finish(self) -> None:
         """At exit: let the thread do what it was handed and end, so that no work (freeing
-        CRT clients, staging memory) is cut off half-way by the interpreter's finalization."""
+        CRT clients, staging memory) is cut off half-way by the interpreter's finalization;
+        finalizers that run after this (weakref's own exit hook) do their work in place."""
+        self._stopped = True
         thread = self._thread
         if thread is not None and thread.is_alive():
             self._queue.put(None)

@@ -301,3 +301,25 @@ def test_credentials_follow_the_environment(s3_server, bucket, monkeypatch):
     assert third.get(bucket, "env").result() == b"1"
     for c in (first, second, third):
         c.close()
+
+
+def test_finalizer_work_runs_on_its_thread_and_in_place_once_that_has_stopped():
+    """Before exit, a finalizer only hands its work over; once the thread has stopped at exit
+    (weakref's own exit hook runs the remaining finalizers after ours), the work runs in place
+    instead of waiting in a queue nobody serves."""
+    from s3dcp.streams import _Finalizers
+
+    finalizers = _Finalizers()
+    ran: list[str] = []
+    done = threading.Event()
+
+    def work():
+        ran.append(threading.current_thread().name)
+        done.set()
+
+    callback = finalizers.wrap(work)
+    callback()
+    assert done.wait(10) and ran == ["s3dcp-finalizers"]
+    finalizers._finish()
+    callback()
+    assert ran == ["s3dcp-finalizers", threading.current_thread().name]

@@ -571,12 +571,16 @@ class _Call:
         self._request = request
         if self._finished:  # _end sets _finished before it clears _request: one of us clears it
             self._request = None
+        elif self._timed_out:  # the deadline passed before make_request returned
+            request.cancel()
         return True
 
     def _expire(self) -> None:
+        if self._finished:
+            return
+        self._timed_out = True  # start() cancels a request it has not stored yet
         request = self._request
-        if request is not None and not self._finished:
-            self._timed_out = True
+        if request is not None:
             request.cancel()
 
     def _on_done(self, error=None, **_) -> None:

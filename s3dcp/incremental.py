@@ -57,6 +57,11 @@ while B's metadata (which names them) exists, or after d1 and so after s1. ``gc`
 references the same way and, like a save's leftovers, ignores and deletes markers older than
 its ``older_than_s`` (a save that died between s1 and s5). A marker costs one small PUT and
 one DELETE per incremental save, and one GET per sibling directory per reference scan.
+
+Limit: the marker has one name per checkpoint directory (so a scan needs one GET, not a LIST,
+per directory). Two saves racing to the *same* path share it: the loser of the conditional
+commit deletes it, which leaves the winner's s1..s4 window unprotected against a concurrent
+delete of its base. Saving twice to one path at once is itself an error (one of them fails).
 """
 
 from __future__ import annotations

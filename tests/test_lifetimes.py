@@ -121,6 +121,34 @@ def test_a_request_that_ends_before_its_start_returns_keeps_nothing():
     assert call._request is None and native.slots_freed == 1
 
 
+def test_a_deadline_that_passes_before_make_request_returns_still_cancels():
+    class Request:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Native:
+        crt = object()
+
+        def finished(self):
+            pass
+
+    request = Request()
+    call = None
+
+    def start(_crt, _on_done):
+        call._expire()  # the deadline thread wins the race: nothing is stored to cancel yet
+        return request
+
+    call = client_mod._Call("GetObject", "b", "k", start, lambda: None, [], timeout_s=600.0)
+    assert call.start(Native())
+    assert request.cancelled, "the request outlived its deadline"
+    call._on_done(error=RuntimeError("cancelled"))  # what the CRT reports for a cancelled request
+    with pytest.raises(s3dcp.S3ConnectionError, match="timed out"):
+        call.future.result(timeout=1)
+
+
 def test_callbacks_never_block_crt_threads(s3_server, bucket):
     """One slot, a paginated listing (each page is started from the previous page's CRT
     callback) and puts from this thread competing for it: all must finish. A blocking

@@ -313,6 +313,10 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
 
     state = make_state(settings.state_bytes)
     cycles: list[Cycle] = []
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from s3dcp import unwrap_error
+
     saved: dict[int, dict] = {}  # step -> fingerprint of what was saved (the last two)
     with CheckpointManager(base_uri, config=config, keep_last=settings.keep_last) as manager:
         for c in range(1, settings.cycles + 1):
@@ -322,7 +326,8 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
             def attempt(what: str, fn: Callable[[], Any]) -> Any:
                 try:
                     return fn()
-                except Exception as e:  # noqa: BLE001 - recorded; the criteria report it
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded; the criteria report it
+                    e = unwrap_error(e)  # plain dcp.save raises DCP's CheckpointException, a BaseException
                     cyc.errors.append(f"{what}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
                     return None
 

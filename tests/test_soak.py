@@ -91,8 +91,13 @@ def test_a_state_leaked_per_cycle_fails_and_transients_do_not():
     spiky = [400.0 + (100 if i % 6 in (0, 1) else 0) for i in range(20)]
     assert _verdict(_cycles(spiky))["RSS growth after cycle 2"]
 
-    step = [400.0 + (6 if i >= 5 else 0) for i in range(20)]  # glibc: +6 MiB once at cycle 6, then flat
-    assert _verdict(_cycles(step))["RSS growth after cycle 2"]
+    for at in (5, 11, 17):  # glibc: +8 MiB once, early, mid-run (as CI saw at cycle 12) or late
+        step = [400.0 + (8 if i >= at else 0) for i in range(20)]
+        assert _verdict(_cycles(step))["RSS growth after cycle 2"], at
+    wobble = [400.0 + (8 if (i // 4) % 2 else 0) for i in range(20)]  # steps up and back down
+    assert _verdict(_cycles(wobble))["RSS growth after cycle 2"]
+    two_steps = [400.0 + 4 * (i >= 8) + 4 * (i >= 14) for i in range(20)]  # two rises of 4 MiB
+    assert not _verdict(_cycles(two_steps))["RSS growth after cycle 2"]
     big_step = [400.0 + (40 if i >= 5 else 0) for i in range(20)]  # 40 MiB kept from cycle 6 on
     assert not _verdict(_cycles(big_step))["RSS growth after cycle 2"]
     staircase = [400.0 + 4 * (i // 6) for i in range(20)]  # 4 MiB more every 6th cycle (a load's leak)

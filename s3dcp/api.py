@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from .client import S3Client
 from .config import S3Config
 from .errors import ConfigError, unwrap_error
-from .errors import _dcp_cause as _cause
 from .reader import S3StorageReader
 
 if TYPE_CHECKING:
@@ -110,7 +109,7 @@ def save(
             metadata = dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
                                 no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e) from _cause(e)
+        raise unwrap_error(e)  # chained from DCP's exception
     _record(writer)
     return metadata
 
@@ -161,7 +160,7 @@ def async_save(
         if staged is not None:  # an AsyncSaveResponse: keep "returns once staged"
             staged.result()
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e) from _cause(e)
+        raise unwrap_error(e)  # chained from DCP's exception
     upload = getattr(response, "upload_completion", response)
     outer = SaveFuture(writer)
     outer.set_running_or_notify_cancel()
@@ -204,7 +203,7 @@ def load(
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                      no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e) from _cause(e)
+        raise unwrap_error(e)  # chained from DCP's exception
 
 
 @contextlib.contextmanager

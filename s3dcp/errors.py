@@ -134,12 +134,6 @@ def unwrap_error(error: BaseException) -> BaseException:
     return cause
 
 
-def _dcp_cause(error: BaseException) -> BaseException | None:
-    """What :func:`unwrap_error`'s result is raised ``from``: DCP's ``CheckpointException``
-    when ``error`` is one, else the error's own cause (``raise unwrap_error(e) from _dcp_cause(e)``)."""
-    return error if getattr(error, "failures", None) else error.__cause__
-
-
 class S3Error(S3DCPError):
     """A failed S3 request.
 

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, Callable
 from .client import ObjectInfo, S3Client
 from .config import S3Config
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
-from .errors import _dcp_cause as _cause
 from .incremental import DeleteResult, check_base, held_for_references
 from .incremental import delete_checkpoint as _delete_checkpoint
 from .layout import METADATA_NAME, is_data_object
@@ -202,7 +201,7 @@ class CheckpointManager:
                                           no_dist=no_dist)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             self._release_base(step)
-            raise unwrap_error(e) from _cause(e)
+            raise unwrap_error(e)  # chained from DCP's exception
         if not self.async_mode:
             self._release_base(step)
             elapsed = time.perf_counter() - started
@@ -406,7 +405,7 @@ class CheckpointManager:
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise unwrap_error(e) from _cause(e)
+            raise unwrap_error(e)  # chained from DCP's exception
         return step
 
     def _is_coordinator(self) -> bool:

@@ -19,7 +19,7 @@ from s3dcp.config import MiB
 from s3dcp.errors import IntegrityError, NoSuchKeyError, root_error
 from s3dcp.pool import HostBufferPool
 
-from rss import rss_rise
+from rss import peak_rss_sampler
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -137,9 +137,9 @@ def test_bounce_memory_stays_within_the_window(s3_server, bucket):
     del state
     bound = 2 * cfg.download_part_size_bytes * cfg.max_concurrency
 
-    with rss_rise() as measured:
+    with peak_rss_sampler(0.002) as measured:
         dcp.load(dest, storage_reader=S3StorageReader(f"s3://{bucket}/m", config=cfg))
-    rise = measured.bytes
+    rise = measured.extra
     assert rise <= bound, f"RSS rose {rise / MiB:.0f} MiB during the load (bound {bound / MiB:.0f} MiB)"
     gen = torch.Generator().manual_seed(2)
     for i in range(6):

@@ -239,7 +239,7 @@ def test_a_bf16_to_fp32_load_holds_bounce_memory_within_the_window(s3_server, bu
     the process's resident memory rises by at most twice that (the window and the CRT's parts in
     flight: ~95-105 MiB measured), below the 160 MiB file (a bounce buffer per tensor up front
     held all of it: 175 MiB). The same bound as test_load_window's for S3StorageReader."""
-    from rss import rss_rise
+    from rss import peak_rss_sampler
     from s3dcp.pool import HostBufferPool
 
     MiB = 2**20
@@ -267,9 +267,9 @@ def test_a_bf16_to_fp32_load_holds_bounce_memory_within_the_window(s3_server, bu
     pool.acquire = counting_acquire
     S3SafetensorsReader(f"s3://{bucket}/bf16", config=cfg).fetch_metadata()  # the client exists before the baseline
 
-    with rss_rise() as measured:
+    with peak_rss_sampler(0.002) as measured:
         dcp.load(dest, storage_reader=S3SafetensorsReader(f"s3://{bucket}/bf16", config=cfg, pool=pool))
-    rise = measured.bytes
+    rise = measured.extra
     print(f"bf16 -> fp32 load of {count * 32} MiB: RSS rose {rise / MiB:.1f} MiB, bounce arenas {allocated}")
     for name, v in tensors():
         assert_bitwise(dest[name], v.float(), name)

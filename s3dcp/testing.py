@@ -20,7 +20,8 @@ What a server leaves in the temporary directories, and who removes it:
 
 weed runs under a small shell (the *reaper*, its parent) that removes the sockets when weed
 exits, and the data dir too when the process that started the server died without stopping
-it (Linux delivers SIGHUP to the reaper then); :meth:`SeaweedServer.stop` removes both itself.
+it (Linux delivers SIGHUP to the reaper then; weed gets SIGTERM, and SIGKILL 10 s later if it is
+still running); :meth:`SeaweedServer.stop` removes both itself.
 """
 
 from __future__ import annotations
@@ -65,30 +66,41 @@ _LOG_TAIL_LINES = 40
 _MAX_VOLUMES = 1000
 _MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
 
-# The reaper: `sh -c _REAPER reaper OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed, prints
-# weed's pid on its stdout (then closes it), forwards SIGTERM (a stop) to weed, and on SIGHUP
-# (the starter died: see _die_with_this_thread) stops weed too and also deletes OWNED_DIR
-# (empty: none). Once weed has exited it removes the sockets and exits with weed's status.
-# Signals may come before weed is started: the traps are set first and checked after.
+# The reaper: `sh -c _REAPER reaper GRACE_S OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed,
+# prints weed's pid on its stdout (then closes it), and forwards SIGTERM (a stop) to weed. On
+# SIGHUP (the starter died: see _die_with_this_thread) it stops weed too, SIGKILLs it if it is
+# still running GRACE_S seconds later (nobody else will: weed's volume server waits ~30 s for
+# the connections of a killed client), and deletes OWNED_DIR (empty: none). Once weed has
+# exited it removes the sockets and exits with weed's status. Signals may come before weed is
+# started: the traps are set first and checked after.
 _REAPER = r"""
-owned=$1; shift
+grace=$1; owned=$2; shift 2
 sockets=
 while [ "$#" -gt 0 ] && [ "$1" != -- ]; do sockets="$sockets $1"; shift; done
 shift
-weed=; stopping=; orphaned=
-stop() { stopping=1; if [ -n "$weed" ]; then kill -TERM "$weed" 2>/dev/null; fi; }
+weed=; stopping=; orphaned=; timer=
+stop() {
+    stopping=1
+    if [ -z "$weed" ]; then return; fi
+    kill -TERM "$weed" 2>/dev/null
+    if [ -n "$orphaned" ] && [ -z "$timer" ]; then
+        (sleep "$grace"; kill -KILL "$weed") >/dev/null 2>&1 &
+        timer=$!
+    fi
+}
 trap stop TERM
 trap 'orphaned=1; stop' HUP
 "$@" >&2 &
 weed=$!
 echo "$weed"
 exec >&-
-if [ -n "$stopping" ]; then kill -TERM "$weed" 2>/dev/null; fi
+if [ -n "$stopping" ]; then stop; fi
 while :; do
     wait "$weed"
     status=$?
     kill -0 "$weed" 2>/dev/null || break  # wait returns early when a trap runs
 done
+if [ -n "$timer" ]; then kill "$timer" 2>/dev/null; fi
 rm -f $sockets
 if [ -n "$orphaned" ] && [ -n "$owned" ]; then rm -rf "$owned"; fi
 exit "$status"
@@ -323,8 +335,8 @@ class SeaweedServer:
         env["TMPDIR"] = os.path.join(self.data_dir, "tmp")
         os.makedirs(env["TMPDIR"], exist_ok=True)
         self._state.sockets = _socket_paths(self.ports, self.data_dir)
-        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", self._state.owned_dir or "",
-                  *self._state.sockets, "--"]
+        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", f"{_STOP_GRACE_S:g}",
+                  self._state.owned_dir or "", *self._state.sockets, "--"]
         with open(self.log_path, "ab") as log:
             self._state.proc = subprocess.Popen(
                 _die_with_this_thread() + reaper + self._command(weed),

@@ -20,6 +20,7 @@ from botocore.exceptions import ClientError
 
 from s3dcp.config import S3Config
 from s3dcp.errors import ConfigError
+from s3dcp import testing
 from s3dcp.testing import SeaweedServer, SeaweedStartError, find_weed
 
 
@@ -231,6 +232,31 @@ def test_server_goes_when_its_starter_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path):
+    """weed's volume server can wait ~30 s on the connections of a killed client: when the
+    starter is gone (SIGHUP), nobody else will escalate, so the reaper SIGKILLs it after the grace."""
+    pid_file = tmp_path / "pid"
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    stubborn = f"trap '' TERM; echo $$ > '{pid_file}'; while :; do sleep 0.1; done"
+    reaper = subprocess.Popen(["/bin/sh", "-c", testing._REAPER, "reaper", "1", str(owned), "--",
+                               "/bin/sh", "-c", stubborn], stdout=subprocess.PIPE, text=True)
+    try:
+        weed_pid = int(reaper.stdout.readline())
+        assert _wait_until(pid_file.exists, 10)
+        reaper.send_signal(signal.SIGTERM)  # a stop: passed on, ignored, and not escalated
+        time.sleep(1.5)
+        assert not _gone(weed_pid) and reaper.poll() is None
+        reaper.send_signal(signal.SIGHUP)  # the starter died
+        assert reaper.wait(timeout=10) == 128 + signal.SIGKILL  # weed's status, passed on
+        assert _gone(weed_pid) and int(pid_file.read_text()) == weed_pid and not owned.exists()
+    finally:
+        if reaper.poll() is None:
+            reaper.kill()
+        if pid_file.exists() and not _gone(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_port_clash_at_startup_is_retried_with_new_ports(tmp_path):

@@ -58,9 +58,8 @@ class Arena:
         """An uninitialised contiguous tensor of ``tensor``'s dtype and shape in the arena, or
         None when it does not fit. One tensor op (``as_strided`` of a cached typed view): this
         runs once per tensor on the training thread."""
-        itemsize = tensor.element_size()
         start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
-        end = start + tensor.numel() * itemsize
+        end = start + tensor.nbytes
         if end > self.limit:
             return None
         self.cursor = end
@@ -69,11 +68,15 @@ class Arena:
         if typed is None:
             typed = self._typed[dtype] = self.buffer.view(dtype)  # capacity is a multiple of 8 MiB
         shape = tensor.shape
-        strides, step = [], 1
-        for size in reversed(shape):
-            strides.append(step)
-            step *= size
-        return typed.as_strided(shape, strides[::-1], start // itemsize)
+        if tensor.is_contiguous():  # the common case: its strides are the ones wanted
+            strides = tensor.stride()
+        else:
+            strides, step = [], 1
+            for size in reversed(shape):
+                strides.append(step)
+                step *= size
+            strides.reverse()
+        return typed.as_strided(shape, strides, start // tensor.element_size())
 
     def close(self) -> None:
         """Unpin the buffer (if pinned); its memory is freed once no staged tensor uses it."""

@@ -116,6 +116,42 @@ def test_warm_up_preallocates(bucket, config):
     assert pool.allocations == 1
 
 
+def test_the_save_thread_lets_the_training_thread_return_first(bucket, config):
+    """The save's planning is pure Python: started while the training thread is still inside
+    async_save, it would hold the GIL against it. The save's first writer call waits for the
+    training thread to have returned (here: held 0.3 s after staging)."""
+    events = []
+
+    class Writer(S3StorageWriter):
+        def synchronize_staging(self):
+            super().synchronize_staging()
+            time.sleep(0.3)  # the training thread's last lines inside async_save, slowed down
+            events.append(("training thread leaves async_save", time.monotonic()))
+
+        def set_up_storage_writer(self, *args, **kwargs):
+            super().set_up_storage_writer(*args, **kwargs)
+            events.append(("save thread goes on", time.monotonic()))
+
+    state = _state(n=2)
+    future = dcp.async_save(state, storage_writer=Writer(f"s3://{bucket}/handoff", config=config,
+                                                         pool=HostBufferPool()))
+    future.result(timeout=120)
+    assert [e for e, _ in events] == ["training thread leaves async_save", "save thread goes on"]
+
+
+def test_staged_copies_of_tensors_that_require_grad_carry_no_autograd_history(bucket, config):
+    state = {"w": torch.randn(64, 8, requires_grad=True), "t": torch.randn(8, 64, requires_grad=True).t()}
+    writer = S3StorageWriter(f"s3://{bucket}/grad", config=config, pool=HostBufferPool())
+    staged = writer.stage(state)
+    writer.synchronize_staging()
+    try:
+        for name in state:
+            assert not staged[name].requires_grad and staged[name].grad_fn is None, name
+            assert torch.equal(staged[name], state[name].detach())
+    finally:
+        writer._lease.release()
+
+
 def test_a_budget_smaller_than_the_state_saves_in_rounds(bucket, config):
     pool = HostBufferPool()
     cfg = config.replace(staging_budget_bytes=2 * MiB)  # the state is ~8 MiB

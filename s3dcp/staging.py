@@ -400,36 +400,42 @@ def _copy_into(lease: Lease, sources: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-_CHUNK_BYTES = 4 * 1024 * 1024
+_THREADED_MIN_BYTES = 4 * 1024 * 1024  # below this, handing work to threads costs more than it saves
 _COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _memcpy(moves: list[tuple[int, int, int]]) -> None:
-    """Copy every ``(dst, src, nbytes)`` on ``_COPY_THREADS`` threads: the work is cut into
-    chunks of at most 4 MiB and dealt out in turn, and ``ctypes.memmove`` releases the GIL.
-    Against ``copy_`` per tensor this saves torch's per-call overhead and its intra-op thread
-    wake-ups (hundreds of microseconds per tensor on a busy machine) — what an optimizer-style
-    state of many small tensors pays for."""
+    """Copy every ``(dst, src, nbytes)`` on ``_COPY_THREADS`` threads, each given an equal
+    share of the bytes (a move that straddles two shares is split there); ``ctypes.memmove``
+    releases the GIL. Against ``copy_`` per tensor this saves torch's per-call overhead and its
+    intra-op thread wake-ups (hundreds of microseconds per tensor on a busy machine) — what an
+    optimizer-style state of many small tensors pays for. Moves are not cut any finer: glibc
+    copies large blocks with non-temporal stores, and 4 MiB pieces made a 512 MiB copy 10-15%
+    slower than one flat memcpy (measured)."""
     total = sum(n for _, _, n in moves)
     if total == 0:
         return
-    if _COPY_THREADS == 1 or total <= _CHUNK_BYTES:
-        for dst, src, n in moves:
-            ctypes.memmove(dst, src, n)
+    if _COPY_THREADS == 1 or total <= _THREADED_MIN_BYTES:
+        _run_moves(moves)
         return
     share = -(-total // _COPY_THREADS)
     lanes: list[list[tuple[int, int, int]]] = [[] for _ in range(_COPY_THREADS)]
     lane, filled = 0, 0
-    for dst, src, n in moves:
+    for move in moves:
+        dst, src, n = move
+        if filled + n <= share:  # the common case: the move as it is
+            lanes[lane].append(move)
+            filled += n
+            continue
         done = 0
         while done < n:
-            step = min(n - done, _CHUNK_BYTES, share - filled)
+            if filled >= share and lane + 1 < _COPY_THREADS:
+                lane, filled = lane + 1, 0
+            step = n - done if lane + 1 == _COPY_THREADS else min(n - done, share - filled)
             lanes[lane].append((dst + done, src + done, step))
             done += step
             filled += step
-            if filled >= share and lane + 1 < _COPY_THREADS:
-                lane, filled = lane + 1, 0
     global _copier
     if _copier is None:
         _copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS - 1, thread_name_prefix="s3dcp-stage")
@@ -439,9 +445,9 @@ def _memcpy(moves: list[tuple[int, int, int]]) -> None:
         f.result()
 
 
-def _run_moves(work: list[tuple[int, int, int]]) -> None:
+def _run_moves(work: list[tuple[int, int, int]], memmove=ctypes.memmove) -> None:
     for dst, src, n in work:
-        ctypes.memmove(dst, src, n)
+        memmove(dst, src, n)
 
 
 def _side_stream():

@@ -280,3 +280,34 @@ def test_pinned_arenas_are_exactly_their_size_and_unpinned_when_released():
     pool.release(arena)
     pool.clear()
     assert not buffer.is_pinned(), "release_staging_memory left the arena pinned"
+
+
+def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(monkeypatch):
+    """``_memcpy`` deals the bytes out to its threads in equal shares: each move lands exactly
+    (the alignment gaps between staged tensors stay untouched), and a move is split only where
+    it straddles two shares (finer pieces lose glibc's non-temporal stores)."""
+    from s3dcp import staging
+
+    monkeypatch.setattr(staging, "_COPY_THREADS", 3)
+    pieces = []
+    run_moves = staging._run_moves
+    monkeypatch.setattr(staging, "_run_moves", lambda work: (pieces.append(list(work)), run_moves(work)))
+    gen = torch.Generator().manual_seed(7)
+    for sizes in ([1, 7, 4096], [5 * MiB, 3, 9 * MiB, 100, 2 * MiB], [24 * MiB], [MiB] * 20 + [17]):
+        pieces.clear()
+        total = sum(sizes)
+        src = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen)
+        dst = torch.zeros(total + 64 * len(sizes), dtype=torch.uint8)
+        moves, spans, at, out = [], [], 0, 0
+        for n in sizes:
+            moves.append((dst.data_ptr() + out, src.data_ptr() + at, n))
+            spans.append((out, at, n))
+            at, out = at + n, out + n + 64
+        staging._memcpy(moves)
+        for out, at, n in spans:
+            assert torch.equal(dst[out:out + n], src[at:at + n])
+            assert int(dst[out + n:out + n + 64].sum()) == 0  # the gap after it
+        if total > staging._THREADED_MIN_BYTES:
+            assert len(pieces) == 3 and len(sum(pieces, [])) <= len(sizes) + 2
+            shares = [sum(n for _, _, n in lane) for lane in pieces]
+            assert max(shares) - min(shares) <= 2, shares

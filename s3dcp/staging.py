@@ -67,13 +67,19 @@ _SAVE_CALLS = {
 
 
 class _SaveCall:
-    """DCP's save function running on some thread: its frame, and whether it still runs."""
+    """DCP's save function running on some thread: its frame, and whether it still runs.
 
-    __slots__ = ("thread_id", "frame")
+    Whether it runs is asked of the frame object itself, never by walking another thread's
+    stack: on CPython 3.11 ``sys._current_frames()`` can deadlock against the garbage
+    collector (python/cpython#106883, not fixed in 3.11), and a walk of ``f_back`` of a
+    running thread returned a logging handler instead of a frame once in CI."""
 
-    def __init__(self, thread_id: int, frame) -> None:
-        self.thread_id = thread_id
+    __slots__ = ("frame", "async_save")
+
+    def __init__(self, frame) -> None:
         self.frame = frame
+        # started by dcp.async_save (its thread executor), not by a plain dcp.save
+        self.async_save = (frame.f_globals.get("__name__"), frame.f_code.co_name) == _ASYNC_SAVE_WRAPPER
 
     @classmethod
     def of_caller(cls) -> "_SaveCall | None":
@@ -84,37 +90,21 @@ class _SaveCall:
             if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _SAVE_CALLS:
                 found = frame
             frame = frame.f_back
-        return cls(threading.get_ident(), found) if found is not None else None
+        return cls(found) if found is not None else None
 
     def running(self) -> bool:
-        frame = sys._current_frames().get(self.thread_id)
-        while frame is not None:
-            if frame is self.frame:
-                return True
-            frame = frame.f_back
+        """Whether the call has not returned yet: a frame still executing cannot be cleared
+        (documented), and one that has returned loses the locals it no longer needs."""
+        try:
+            self.frame.clear()
+        except RuntimeError:
+            return True
         return False
 
 
-# DCP's async_save, and how long a save waits for the training thread to return from it.
-_ASYNC_SAVE = ("torch.distributed.checkpoint.state_dict_saver", "async_save")
+_ASYNC_SAVE_WRAPPER = ("torch.distributed.checkpoint._async_thread_executor", "save_wrapper")
+# How long the save thread lets the training thread finish dcp.async_save first (see attach).
 _RETURN_WAIT_S = 0.5
-_RETURN_POLL_S = 0.0005
-
-
-def _wait_until_returned(thread_id: int, function: tuple[str, str], timeout_s: float) -> None:
-    """Wait (GIL released) while ``function`` (module, name) is on ``thread_id``'s stack, for
-    at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        frame = sys._current_frames().get(thread_id)
-        while frame is not None and (frame.f_globals.get("__name__"), frame.f_code.co_name) != function:
-            frame = frame.f_back
-        if frame is None:
-            return
-        del frame
-        time.sleep(_RETURN_POLL_S)
-    log.debug("the training thread was still in %s.%s after %.1f s; the save goes on",
-              *function, timeout_s)
 
 
 class Lease:
@@ -126,7 +116,7 @@ class Lease:
         self.event: Any = None  # torch.cuda.Event when copies ran on a side stream
         self.pending = False  # tensors beyond the budget: write_data copies them in rounds
         self.copied = threading.Event()  # every original is copied: the caller may change them
-        self.stager = threading.get_ident()  # the training thread, which stage() runs on
+        self.returned = threading.Event()  # synchronize_staging is done: async_save returns
         self._save: _SaveCall | None = None
         self._released = False
         self._lock = threading.Lock()
@@ -134,15 +124,17 @@ class Lease:
     def attach(self) -> None:
         """Tie the lease to the DCP save call running on this thread (first call wins).
 
-        A save started by ``dcp.async_save`` on another thread first lets the training thread
-        return from ``async_save``: the save's planning is pure Python, and a training thread
-        that needs the GIL back for its last few lines waits out switch intervals (5 ms each)
-        behind it — a third of the stall of a warm 512 MiB checkpoint, measured. Not with
-        rounds pending: the training thread then waits for this thread to copy them."""
+        A save started by ``dcp.async_save`` first lets the training thread finish
+        ``synchronize_staging`` (the last of async_save's work): the save's planning is pure
+        Python, and a training thread that needs the GIL back for its last lines waits out
+        switch intervals (5 ms each) behind it. Not with rounds pending: the training thread
+        then waits for this thread to copy them."""
         if self._save is None and not self._released:
             self._save = _SaveCall.of_caller()
-            if self._save is not None and self.stager != threading.get_ident() and not self.pending:
-                _wait_until_returned(self.stager, _ASYNC_SAVE, _RETURN_WAIT_S)
+            if self._save is not None and self._save.async_save and not self.pending:
+                if not self.returned.wait(_RETURN_WAIT_S):
+                    log.debug("synchronize_staging was not called within %.1f s; the save goes on",
+                              _RETURN_WAIT_S)
 
     @property
     def attached(self) -> bool:
@@ -158,6 +150,7 @@ class Lease:
     def release(self) -> None:
         """Give the arena back, once, and let the training thread go."""
         self.copied.set()
+        self.returned.set()
         with self._lock:
             if self._released:
                 return
@@ -255,6 +248,7 @@ class StagingMixin:
                 lease.release()
                 break
         self._stage_s = time.perf_counter() - self._stage_started
+        lease.returned.set()
 
     def close(self) -> None:
         """Nothing to free: the pool outlives writers (see :func:`release_staging_memory`)."""

@@ -109,9 +109,14 @@ REFERENCE_CHECKSUM = "crc64nvme"  # the per-item checksum incremental saves reco
 
 
 # ---------------------------------------------------------------------------- names
+def is_reference(object_name: str) -> bool:
+    """Whether ``object_name`` (relative to a checkpoint) names an object of a sibling."""
+    return object_name.startswith("../")
+
+
 def split_reference(object_name: str) -> tuple[str | None, str]:
     """``("step-1000", "__0_0.tok.distcp")`` for a reference, ``(None, name)`` for an own object."""
-    if object_name.startswith("../"):
+    if is_reference(object_name):
         _, directory, name = object_name.split("/", 2)
         return directory, name
     return None, object_name

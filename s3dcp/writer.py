@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
 from . import integrity, layout
-from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, references
+from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
 from .client import S3Client
 from .config import S3Config
 from .errors import (
@@ -247,7 +247,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             metadata.storage_meta = self.storage_meta()
         metadata.storage_meta.checkpoint_id = self.checkpoint_id
         metadata.storage_meta.save_id = self._save_id or ""
-        referenced = sorted({loc.object_name for loc in metadata.storage_data.values() if "/" in loc.object_name})
+        referenced = sorted({loc.object_name for loc in metadata.storage_data.values()
+                             if is_reference(loc.object_name)})
         marker = False
         try:
             if referenced:
@@ -282,7 +283,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         stale = replaced - {loc.object_name for loc in metadata.storage_data.values()}
         if stale:
             self._delete_replaced(sorted(stale))
-        inherited = sum(loc.length for loc in metadata.storage_data.values() if "/" in loc.object_name)
+        inherited = sum(loc.length for loc in metadata.storage_data.values() if is_reference(loc.object_name))
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
         stats = self.last_stats  # the coordinator's own rank
         log.info("committed %s: %d bytes from %d rank(s)%s; this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
@@ -348,7 +349,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         uri = self._uri
         expected = layout.object_sizes(locations)
         base_sizes = self._base.object_sizes() if self._base is not None and \
-            any("/" in name for name in expected) else {}
+            any(is_reference(name) for name in expected) else {}
         by_dir: dict[str, dict[str, tuple[str, int, bool]]] = {}  # listing prefix -> key -> (name, size, exact)
         for name, size in expected.items():
             key = object_key(uri, name)

@@ -98,8 +98,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 __all__ = [
-    "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "split_reference", "reference_name", "sources", "object_names",
-    "encode_pending", "pending_names", "References", "held_for_references",
+    "REFERENCE_CHECKSUM", "BaseIndex", "check_base", "is_reference", "split_reference", "reference_name", "sources",
+    "object_names", "encode_pending", "pending_names", "References", "held_for_references",
     "references", "DeleteResult", "delete_checkpoint", "MaterializeResult", "materialize",
 ]
 

@@ -295,7 +295,7 @@ class StagingMixin:
         batch: list = []
         batch_bytes = 0
         for item, tensor in deferred:
-            nbytes = statetree.nbytes(tensor)
+            nbytes = tensor.nbytes
             copied = arena.carve_like(tensor)
             if copied is None and nbytes <= arena.limit:
                 if batch:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["copy_tree", "tensors", "nbytes"]
+__all__ = ["copy_tree", "tensors"]
 
 
 def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -61,10 +61,6 @@ def _collect(value: Any, out: list, dtensor: type, sharded: Any) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             _collect(v, out, dtensor, sharded)
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 _KINDS: tuple[type, Any] | None = None

@@ -354,7 +354,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         for name, size in expected.items():
             key = object_key(uri, name)
             directory = key.rpartition("/")[0]
-            exact = "/" not in name
+            exact = not is_reference(name)
             if not exact and name in base_sizes:
                 recorded, exact = base_sizes[name]
                 size = max(size, recorded)
@@ -395,7 +395,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             log.warning("overwrite of %s: the replaced metadata cannot be read; its data objects are "
                         "left in place (`s3dcp gc` removes them once unreferenced)", uri, exc_info=True)
             return set()
-        return {loc.object_name for loc in (old.storage_data or {}).values() if "/" not in loc.object_name}
+        return _own_names((old.storage_data or {}).values())
 
     def _delete_own(self, names: set[str]) -> None:
         uri = self._uri
@@ -513,7 +513,7 @@ class _Uploads:
 
 def _own_names(locations) -> set[str]:
     """The names of this checkpoint's own objects (not references into a base)."""
-    return {loc.object_name for loc in locations if "/" not in loc.object_name}
+    return {loc.object_name for loc in locations if not is_reference(loc.object_name)}
 
 
 def _is_tensor(data: Any) -> bool:

@@ -69,8 +69,9 @@ _MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
 # The reaper: `sh -c _REAPER reaper GRACE_S OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed,
 # prints weed's pid on its stdout (then closes it), and forwards SIGTERM (a stop) to weed. On
 # SIGHUP (the starter died: see _die_with_this_thread) it stops weed too, SIGKILLs it if it is
-# still running GRACE_S seconds later (nobody else will: weed's volume server waits ~30 s for
-# the connections of a killed client), and deletes OWNED_DIR (empty: none). Once weed has
+# still running GRACE_S (whole) seconds later (nobody else will: weed's volume server waits ~30 s
+# for the connections of a killed client, and a SIGTERM that reaches weed before its exec is
+# lost), and deletes OWNED_DIR (empty: none). Once weed has
 # exited it removes the sockets and exits with weed's status. Signals may come before weed is
 # started: the traps are set first and checked after.
 _REAPER = r"""
@@ -84,7 +85,14 @@ stop() {
     if [ -z "$weed" ]; then return; fi
     kill -TERM "$weed" 2>/dev/null
     if [ -n "$orphaned" ] && [ -z "$timer" ]; then
-        (sleep "$grace"; kill -KILL "$weed") >/dev/null 2>&1 &
+        # Polls rather than waits to be killed: a signal that reaches a subshell before it has
+        # reset the traps it forked with is lost. Ends by itself within 1 s of weed's end.
+        (i=0
+         while kill -0 "$weed"; do
+             if [ "$i" -ge "$grace" ]; then kill -KILL "$weed"; break; fi
+             sleep 1
+             i=$((i + 1))
+         done) >/dev/null 2>&1 &
         timer=$!
     fi
 }
@@ -100,7 +108,7 @@ while :; do
     status=$?
     kill -0 "$weed" 2>/dev/null || break  # wait returns early when a trap runs
 done
-if [ -n "$timer" ]; then kill "$timer" 2>/dev/null; fi
+if [ -n "$timer" ]; then kill "$timer" 2>/dev/null; fi  # usually ends it at once (see stop)
 rm -f $sockets
 if [ -n "$orphaned" ] && [ -n "$owned" ]; then rm -rf "$owned"; fi
 exit "$status"

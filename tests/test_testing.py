@@ -252,11 +252,38 @@ def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path):
         reaper.send_signal(signal.SIGHUP)  # the starter died
         assert reaper.wait(timeout=10) == 128 + signal.SIGKILL  # weed's status, passed on
         assert _gone(weed_pid) and int(pid_file.read_text()) == weed_pid and not owned.exists()
+        # the timer (a subshell of the reaper, its command line the same) is gone too
+        assert _wait_until(lambda: not [p for p in psutil.process_iter(["cmdline", "status"])
+                                        if p.info["status"] != psutil.STATUS_ZOMBIE
+                                        and str(owned) in (p.info["cmdline"] or [])], 5)
     finally:
         if reaper.poll() is None:
             reaper.kill()
         if pid_file.exists() and not _gone(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_orphaned_reaper_leaves_no_timer_behind_when_the_server_stops_in_time(tmp_path):
+    pid_file = tmp_path / "pid"
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    reaper = subprocess.Popen(["/bin/sh", "-c", testing._REAPER, "reaper", "30", str(owned), "--",
+                               "/bin/sh", "-c", f"echo $$ > '{pid_file}'; exec sleep 60"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        weed_pid = int(reaper.stdout.readline())
+        assert _wait_until(pid_file.exists, 10)  # started (a SIGTERM before its exec would be lost)
+        reaper.send_signal(signal.SIGHUP)  # the starter died; the stand-in stops on SIGTERM at once
+        reaper.wait(timeout=10)
+        assert _gone(weed_pid) and not owned.exists()
+        assert _wait_until(lambda: not [p for p in psutil.process_iter(["cmdline", "status"])
+                                        if p.info["status"] != psutil.STATUS_ZOMBIE
+                                        and str(owned) in (p.info["cmdline"] or [])], 5)
+    finally:
+        if reaper.poll() is None:
+            reaper.kill()
+        if not _gone(weed_pid):
+            os.kill(weed_pid, signal.SIGKILL)
 
 
 def test_port_clash_at_startup_is_retried_with_new_ports(tmp_path):

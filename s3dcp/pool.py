@@ -56,13 +56,25 @@ class Arena:
 
     def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """An uninitialised contiguous tensor of ``tensor``'s dtype and shape in the arena, or
-        None when it does not fit. One tensor op (``as_strided`` of a cached typed view): this
-        runs once per tensor on the training thread."""
+        None when it does not fit."""
+        start = self.reserve(tensor.nbytes)
+        return None if start is None else self.view_like(start, tensor)
+
+    def reserve(self, nbytes: int) -> int | None:
+        """The offset of the next ``nbytes`` of the arena (aligned), now taken, or None when
+        they do not fit. Plain integers: staging reserves every tensor's place (and starts
+        copying into it) before it makes the tensors that view them."""
         start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
-        end = start + tensor.nbytes
+        end = start + nbytes
         if end > self.limit:
             return None
         self.cursor = end
+        return start
+
+    def view_like(self, start: int, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of ``tensor``'s dtype and shape at offset ``start`` (from
+        :meth:`reserve`). One tensor op (``as_strided`` of a cached typed view): this runs
+        once per tensor on the training thread."""
         dtype = tensor.dtype
         typed = self._typed.get(dtype)
         if typed is None:
@@ -77,6 +89,11 @@ class Arena:
                 step *= size
             strides.reverse()
         return typed.as_strided(shape, strides, start // tensor.element_size())
+
+    @property
+    def address(self) -> int:
+        """Where the buffer starts in host memory."""
+        return self.buffer.data_ptr()
 
     def close(self) -> None:
         """Unpin the buffer (if pinned); its memory is freed once no staged tensor uses it."""

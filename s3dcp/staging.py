@@ -9,7 +9,8 @@
 One save's hold on an arena is a :class:`Lease`. Its whole life, every path included:
 
 1. ``stage()`` takes an arena from the pool (waiting while ``max_inflight_checkpoints`` are in
-   use: back-pressure instead of doubling memory) and copies the state into it.
+   use: back-pressure instead of doubling memory) and copies the state into it (in the order
+   of :class:`_Copies`).
 2. The first writer call of the save, on whichever thread runs it (``reset``, ``storage_meta``,
    ``set_up_storage_writer``, ..., or pickling for the process executor), *attaches* the lease
    to that save call: the frame of DCP's save function on that thread's stack.
@@ -18,9 +19,11 @@ One save's hold on an arena is a :class:`Lease`. Its whole life, every path incl
    (:meth:`StagingMixin._stage_rounds`); ``synchronize_staging`` holds the training thread
    until the last round is copied.
 4. The lease is over when the save call it is attached to has returned — committed or failed,
-   at any step — and then the pool takes the arena back. Not earlier: after ``write_data`` the
-   commit's collectives still run, and the next save's collectives issued beside them from
-   another thread would deadlock a multi-rank job. Nothing here depends on which thread runs
+   at any step — and then the pool takes the arena back: when the save's thread ends (DCP's
+   thread executor ends it right after the save; see :class:`_SaveThread`), else at the next
+   ``stage()``. Not earlier: after ``write_data`` the commit's collectives still run, and the
+   next save's collectives issued beside them from another thread would deadlock a multi-rank
+   job. Nothing here depends on which thread runs
    the save or whether DCP's executor makes a new thread per save; a thread reused for the next
    save has simply left the earlier save's frame.
 5. Safety nets: a lease never attached (the save died before calling the writer) ends when
@@ -131,6 +134,8 @@ class Lease:
         then waits for this thread to copy them."""
         if self._save is None and not self._released:
             self._save = _SaveCall.of_caller()
+            if self._save is not None:
+                _this_thread().leases.add(self)
             if self._save is not None and self._save.async_save and not self.pending:
                 if not self.returned.wait(_RETURN_WAIT_S):
                     log.debug("synchronize_staging was not called within %.1f s; the save goes on",
@@ -162,6 +167,47 @@ class Lease:
         del save
         self.pool.unhold(self)
         self.pool.release(arena)
+
+
+class _SaveThread(threading.local):
+    """The leases attached on this thread, given back when the thread ends.
+
+    DCP's thread executor runs each save on a thread of its own, which ends right after the
+    save. Its end is the moment to give the arena back and free the staged copy (hundreds of
+    tensor objects, ~2 ms of deallocation for 750): otherwise that waits for the next
+    ``stage()`` to find the save over, on the training thread, inside its stall. A thread
+    that lives on (a plain ``dcp.save`` on the main thread, an executor that keeps its thread)
+    leaves it to that next check, as before."""
+
+    def __init__(self) -> None:
+        self.leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+        # The thread's locals die with it; this object's finalizer then hands the leases to
+        # s3dcp's finalizer thread (a finalizer itself only queues work).
+        self.token = _Token()
+        weakref.finalize(self.token, finalizer(lambda leases=self.leases: _release_over(leases)))
+
+
+class _Token:
+    """An object to hang a finalizer on (``object()`` takes no weak references)."""
+
+
+_SAVE_THREADS: _SaveThread | None = None  # made on first use: it starts the finalizer thread
+_SAVE_THREADS_LOCK = threading.Lock()
+
+
+def _this_thread() -> _SaveThread:
+    global _SAVE_THREADS
+    if _SAVE_THREADS is None:
+        with _SAVE_THREADS_LOCK:
+            if _SAVE_THREADS is None:
+                _SAVE_THREADS = _SaveThread()
+    return _SAVE_THREADS
+
+
+def _release_over(leases: "weakref.WeakSet[Lease]") -> None:
+    for lease in list(leases):
+        if lease.over():
+            lease.release()
 
 
 class _StagedDict(dict):
@@ -222,8 +268,12 @@ class StagingMixin:
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
-            copies = iter(_copy_into(lease, found))
-            staged = statetree.copy_tree(state_dict, lambda _t: next(copies))
+            copies = _Copies(lease, found)  # the bulk of the bytes is being copied from here on
+            try:
+                destinations = iter(copies.destinations())
+                staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))
+            finally:
+                copies.finish()  # also on errors: the arena must be quiet before it goes back
         except BaseException:
             lease.release()
             raise
@@ -351,47 +401,76 @@ class StagingMixin:
         return min(total, budget) if budget is not None else total
 
 
-def _copy_into(lease: Lease, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The staged copy of each source, in order, carved from the lease's arena. A source that
-    does not fit the budget is returned as it is (``lease.pending``: write_data copies it in
-    rounds). Contiguous host sources are copied by :func:`_memcpy` (chunked ``memmove`` on a few
-    threads, GIL released); strided ones with ``copy_``; CUDA ones with ``non_blocking`` on a
-    side stream into pinned memory, the lease's event marking their end."""
-    arena = lease.arena
-    out: list[torch.Tensor] = []
-    moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
-    strided: list[tuple[torch.Tensor, torch.Tensor]] = []
-    device: tuple[list, list] = ([], [])
-    for t in sources:
-        nbytes = t.nbytes
-        if nbytes == 0:
-            out.append(torch.empty(t.shape, dtype=t.dtype))
-            continue
-        dst = arena.carve_like(t)
-        if dst is None:
-            lease.pending = True
-            out.append(t.detach())
-            continue
-        out.append(dst)
-        if t.is_cuda:
-            device[0].append(dst)
-            device[1].append(t)
-        elif t.is_cpu and t.is_contiguous():
-            moves.append((dst.data_ptr(), t.data_ptr(), nbytes))
-        else:
-            strided.append((dst, t))
-    with torch.no_grad():  # the sources may require grad; their copies never do
-        if device[0]:
-            stream = _side_stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                torch._foreach_copy_(device[0], device[1], non_blocking=arena.pinned)
-            lease.event = torch.cuda.Event()
-            lease.event.record(stream)
-        _memcpy(moves)
-        for dst, src in strided:
-            dst.copy_(src)
-    return out
+class _Copies:
+    """One stage's copies, in the order that hides the training thread's per-tensor Python
+    behind the bulk copy:
+
+    1. ``_Copies(lease, sources)`` reserves each source's place in the arena (integers only)
+       and starts copying the contiguous host sources on the copy threads (``memmove``, GIL
+       released);
+    2. meanwhile :meth:`destinations` makes the staged tensors (views of those places) that the
+       staged state dict is built from — a few microseconds of Python per tensor, hundreds of
+       tensors in an optimizer state;
+    3. :meth:`finish` copies the rest (CUDA sources: ``non_blocking`` on a side stream into the
+       pinned arena, the lease's event marking their end; strided ones: ``copy_``) and waits
+       for the bulk copy.
+
+    A source that does not fit the budget is staged as itself (``lease.pending``: write_data
+    copies it in rounds)."""
+
+    def __init__(self, lease: Lease, sources: list[torch.Tensor]) -> None:
+        self.lease = lease
+        self.sources = sources
+        arena = lease.arena
+        base = arena.address
+        self.starts: list[int | None] = []
+        moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
+        for t in sources:
+            nbytes = t.nbytes
+            start = arena.reserve(nbytes) if nbytes else None
+            self.starts.append(start)
+            if start is None:
+                if nbytes:
+                    lease.pending = True
+            elif t.is_cpu and t.is_contiguous():
+                moves.append((base + start, t.data_ptr(), nbytes))
+        self._wait = _memcpy_start(moves)
+        self._device: tuple[list, list] = ([], [])
+        self._strided: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def destinations(self) -> list[torch.Tensor]:
+        """The staged tensor of each source, in order."""
+        arena = self.lease.arena
+        out: list[torch.Tensor] = []
+        for t, start in zip(self.sources, self.starts):
+            if start is None:
+                out.append(torch.empty(t.shape, dtype=t.dtype) if t.nbytes == 0 else t.detach())
+                continue
+            dst = arena.view_like(start, t)
+            out.append(dst)
+            if t.is_cuda:
+                self._device[0].append(dst)
+                self._device[1].append(t)
+            elif not (t.is_cpu and t.is_contiguous()):
+                self._strided.append((dst, t))
+        return out
+
+    def finish(self) -> None:
+        """Copy what the copy threads do not, and wait for them: the arena then holds the state."""
+        try:
+            with torch.no_grad():  # the sources may require grad; their copies never do
+                dsts, srcs = self._device
+                if dsts:
+                    stream = _side_stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        torch._foreach_copy_(dsts, srcs, non_blocking=self.lease.arena.pinned)
+                    self.lease.event = torch.cuda.Event()
+                    self.lease.event.record(stream)
+                for dst, src in self._strided:
+                    dst.copy_(src)
+        finally:
+            self._wait()
 
 
 _THREADED_MIN_BYTES = 4 * 1024 * 1024  # below this, handing work to threads costs more than it saves
@@ -400,19 +479,23 @@ _copier: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _memcpy(moves: list[tuple[int, int, int]]) -> None:
-    """Copy every ``(dst, src, nbytes)`` on ``_COPY_THREADS`` threads, each given an equal
-    share of the bytes (a move that straddles two shares is split there); ``ctypes.memmove``
-    releases the GIL. Against ``copy_`` per tensor this saves torch's per-call overhead and its
+    """Copy every ``(dst, src, nbytes)`` (see :func:`_memcpy_start`)."""
+    _memcpy_start(moves)()
+
+
+def _memcpy_start(moves: list[tuple[int, int, int]]) -> Callable[[], None]:
+    """Start copying every ``(dst, src, nbytes)`` on ``_COPY_THREADS`` threads, each given an
+    equal share of the bytes (a move that straddles two shares is split there); returns the
+    function that waits for the end. ``ctypes.memmove`` releases the GIL, so the caller runs
+    Python meanwhile. Against ``copy_`` per tensor this saves torch's per-call overhead and its
     intra-op thread wake-ups (hundreds of microseconds per tensor on a busy machine) — what an
     optimizer-style state of many small tensors pays for. Moves are not cut any finer: glibc
     copies large blocks with non-temporal stores, and 4 MiB pieces made a 512 MiB copy 10-15%
-    slower than one flat memcpy (measured)."""
+    slower than one flat memcpy (measured). A small total is copied by the caller, when it
+    waits."""
     total = sum(n for _, _, n in moves)
-    if total == 0:
-        return
-    if _COPY_THREADS == 1 or total <= _THREADED_MIN_BYTES:
-        _run_moves(moves)
-        return
+    if total <= _THREADED_MIN_BYTES:
+        return lambda: _run_moves(moves)
     share = -(-total // _COPY_THREADS)
     lanes: list[list[tuple[int, int, int]]] = [[] for _ in range(_COPY_THREADS)]
     lane, filled = 0, 0
@@ -432,11 +515,14 @@ def _memcpy(moves: list[tuple[int, int, int]]) -> None:
             filled += step
     global _copier
     if _copier is None:
-        _copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS - 1, thread_name_prefix="s3dcp-stage")
-    helpers = [_copier.submit(_run_moves, work) for work in lanes[1:] if work]
-    _run_moves(lanes[0])
-    for f in helpers:
-        f.result()
+        _copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="s3dcp-stage")
+    running = [_copier.submit(_run_moves, work) for work in lanes if work]
+
+    def wait() -> None:
+        for f in running:
+            f.result()
+
+    return wait
 
 
 def _run_moves(work: list[tuple[int, int, int]], memmove=ctypes.memmove) -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,54 @@ def test_the_save_thread_lets_the_training_thread_return_first(bucket, config):
                                                          pool=HostBufferPool()))
     future.result(timeout=120)
     assert events == ["training thread done", "save thread goes on"]
+
+
+def test_the_arena_and_the_staged_copy_go_back_when_the_save_thread_ends(bucket, config):
+    """DCP's thread executor ends its thread right after the save: then, not at the next
+    stage() on the training thread (inside its stall), the arena goes back to the pool and the
+    staged copy's tensor objects are freed. Nothing here calls into the pool or the writer."""
+    staged = []
+
+    class Writer(S3StorageWriter):
+        def stage(self, state_dict):
+            result = super().stage(state_dict)
+            staged.append(weakref.ref(result))
+            return result
+
+    pool = HostBufferPool()
+    writer = Writer(f"s3://{bucket}/thread-end", config=config, pool=pool)
+    future = dcp.async_save(_state(n=2), storage_writer=writer)
+    future.result(timeout=120)
+    lease = writer._lease
+    _wait_for(lambda: staged[0]() is None and lease._released, timeout_s=5.0)
+    assert pool._in_use == 0 and pool._free, "the arena is not back in the pool"
+
+
+def test_a_failure_while_building_the_staged_tree_waits_for_the_copy_threads(bucket, config, monkeypatch):
+    """The bulk copy runs on the copy threads while the training thread builds the staged dict;
+    if building it fails, the arena goes back to the pool only once no thread writes into it."""
+    from s3dcp import staging, statetree
+
+    pool = HostBufferPool()
+    writer = S3StorageWriter(f"s3://{bucket}/tree-fails", config=config, pool=pool)
+    finished = []
+    run_moves = staging._run_moves
+
+    def slow_moves(work):
+        time.sleep(0.3)
+        run_moves(work)
+        finished.append(len(work))
+
+    def failing_copy_tree(value, stage_tensor):
+        raise RuntimeError("cannot copy this state")
+
+    monkeypatch.setattr(staging, "_run_moves", slow_moves)
+    monkeypatch.setattr(statetree, "copy_tree", failing_copy_tree)
+    state = {"w": torch.randn(4 * MiB)}  # 16 MiB: above the threshold for the copy threads
+    with pytest.raises(RuntimeError, match="cannot copy this state"):
+        writer.stage(state)
+    assert finished, "stage() returned the arena while the copy threads were still writing into it"
+    assert pool._in_use == 0
 
 
 def test_staged_copies_of_tensors_that_require_grad_carry_no_autograd_history(bucket, config):

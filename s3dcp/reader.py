@@ -48,7 +48,7 @@ from .layout import METADATA_NAME, ItemLocation, Piece, Segment, is_data_object
 from .metadata import decode_metadata, str_to_dtype
 from .pool import HostBufferPool
 from .storage import S3CheckpointPath, UnreadableMetadata
-from .tensors import byte_view
+from .tensors import byte_view, has_lazy_bits
 from .uri import object_key
 
 __all__ = ["S3StorageReader"]
@@ -342,7 +342,8 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             raise MetadataFormatError(
                 f"{self._uri}: {item.dest_index.fqn!r}: destination shape {tuple(dest.shape)} does not match "
                 f"the {lengths} elements planned from the checkpoint")
-        in_place = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
+        in_place = (dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
+                    and not has_lazy_bits(dest))  # a conj view takes its values through copy_
         whole = all(o == 0 for o in offsets) and lengths == shape
         if whole and in_place:
             return _Read(item, loc, 0, loc.length, byte_view(dest), dest=dest)

@@ -412,8 +412,8 @@ class _Copies:
        staged state dict is built from — a few microseconds of Python per tensor, hundreds of
        tensors in an optimizer state;
     3. :meth:`finish` copies the rest (CUDA sources: ``non_blocking`` on a side stream into the
-       pinned arena, the lease's event marking their end; strided ones: ``copy_``) and waits
-       for the bulk copy.
+       pinned arena, the lease's event marking their end; strided ones and lazy conjugate or
+       negative views: ``copy_``, which gives their values) and waits for the bulk copy.
 
     A source that does not fit the budget is staged as itself (``lease.pending``: write_data
     copies it in rounds)."""
@@ -424,16 +424,19 @@ class _Copies:
         arena = lease.arena
         base = arena.address
         self.starts: list[int | None] = []
+        self.moved: list[bool] = []  # copied by the copy threads
         moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
         for t in sources:
             nbytes = t.nbytes
             start = arena.reserve(nbytes) if nbytes else None
             self.starts.append(start)
-            if start is None:
-                if nbytes:
-                    lease.pending = True
-            elif t.is_cpu and t.is_contiguous():
+            # raw bytes only where memory holds the values: not for a lazy conj / neg view
+            moved = start is not None and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+            self.moved.append(moved)
+            if moved:
                 moves.append((base + start, t.data_ptr(), nbytes))
+            elif start is None and nbytes:
+                lease.pending = True
         self._wait = _memcpy_start(moves)
         self._device: tuple[list, list] = ([], [])
         self._strided: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -442,16 +445,18 @@ class _Copies:
         """The staged tensor of each source, in order."""
         arena = self.lease.arena
         out: list[torch.Tensor] = []
-        for t, start in zip(self.sources, self.starts):
+        for t, start, moved in zip(self.sources, self.starts, self.moved):
             if start is None:
                 out.append(torch.empty(t.shape, dtype=t.dtype) if t.nbytes == 0 else t.detach())
                 continue
             dst = arena.view_like(start, t)
             out.append(dst)
+            if moved:
+                continue
             if t.is_cuda:
                 self._device[0].append(dst)
                 self._device[1].append(t)
-            elif not (t.is_cpu and t.is_contiguous()):
+            else:
                 self._strided.append((dst, t))
         return out
 

@@ -481,11 +481,7 @@ class _Copies:
 _THREADED_MIN_BYTES = 4 * 1024 * 1024  # below this, handing work to threads costs more than it saves
 _COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _memcpy(moves: list[tuple[int, int, int]]) -> None:
-    """Copy every ``(dst, src, nbytes)`` (see :func:`_memcpy_start`)."""
-    _memcpy_start(moves)()
+_copier_pid = 0
 
 
 def _memcpy_start(moves: list[tuple[int, int, int]]) -> Callable[[], None]:
@@ -518,9 +514,11 @@ def _memcpy_start(moves: list[tuple[int, int, int]]) -> Callable[[], None]:
             lanes[lane].append((dst + done, src + done, step))
             done += step
             filled += step
-    global _copier
-    if _copier is None:
+    global _copier, _copier_pid
+    if _copier is None or _copier_pid != os.getpid():  # none yet, or a forked child: the
+        # parent's executor has no threads here, and it would queue the work forever
         _copier = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="s3dcp-stage")
+        _copier_pid = os.getpid()
     running = [_copier.submit(_run_moves, work) for work in lanes if work]
 
     def wait() -> None:

@@ -331,8 +331,40 @@ def test_pinned_arenas_are_exactly_their_size_and_unpinned_when_released():
     assert not buffer.is_pinned(), "release_staging_memory left the arena pinned"
 
 
+def _stage_in_child(queue, config, state):
+    torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe (what DataLoader workers do too)
+    writer = S3StorageWriter("s3://bucket/forked", config=config, pool=HostBufferPool())
+    staged = writer.stage(state)
+    writer.synchronize_staging()
+    queue.put(torch.equal(staged["w"], state["w"]))
+
+
+def test_a_forked_child_stages_with_copy_threads_of_its_own(config):
+    """The copy threads' executor of the parent has no threads in a forked child: staging there
+    must start its own rather than queue the copy forever."""
+    import multiprocessing
+
+    state = {"w": torch.randn(4 * MiB)}
+    writer = S3StorageWriter("s3://bucket/parent", config=config, pool=HostBufferPool())
+    writer.stage(state)  # the parent's copy threads exist now
+    writer.synchronize_staging()
+    writer._lease.release()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child_state = {"w": torch.arange(4 * MiB, dtype=torch.float32)}  # 16 MiB: work for the copy threads
+    child = ctx.Process(target=_stage_in_child, args=(queue, config, child_state))
+    child.start()
+    try:
+        assert queue.get(timeout=30) is True
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
 def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(monkeypatch):
-    """``_memcpy`` deals the bytes out to its threads in equal shares: each move lands exactly
+    """``_memcpy_start`` deals the bytes out to its threads in equal shares: each move lands exactly
     (the alignment gaps between staged tensors stay untouched), and a move is split only where
     it straddles two shares (finer pieces lose glibc's non-temporal stores)."""
     from s3dcp import staging
@@ -352,7 +384,7 @@ def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(
             moves.append((dst.data_ptr() + out, src.data_ptr() + at, n))
             spans.append((out, at, n))
             at, out = at + n, out + n + 64
-        staging._memcpy(moves)
+        staging._memcpy_start(moves)()
         for out, at, n in spans:
             assert torch.equal(dst[out:out + n], src[at:at + n])
             assert int(dst[out + n:out + n + 64].sum()) == 0  # the gap after it

@@ -52,6 +52,7 @@ import torch
 from . import statetree
 from .pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
 from .streams import finalizer
+from .tensors import has_lazy_bits
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
 
@@ -430,8 +431,7 @@ class _Copies:
             nbytes = t.nbytes
             start = arena.reserve(nbytes) if nbytes else None
             self.starts.append(start)
-            # raw bytes only where memory holds the values: not for a lazy conj / neg view
-            moved = start is not None and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+            moved = start is not None and t.is_cpu and t.is_contiguous() and not has_lazy_bits(t)
             self.moved.append(moved)
             if moved:
                 moves.append((base + start, t.data_ptr(), nbytes))

@@ -8,10 +8,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from s3dcp.testing import _STOP_GRACE_S
+
+from processes import no_process_mentions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -23,17 +24,6 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env["GLOO_SOCKET_IFNAME"] = "lo"
     return env
-
-
-def _no_process_mentions(path, by: float = 0.0) -> None:
-    """No process mentions ``path`` by ``by`` (a ``time.monotonic()``; now if it has passed)."""
-    while True:
-        left = [p.pid for p in psutil.process_iter(["cmdline", "status"])
-                if p.info["status"] != psutil.STATUS_ZOMBIE and any(str(path) in a for a in p.info["cmdline"] or [])]
-        if not left or time.monotonic() > by:
-            break
-        time.sleep(0.2)
-    assert left == [], f"processes still running on {path}: {left}"
 
 
 def _losses(path) -> list[dict]:
@@ -63,7 +53,7 @@ def test_train_fsdp2_is_killed_and_resumes_with_identical_losses(tmp_path):
     assert [r["step"] for r in second] == list(range(start + 1, 9))
     assert {r["step"]: r["loss"] for r in second} == {s: first[s] for s in range(start + 1, 9)}  # bit for bit
     assert "latest checkpoint s3://demo/fsdp2/step-00000006" in resumed.stdout
-    _no_process_mentions(tmp_path, by=server_gone_by)
+    no_process_mentions(tmp_path, by=server_gone_by)
 
 
 def test_process_executor_example(tmp_path):

@@ -23,6 +23,8 @@ from s3dcp.errors import ConfigError
 from s3dcp import testing
 from s3dcp.testing import SeaweedServer, SeaweedStartError, find_weed
 
+from processes import no_process_mentions
+
 
 def _error_code(excinfo) -> tuple[int, str]:
     response = excinfo.value.response
@@ -253,9 +255,7 @@ def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path):
         assert reaper.wait(timeout=10) == 128 + signal.SIGKILL  # weed's status, passed on
         assert _gone(weed_pid) and int(pid_file.read_text()) == weed_pid and not owned.exists()
         # the timer (a subshell of the reaper, its command line the same) is gone too
-        assert _wait_until(lambda: not [p for p in psutil.process_iter(["cmdline", "status"])
-                                        if p.info["status"] != psutil.STATUS_ZOMBIE
-                                        and str(owned) in (p.info["cmdline"] or [])], 5)
+        no_process_mentions(owned, by=time.monotonic() + 5)
     finally:
         if reaper.poll() is None:
             reaper.kill()
@@ -276,9 +276,7 @@ def test_orphaned_reaper_leaves_no_timer_behind_when_the_server_stops_in_time(tm
         reaper.send_signal(signal.SIGHUP)  # the starter died; the stand-in stops on SIGTERM at once
         reaper.wait(timeout=10)
         assert _gone(weed_pid) and not owned.exists()
-        assert _wait_until(lambda: not [p for p in psutil.process_iter(["cmdline", "status"])
-                                        if p.info["status"] != psutil.STATUS_ZOMBIE
-                                        and str(owned) in (p.info["cmdline"] or [])], 5)
+        no_process_mentions(owned, by=time.monotonic() + 5)
     finally:
         if reaper.poll() is None:
             reaper.kill()

@@ -41,7 +41,7 @@ import string
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .client import ObjectInfo, S3Client
 from .config import S3Config
@@ -145,7 +145,7 @@ class CheckpointManager:
         self._lock = threading.Lock()  # _pending, _bases_in_use, _doomed
         self._retention_lock = threading.Lock()
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
-        self._doomed: set[int] = set()  # steps retention chose to delete: never a base again
+        self._doomed = _Doomed()  # steps retention chose to delete: never a base again
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -242,9 +242,17 @@ class CheckpointManager:
                 if base is not None:
                     self._bases_in_use[step] = base
             return base
-        committed = [info.step for info in self.list() if info.committed]  # one LIST; waits for no upload
+        with self._lock:
+            listing = self._doomed.listing_started()
+        try:
+            committed = [info.step for info in self.list() if info.committed]  # one LIST; waits for no upload
+        except BaseException:
+            with self._lock:
+                self._doomed.listing_ended(listing)
+            raise
         with self._lock:  # the same lock retention takes to choose: a base is never one it is deleting
             candidates = [s for s in committed if s != step and s not in self._doomed]
+            self._doomed.listing_ended(listing)  # only now: what this LIST saw may be forgotten
             base = max(candidates) if candidates else None
             if base is not None:
                 self._bases_in_use[step] = base
@@ -308,7 +316,7 @@ class CheckpointManager:
     def _apply_retention(self, just_saved: int) -> list[int]:
         with self._retention_lock:
             with self._lock:
-                self._doomed.discard(just_saved)  # saved again after an earlier deletion: a base again
+                self._doomed.spare(just_saved)  # saved again after an earlier deletion: a base again
             committed = [info for info in self.list() if info.committed]
             keep = {just_saved}
             if self.keep_last is None:
@@ -321,9 +329,11 @@ class CheckpointManager:
             with self._lock:  # a base of a save in flight stays (it is released when that save ends)
                 keep.update(self._bases_in_use.values())
                 doomed = [info for info in committed if info.step not in keep and info.step != newest]
-                self._doomed.update(info.step for info in doomed)
+                self._doomed.add(info.step for info in doomed)
             for info in doomed:
                 result = delete_checkpoint(self.client, parse_s3_uri(info.uri))
+                with self._lock:
+                    self._doomed.deleted(info.step)
                 kept = (f"; kept {len(result.kept)} object(s), {result.kept_bytes} bytes, that newer checkpoints "
                         "reference" if result.kept else "")
                 log.info("retention: deleted checkpoint step %d (%s, %d bytes)%s", info.step, info.uri,
@@ -437,6 +447,53 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
 
 
 # ---------------------------------------------------------------------- helpers
+class _Doomed:
+    """The steps retention chose to delete, each remembered only while a base choice may still
+    see it committed. ``.metadata`` goes first, so a LIST that began after a deletion finished
+    cannot list that step as committed; one that began before it may. A step is forgotten once
+    its deletion finished and every LIST in flight began after that: a long job's manager holds
+    only the deletions of the moment, not one entry per checkpoint it ever deleted. The
+    manager's lock guards every call."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, int | None] = {}  # step -> deletions finished once its own had (None: running)
+        self._finished = 0  # deletions finished so far
+        self._listings: list[int] = []  # for each LIST in flight: deletions finished when it began
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._steps
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, steps: Iterable[int]) -> None:
+        self._steps.update(dict.fromkeys(steps))
+
+    def spare(self, step: int) -> None:
+        """``step`` was saved again (and committed) after its deletion: a base again."""
+        self._steps.pop(step, None)
+
+    def deleted(self, step: int) -> None:
+        self._finished += 1
+        if step in self._steps:
+            self._steps[step] = self._finished
+        self._forget()
+
+    def listing_started(self) -> int:
+        self._listings.append(self._finished)
+        return self._finished
+
+    def listing_ended(self, started: int) -> None:
+        self._listings.remove(started)
+        self._forget()
+
+    def _forget(self) -> None:
+        oldest = min(self._listings, default=self._finished)
+        for step, finished in list(self._steps.items()):
+            if finished is not None and finished <= oldest:
+                del self._steps[step]
+
+
 def _name_pattern(name_format: str) -> re.Pattern:
     parts, fields = [], 0
     try:

@@ -636,6 +636,47 @@ def test_retention_keep_last_1_over_incremental_checkpoints(bucket, client, boto
     assert len([k for k in keys if "step-00000002" in k or "step-00000003" in k]) == 0
 
 
+def test_a_base_listing_older_than_a_deletion_never_picks_the_deleted_step(bucket, client, monkeypatch):
+    """A base choice whose LIST began before retention deleted a step may still list that step
+    as committed: the step stays "doomed" (never a base) until that LIST is over, and is
+    forgotten after, so a long job's manager does not remember every step it ever deleted."""
+    run = f"s3://{bucket}/run"
+    sd = _state(7)
+    manager = CheckpointManager(run, client=client, keep_last=None, async_mode=False, incremental=True)
+    listed, resume = threading.Event(), threading.Event()
+    real_list = CheckpointManager.list
+
+    def slow_list(self):  # the base choice on the "chooser" thread lists, then pauses
+        infos = real_list(self)
+        if threading.current_thread().name == "chooser":
+            listed.set()
+            _wait(resume, "the test to let the base choice go on")
+        return infos
+
+    monkeypatch.setattr(CheckpointManager, "list", slow_list)
+    with manager:
+        for step in (0, 1):
+            manager.save(step, sd)
+        box: dict = {}
+        chooser = threading.Thread(target=lambda: box.setdefault("base", manager._choose_base(3)), name="chooser")
+        chooser.start()
+        _wait(listed, "the base choice to list steps 0 and 1 as committed")
+        manager.keep_last = 1
+        manager.save(2, sd)  # retention deletes steps 0 and 1 while that listing is in flight
+        assert [c.step for c in manager.list()] == [2]
+        assert 0 in manager._doomed and 1 in manager._doomed  # that listing may still see them
+        resume.set()
+        chooser.join(60)
+        assert box["base"] is None, f"step {box['base']} was chosen as a base after its deletion"
+        assert len(manager._doomed) == 0  # no listing in flight: nothing left to remember
+        manager._release_base(3)
+        for step in range(3, 9):  # plain retention: each save deletes one step, remembers none
+            manager.save(step, sd)
+            assert len(manager._doomed) == 0
+        assert [c.step for c in manager.list()] == [8]
+        assert manager.last_writer.incremental_from.prefix == "run/step-00000007"
+
+
 def test_materialize_then_deleting_every_base_leaves_it_loadable(chain, client, bucket, boto3_client, capsys):
     run, states, _ = chain
     code = cli.main(["materialize", f"{run}/step-3", "--json"])

@@ -25,17 +25,18 @@ import threading
 import time
 import weakref
 import xml.etree.ElementTree as ET
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
 from .config import S3Config
-from .errors import IntegrityError, NoSuchKeyError, S3ConnectionError, S3DCPError, S3Error
+from .errors import IntegrityError, NoSuchKeyError, RequestAbortedError, S3ConnectionError, S3DCPError, S3Error
 from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
 from .streams import BufferStream, chain, deadlines, finalizer, gather
 
-__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error"]
+__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error", "abort_all", "abort_and_wait",
+           "wait_or_abort"]
 
 log = logging.getLogger("s3dcp")
 
@@ -538,27 +539,79 @@ class S3Client:
 
 
 # ---------------------------------------------------------------------- requests in flight
+class RequestFuture(Future):
+    """The future of one S3 request, which can be stopped with :meth:`abort`."""
+
+    def __init__(self, call: "_Call") -> None:
+        super().__init__()
+        self._call: _Call | None = call  # dropped when the request ends
+
+    def abort(self) -> None:
+        """Stop the request: one still queued never starts; one in flight is cancelled in the
+        CRT (which also aborts a multipart upload). The future then fails with
+        :class:`RequestAbortedError`, or keeps the outcome the request had already reached; it
+        is done only once the CRT holds none of the request's buffers. Never blocks."""
+        call = self._call
+        if call is not None:
+            call.abort()
+
+
+def abort_all(futures: Iterable[Future]) -> None:
+    """Abort every request of ``futures`` not over yet (others are left alone); never blocks."""
+    for f in futures:
+        if isinstance(f, RequestFuture) and not f.done():
+            f.abort()
+
+
+def abort_and_wait(futures: Iterable[Future]) -> None:
+    """Abort every request of ``futures`` not over yet and wait until each has ended (the CRT
+    then holds none of their buffers). Used when a save or load fails or is interrupted,
+    before its buffers are reused."""
+    futures = list(futures)
+    abort_all(futures)
+    wait(futures)
+
+
+def wait_or_abort(futures: Sequence[Future]) -> None:
+    """Wait for every request of ``futures``; at the first failure, or if the wait itself is
+    interrupted (Ctrl-C), abort the others and wait for them to end before raising it."""
+    try:
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+    except BaseException:
+        abort_and_wait(futures)
+        raise
+
+
 class _Call:
     """One request from submission to its end: what starts it, the future it completes, and
     the references (request, deadline, caller buffers) dropped the moment it ends."""
 
     __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s",
-                 "future", "_request", "_deadline", "_timed_out", "_finished", "_native")
+                 "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native", "_queue")
 
     def __init__(self, operation, bucket, key, start, result, releases, timeout_s) -> None:
         self.operation, self.bucket, self.key = operation, bucket, key
         self._start, self._result, self._releases = start, result, list(releases)
         self._timeout_s = timeout_s
-        self.future: Future = Future()
+        self.future = RequestFuture(self)
         self._request = None
         self._deadline = None
         self._timed_out = False
+        self._aborted = False
         self._finished = False
         self._native: _NativeClient | None = None
+        self._queue: _NativeClient | None = None  # the native client whose queue it may wait in
 
     def start(self, native: "_NativeClient") -> bool:
-        """Make the CRT request; False if that failed (the call is then over, its future failed)."""
+        """Make the CRT request; False if that failed or the call was aborted while it waited
+        (the call is then over, its future failed)."""
         self._native = native
+        if self._aborted:
+            self._end(error=self._abort_error(), free_slot=False)
+            return False
         # The request may end on a CRT thread before _start returns: the deadline exists before
         # it (so _end always finds it to cancel), and the request is kept only if not over yet.
         if self._timeout_s is not None:
@@ -571,9 +624,26 @@ class _Call:
         self._request = request
         if self._finished:  # _end sets _finished before it clears _request: one of us clears it
             self._request = None
-        elif self._timed_out:  # the deadline passed before make_request returned
+        elif self._timed_out or self._aborted:  # the deadline passed, or abort(), before make_request returned
             request.cancel()
         return True
+
+    def abort(self) -> None:
+        """Stop the request (see :meth:`RequestFuture.abort`)."""
+        if self._finished:
+            return
+        self._aborted = True
+        queue = self._queue
+        if queue is not None and queue.unqueue(self):  # never started: over now
+            self._end(error=self._abort_error(), free_slot=False)
+            return
+        request = self._request  # None: start() is making it, and cancels it once stored
+        if request is not None:
+            request.cancel()
+
+    def _abort_error(self) -> RequestAbortedError:
+        return RequestAbortedError(f"{self.operation} aborted", operation=self.operation,
+                                   bucket=self.bucket, key=self.key)
 
     def _expire(self) -> None:
         if self._finished:
@@ -601,6 +671,9 @@ class _Call:
                 failure.__cause__ = error
             elif isinstance(error, S3DCPError):
                 value, failure = None, error
+            elif self._aborted:
+                value, failure = None, self._abort_error()
+                failure.__cause__ = error
             else:  # keeps the CRT error as __cause__
                 value, failure = None, translate_error(error, operation=self.operation,
                                                        bucket=self.bucket, key=self.key)
@@ -611,8 +684,9 @@ class _Call:
             self._deadline.cancel()
         for release in self._releases:
             release()
-        self._start = self._result = self._request = self._deadline = None
+        self._start = self._result = self._request = self._deadline = self._queue = None
         self._releases = []
+        self.future._call = None
         native, self._native = self._native, None
         if free_slot and native is not None:
             native.finished()
@@ -641,10 +715,20 @@ class _NativeClient:
     def submit(self, call: _Call) -> None:
         with self._lock:
             if self.in_flight >= self.limit:
+                call._queue = self
                 self._queue.append(call)
                 return
             self.in_flight += 1
         self._launch(call)
+
+    def unqueue(self, call: _Call) -> bool:
+        """Take ``call`` out of the queue; False if it is not there (started, or about to)."""
+        with self._lock:
+            try:
+                self._queue.remove(call)
+            except ValueError:
+                return False
+            return True
 
     def finished(self) -> None:
         """A request ended: its slot goes to the next queued request, if any."""

@@ -21,7 +21,8 @@ message text.
         ├── PreconditionFailedError     a conditional request lost (If-None-Match: *)
         ├── ThrottlingError             503 SlowDown and friends, after retries
         ├── S3ServerError               5xx after retries
-        └── S3ConnectionError           no HTTP answer: refused, reset, timed out
+        ├── S3ConnectionError           no HTTP answer: refused, reset, timed out
+        └── RequestAbortedError         stopped by s3dcp: the save or load it served failed or was interrupted
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "ThrottlingError",
     "S3ServerError",
     "S3ConnectionError",
+    "RequestAbortedError",
     "unwrap_error",
 ]
 
@@ -213,3 +215,8 @@ class S3ServerError(S3Error):
 
 class S3ConnectionError(S3Error, ConnectionError):
     """No usable HTTP answer: connection refused or reset, DNS failure, or a timeout."""
+
+
+class RequestAbortedError(S3Error):
+    """s3dcp stopped the request before it ended, because the save or load it served had
+    already failed or was interrupted (Ctrl-C); that first error is what the caller sees."""

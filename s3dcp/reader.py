@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from . import bounce, integrity, layout
-from .client import S3Client
+from .client import S3Client, abort_all, abort_and_wait
 from .config import S3Config
 from .errors import (
     CheckpointNotFoundError,
@@ -255,10 +255,12 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                planner: LoadPlanner) -> None:
         """Issue every direct GET, and bounced GETs as slots free up; finish each run (verify,
         copy out, commit) on this thread as its GET ends, while the others are in flight. On
-        the first error nothing more is issued; the GETs in flight are waited for (they write
-        into the window and the destinations) before it is raised."""
+        the first error nothing more is issued and the GETs in flight are aborted; they are
+        waited for (they write into the window and the destinations) before it is raised. An
+        interrupt (Ctrl-C) does the same."""
         ended: queue.SimpleQueue = queue.SimpleQueue()
         in_flight = 0
+        requests: set = set()  # the GETs not yet taken from `ended`
 
         def issue(name: str, run: list[Segment], slot: torch.Tensor | None) -> None:
             nonlocal in_flight
@@ -269,6 +271,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 sinks = [(run_start, byte_view(slot[:run_end - run_start]))]
             future = self.client.get_scatter(uri.bucket, object_key(uri, name), run_start, run_end, sinks)
             in_flight += 1
+            requests.add(future)
             future.add_done_callback(lambda f: ended.put((run, slot, f)))
 
         pending = deque(bounce_runs)
@@ -291,6 +294,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                     continue
                 run, slot, f = ended.get()
                 in_flight -= 1
+                requests.discard(f)
                 tokens: list = []
                 try:
                     if error is None:
@@ -306,9 +310,13 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                                                    tokens, planner)
                 except BaseException as e:  # noqa: BLE001 - raised once the GETs in flight end
                     error = e
+                    abort_all(requests)
                 finally:
                     if slot is not None:
                         window.give(slot, tokens)
+        except BaseException:  # an interrupt while GETs write into the window and the destinations
+            abort_and_wait(requests)
+            raise
         finally:
             if window is not None:
                 window.close()

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,7 +29,7 @@ from torch.futures import Future as TorchFuture
 
 from . import integrity, layout
 from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
-from .client import S3Client
+from .client import S3Client, abort_and_wait, wait_or_abort
 from .config import S3Config
 from .errors import (
     CheckpointExistsError,
@@ -487,20 +487,19 @@ class _Uploads:
         self.bytes += offset
 
     def drain(self) -> None:
-        """Wait for every upload so far; raise the first failure."""
-        wait(self.futures)
-        for f in self.futures:
-            if f.exception() is not None:
-                raise f.exception()
+        """Wait for every upload so far; at the first failure (or an interrupt) abort the
+        others and raise it."""
+        wait_or_abort(self.futures)
 
     def wait(self) -> list[WriteResult]:
         self.drain()
         return self.results
 
     def discard(self) -> None:
-        """After a failure: wait for what is in flight, then delete what did upload (failed
-        multipart uploads are aborted by the CRT itself)."""
-        wait(self.futures)
+        """After a failure or an interrupt: abort what is in flight and wait for it to stop
+        reading the staged memory, then delete what did upload (the CRT aborts the multipart
+        uploads it stopped or that failed)."""
+        abort_and_wait(self.futures)
         done = [k for k, f in zip(self.keys, self.futures) if f.exception() is None]
         if not done:
             return

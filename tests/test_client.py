@@ -3,10 +3,14 @@ and errors that say what went wrong."""
 
 import os
 import pickle
+import time
+from dataclasses import replace
+from urllib.parse import urlsplit
 
 import pytest
 
-from s3dcp.client import S3Client
+from fault_proxy import FaultProxy, Rule
+from s3dcp.client import S3Client, abort_and_wait
 from s3dcp.config import MiB
 from s3dcp.errors import (
     AccessDeniedError,
@@ -14,6 +18,7 @@ from s3dcp.errors import (
     NoSuchBucketError,
     NoSuchKeyError,
     PreconditionFailedError,
+    RequestAbortedError,
     S3ConnectionError,
 )
 
@@ -154,3 +159,34 @@ def test_client_pickles_without_its_native_handle(client, bucket):
     clone = pickle.loads(pickle.dumps(client))
     assert clone.get(bucket, "p").result() == b"v"
     assert "secret" not in repr(clone).lower()
+
+
+def test_abort_stops_a_request_in_flight_and_one_still_queued(s3_server, bucket, boto3_client):
+    """The server holds every part for 60 s. A multipart PUT in flight and a PUT queued behind
+    it (max_concurrency=1) are aborted: both fail at once, the queued one never reaches the
+    server, the multipart upload is aborted, and the client works on afterwards."""
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART), endpoint_url=proxy.endpoint_url,
+                                  max_concurrency=1))
+        proxy.add_rule(Rule("delay", method="PUT", query_has="partNumber", delay_s=60))
+        big = client.put(bucket, "big", bytearray(3 * PART))
+        queued = client.put(bucket, "queued", b"small")
+        deadline = time.monotonic() + 30
+        while not any("partNumber=" in r.target for r in proxy.requests):
+            assert time.monotonic() < deadline, "the multipart upload never sent a part"
+            time.sleep(0.05)
+        assert not big.done() and not queued.done()
+        started = time.monotonic()
+        abort_and_wait([big, queued])
+        assert time.monotonic() - started < 10  # not the 60 s the parts are held
+        for future, key in ((big, "big"), (queued, "queued")):
+            err = future.exception()
+            assert isinstance(err, RequestAbortedError) and err.key == key and "PutObject aborted" in str(err), err
+        assert not any(r.target.endswith("/queued") for r in proxy.requests)  # never started
+        assert any(r.method == "DELETE" and "uploadId=" in r.target for r in proxy.requests)
+        assert boto3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+        assert "Contents" not in boto3_client.list_objects_v2(Bucket=bucket)
+        big.abort()  # over: nothing to do
+        proxy.clear_rules()
+        assert client.put(bucket, "after", b"v").result(timeout=30).size == 1

@@ -237,9 +237,11 @@ def test_persistent_slowdown_fails_fast_as_throttling_and_leaves_nothing(s3_serv
     assert isinstance(err, ThrottlingError), repr(err)
     assert "SlowDown" in str(err) and "throttl" in str(err) and "retries were exhausted" in str(err)
     assert elapsed < 10, elapsed
-    # every request was tried max_retries + 1 times: 1 + 2 retries
+    # the request that failed was tried max_retries + 1 times (1 + 2 retries), none more; the
+    # others were aborted once it had failed, maybe before their own retries ran out
     puts = [r for r in proxy.requests if r.method == "PUT"]
-    assert puts and all(sum(p.target == q.target for q in puts) == 3 for p in puts)
+    tries = {p.target: sum(p.target == q.target for q in puts) for p in puts}
+    assert tries[f"/{bucket}/{err.key}"] == 3 and max(tries.values()) == 3, (err.key, tries)
     _assert_nothing_left(boto3_client, bucket, "ckpt")
 
 
@@ -424,6 +426,50 @@ def test_a_killed_save_is_incomplete_and_gc_removes_it(s3_server, bucket, boto3_
     _assert_nothing_left(boto3_client, bucket, "ckpt")
     with pytest.raises(CheckpointNotFoundError):
         S3StorageReader(f"s3://{bucket}/ckpt", config=config).fetch_metadata()
+
+
+# ---------------------------------------------------------------------------- 6b. Ctrl-C
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_ctrl_c_aborts_the_requests_in_flight(op, s3_server, bucket, boto3_client, proxy):
+    """Ctrl-C while a save (or load) waits for requests the server holds for 60 s: they are
+    aborted, not waited for, so the KeyboardInterrupt reaches the caller at once; none is in
+    flight any more when it does (a load's GETs write into its destinations and bounce
+    buffers, a save's PUTs read the staged memory); a save leaves no object and no multipart
+    upload behind."""
+    from interrupt_job import job_state
+
+    uri = f"s3://{bucket}/ckpt"
+    if op == "load":
+        _save(job_state(), uri, _config(s3_server))
+        proxy.add_rule(Rule("delay", method="GET", path_regex=r"\.distcp$", delay_s=60))
+        held = lambda r: r.method == "GET" and r.target.endswith(".distcp")  # noqa: E731
+    else:
+        proxy.add_rule(Rule("delay", method="PUT", query_has="partNumber", delay_s=60))
+        held = lambda r: r.method == "PUT" and "partNumber=" in r.target  # noqa: E731
+    env = {**os.environ, **s3_server.env(), "AWS_ENDPOINT_URL_S3": proxy.endpoint_url}
+    job = Path(__file__).with_name("interrupt_job.py")
+    child = subprocess.Popen([sys.executable, str(job), op, uri], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def waiting() -> bool:
+            assert child.poll() is None, child.stdout.read()
+            return any(map(held, proxy.requests))
+        _wait_for(waiting, 60, f"the child's {op} to wait for the held requests")
+        time.sleep(0.5)  # every request of the save (load) has been issued by now
+        interrupted = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        output, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    elapsed = time.monotonic() - interrupted
+    _measured(f"Ctrl-C mid-{op}: the child was out after", elapsed)
+    assert child.returncode == 0 and "interrupted; requests in flight: 0" in output, output
+    assert elapsed < 30, elapsed  # waiting for the held requests would take 60 s
+    if op == "save":
+        _assert_nothing_left(boto3_client, bucket, "ckpt")
 
 
 # ---------------------------------------------------------------------------- 7. reads that never get through

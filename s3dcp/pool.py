@@ -13,7 +13,10 @@ arenas of those that are.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+import os
 import threading
 import time
 import weakref
@@ -37,8 +40,7 @@ class Arena:
 
     def __init__(self, capacity: int, pinned: bool, prefault: bool = True) -> None:
         self.capacity = capacity
-        self.pinned = pinned
-        self.buffer, unpin = _allocate(capacity, pinned, prefault)
+        self.buffer, unpin, self.pinned = _allocate(capacity, pinned, prefault)
         # Unpinned before the memory can be freed: the pool closes an arena it drops, and a
         # collected arena's finalizer runs while its buffer is still alive.
         self._unpin = weakref.finalize(self, unpin) if unpin is not None else None
@@ -97,40 +99,96 @@ class Arena:
 
     def close(self) -> None:
         """Unpin the buffer (if pinned); its memory is freed once no staged tensor uses it."""
+        self.unpin()
+
+    def unpin(self) -> None:
+        """Unregister the buffer from CUDA now; it stays usable as ordinary memory."""
         if self._unpin is not None:
             self._unpin()
+        self.pinned = False
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and (
             tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
 
 
-def _allocate(capacity: int, pinned: bool, prefault: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A pre-faulted host buffer of exactly ``capacity`` bytes, and how to unpin it.
+def _allocate(capacity: int, pinned: bool,
+              prefault: bool) -> tuple[torch.Tensor, Callable[[], None] | None, bool]:
+    """A pre-faulted host buffer of exactly ``capacity`` bytes, how to unpin it, and whether it
+    is pinned.
 
     Pinned arenas are ordinary memory registered with CUDA (``cudaHostRegister``), not
     ``pin_memory=True``: torch's caching host allocator rounds a pinned block up to a power of
     two (9 GB of state would pin 16 GB) and keeps it for the life of the process, while a
-    registered buffer is exactly its size and is unregistered when the pool lets it go.
+    registered buffer is exactly its size and is unregistered when the pool lets it go. It is
+    mapped on its own pages: CUDA registers whole pages, and two arenas from the heap sharing
+    one would fail the second registration. Where registering fails, torch's pinned allocator
+    is the fallback, and ordinary memory where that fails too; in a child forked after the
+    parent used CUDA (which CUDA cannot be used from) arenas are ordinary memory.
 
     ``prefault`` touches every page now (``warm_up``: the first checkpoint then copies into
     warm memory); without it the first copy into the arena faults the pages in, which costs
     less than touching them twice when the arena is made inside the stall anyway."""
+    if pinned and can_pin():
+        buf = _page_aligned(capacity)
+        if prefault:
+            buf.zero_()
+        unpin = _register(buf)
+        if unpin is not None:
+            return buf, unpin, True
+        try:
+            buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            buf.zero_()
+            return buf, None, True
+        except RuntimeError as e:
+            log.warning("torch's pinned allocator failed too (%s); staging uses ordinary memory", e)
     buf = torch.empty(capacity, dtype=torch.uint8)
     if prefault:
         buf.zero_()
-    if not pinned:
-        return buf, None
+    return buf, None, False
+
+
+def can_pin() -> bool:
+    """Whether this process can pin memory: CUDA is there, and this is not a child forked after
+    its parent initialised CUDA."""
+    return torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
+
+
+def _page_aligned(capacity: int) -> torch.Tensor:
+    """``capacity`` bytes of anonymous memory on pages of their own, as a uint8 tensor; unmapped
+    when the last tensor viewing it is gone."""
+    return torch.frombuffer(mmap.mmap(-1, capacity), dtype=torch.uint8)
+
+
+def _register(buf: torch.Tensor) -> Callable[[], None] | None:
+    """Register ``buf`` with CUDA; return how to unregister it, or None if registering failed."""
     cudart = torch.cuda.cudart()
-    ptr = buf.data_ptr()
-    err = cudart.cudaHostRegister(ptr, capacity, 0)
+    ptr, pid = buf.data_ptr(), os.getpid()
+    err = cudart.cudaHostRegister(ptr, buf.numel(), 0)
     if int(err) != 0:
-        log.warning("cudaHostRegister of %d bytes failed (error %s); staging uses torch's pinned allocator "
-                    "instead (rounded up to a power of two)", capacity, err)
-        pinned_buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-        pinned_buf.zero_()
-        return pinned_buf, None
-    return buf, lambda: cudart.cudaHostUnregister(ptr)
+        _clear_cuda_error()
+        log.warning("cudaHostRegister of %d bytes failed (%s); staging uses torch's pinned allocator "
+                    "instead (rounded up to a power of two)", buf.numel(), cudart.cudaGetErrorString(err))
+        return None
+
+    def unpin() -> None:
+        if os.getpid() == pid:  # a forked child cannot call CUDA, and never registered it
+            cudart.cudaHostUnregister(ptr)
+
+    return unpin
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a failed call. torch's binding of ``cudaHostRegister``
+    leaves it set, and the next kernel launch anywhere in the process would report it as its
+    own failure. Best effort: through the libcudart torch loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        log.debug("could not reset CUDA's last error", exc_info=True)
 
 
 class Holder(Protocol):
@@ -151,7 +209,7 @@ class HostBufferPool:
     """
 
     def __init__(self, *, pin_memory: bool | None = None) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_memory = can_pin() if pin_memory is None else pin_memory
         self._cond = threading.Condition()
         self._free: list[Arena] = []
         self._in_use = 0

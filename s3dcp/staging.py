@@ -117,7 +117,8 @@ class Lease:
     def __init__(self, pool: HostBufferPool, arena: Arena) -> None:
         self.pool = pool
         self.arena = arena
-        self.event: Any = None  # torch.cuda.Event when copies ran on a side stream
+        self.events: list[tuple[int, Any]] = []  # (CUDA device, event after its copies into the arena)
+        self.training_done: dict[int, Any] = {}  # CUDA device -> event after the work queued before stage()
         self.pending = False  # tensors beyond the budget: write_data copies them in rounds
         self.copied = threading.Event()  # every original is copied: the caller may change them
         self.returned = threading.Event()  # synchronize_staging is done: async_save returns
@@ -153,6 +154,12 @@ class Lease:
         save = self._save
         return save is not None and not save.running()
 
+    def wait_device_copies(self) -> None:
+        """Block until the device-to-host copies into the arena have landed."""
+        for device, event in self.events:
+            with torch.cuda.device(device):  # the waiting thread makes no CUDA context on device 0
+                event.synchronize()
+
     def release(self) -> None:
         """Give the arena back, once, and let the training thread go."""
         self.copied.set()
@@ -161,6 +168,10 @@ class Lease:
             if self._released:
                 return
             self._released = True
+        # A stage that failed after its device copies were issued gives the arena back at once:
+        # the next stage must not copy into it (nor the pool unpin it) while they still land.
+        self.wait_device_copies()
+        with self._lock:
             # Taken out under the lock, dropped outside it: dropping the save call's frame can
             # free the staged dict, whose finalizer calls release() again.
             save, self._save = self._save, None  # the frame (and what it holds) is not ours to keep
@@ -212,7 +223,24 @@ def _release_over(leases: "weakref.WeakSet[Lease]") -> None:
 
 
 class _StagedDict(dict):
-    """A dict that can carry a weakref finalizer (plain dicts cannot)."""
+    """A dict that can carry a weakref finalizer (plain dicts cannot).
+
+    DCP's process executor pickles it for the child process, on a thread of its own, and
+    pickling moves the tensors' storage — the whole arena — into shared memory. So it is
+    pickled only once the device copies into the arena have landed, and a pinned arena is
+    unregistered first (CUDA must not be left holding memory that is freed); it goes on as
+    ordinary memory."""
+
+    lease: "weakref.ref[Lease] | None" = None
+
+    def __reduce__(self):
+        lease = self.lease() if self.lease is not None else None
+        arena = lease.arena if lease is not None else None
+        if arena is not None:
+            lease.wait_device_copies()
+            if arena.pinned:
+                arena.unpin()
+        return dict, (), None, None, iter(self.items())
 
 
 class StagingMixin:
@@ -279,6 +307,7 @@ class StagingMixin:
             lease.release()
             raise
         result = _StagedDict(staged)
+        result.lease = weakref.ref(lease)
         weakref.finalize(result, finalizer(lease.release))  # a save that died before it called the writer
         if not lease.pending:
             lease.copied.set()
@@ -292,8 +321,7 @@ class StagingMixin:
         lease = self._lease
         if lease is None:
             return
-        if lease.event is not None:
-            lease.event.synchronize()
+        lease.wait_device_copies()
         while not lease.copied.wait(_POLL_S):
             if lease.over():
                 lease.release()
@@ -322,8 +350,8 @@ class StagingMixin:
                 "to fit the whole state for AsyncCheckpointerType.PROCESS")
         self._attach()
         lease = self._lease
-        if lease is not None and lease.event is not None:
-            lease.event.synchronize()
+        if lease is not None:
+            lease.wait_device_copies()
         return lease
 
     def _staging_end(self, lease: Lease | None) -> None:
@@ -345,6 +373,11 @@ class StagingMixin:
         target = self.config.object_size_target_bytes
         batch: list = []
         batch_bytes = 0
+        for device, event in lease.training_done.items():
+            # this thread's stream of the device, which the copies below run on, waits for the
+            # work the training thread had queued when it called async_save (on any stream)
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).wait_event(event)
         for item, tensor in deferred:
             nbytes = tensor.nbytes
             copied = arena.carve_like(tensor)
@@ -438,7 +471,10 @@ class _Copies:
             elif start is None and nbytes:
                 lease.pending = True
         self._wait = _memcpy_start(moves)
-        self._device: tuple[list, list] = ([], [])
+        self._device: dict[int, tuple[list, list]] = {}  # CUDA device -> (staged tensors, sources)
+        # devices of CUDA sources beyond the budget, which write_data copies in rounds
+        self._deferred_devices = {t.device.index for t, start in zip(sources, self.starts)
+                                  if start is None and t.nbytes and t.is_cuda}
         self._strided: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def destinations(self) -> list[torch.Tensor]:
@@ -454,8 +490,9 @@ class _Copies:
             if moved:
                 continue
             if t.is_cuda:
-                self._device[0].append(dst)
-                self._device[1].append(t)
+                dsts, srcs = self._device.setdefault(t.device.index, ([], []))
+                dsts.append(dst)
+                srcs.append(t)
             else:
                 self._strided.append((dst, t))
         return out
@@ -464,14 +501,22 @@ class _Copies:
         """Copy what the copy threads do not, and wait for them: the arena then holds the state."""
         try:
             with torch.no_grad():  # the sources may require grad; their copies never do
-                dsts, srcs = self._device
-                if dsts:
-                    stream = _side_stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        torch._foreach_copy_(dsts, srcs, non_blocking=self.lease.arena.pinned)
-                    self.lease.event = torch.cuda.Event()
-                    self.lease.event.record(stream)
+                # A copy from a GPU runs on the current stream of the source's device, so each
+                # device's sources get that device's side stream, ordered after the work queued
+                # on its current stream (the last optimizer step), and an event of their own.
+                for device, (dsts, srcs) in self._device.items():
+                    stream = _side_stream(device)
+                    with torch.cuda.device(device):
+                        stream.wait_stream(torch.cuda.current_stream(device))
+                        with torch.cuda.stream(stream):
+                            torch._foreach_copy_(dsts, srcs, non_blocking=self.lease.arena.pinned)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    self.lease.events.append((device, event))
+                for device in self._deferred_devices:  # where the rounds' copies must start
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(device))
+                    self.lease.training_done[device] = event
                 for dst, src in self._strided:
                     dst.copy_(src)
         finally:
@@ -533,13 +578,13 @@ def _run_moves(work: list[tuple[int, int, int]], memmove=ctypes.memmove) -> None
         memmove(dst, src, n)
 
 
-def _side_stream():
-    """The dedicated CUDA stream for staging's device-to-host copies."""
-    global _STREAM
-    if _STREAM is None:
-        _STREAM = torch.cuda.Stream()
-    return _STREAM
+def _side_stream(device: int):
+    """The dedicated CUDA stream of ``device`` for staging's device-to-host copies."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
 
 
-_STREAM = None
+_STREAMS: dict[int, Any] = {}
 _WARNED_INFLIGHT = False

@@ -332,6 +332,96 @@ def test_pinned_arenas_are_exactly_their_size_and_unpinned_when_released():
     assert not buffer.is_pinned(), "release_staging_memory left the arena pinned"
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_staging_waits_for_the_copies_of_every_device(bucket, config):
+    """Sources on cuda:0 and cuda:1, with cuda:0 current: a copy from cuda:1 runs on cuda:1's
+    streams, and the upload must not read the arena before it has landed."""
+    gen = torch.Generator().manual_seed(11)
+    state = {f"d{d}.{i}": torch.randn(32 * MiB, generator=gen).to(f"cuda:{d}") for d in (0, 1) for i in range(2)}
+    expected = {k: v.cpu() for k, v in state.items()}
+    torch.cuda.set_device(0)
+    future = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/gpus", config=config,
+                                                                  pool=HostBufferPool()))
+    for v in state.values():
+        v.zero_()
+    future.result(timeout=120)
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/gpus", config=config))
+    for k, v in expected.items():
+        assert torch.equal(out[k], v), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_rounds_copy_after_the_work_queued_on_the_callers_stream(bucket, config):
+    """async_save called inside ``torch.cuda.stream(s)`` right after queuing work on ``s``: the
+    tensors beyond the staging budget, copied later on the save thread, hold that work's result."""
+    from dataclasses import replace
+
+    training = torch.cuda.Stream()
+    state = {f"w{i}": torch.zeros(4 * MiB, device="cuda") for i in range(4)}  # 64 MiB, budget 16 MiB
+    torch.cuda.synchronize()
+    with torch.cuda.stream(training):
+        torch.cuda._sleep(200_000_000)  # the GPU is busy on this stream for a while
+        for v in state.values():
+            v.fill_(3.0)
+        future = dcp.async_save(state, storage_writer=S3StorageWriter(
+            f"s3://{bucket}/rounds", config=replace(config, staging_budget_bytes=16 * MiB), pool=HostBufferPool()))
+    future.result(timeout=120)
+    out = {k: torch.zeros(4 * MiB) for k in state}
+    dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/rounds", config=config))
+    for k, v in out.items():
+        assert torch.all(v == 3.0), k
+
+
+def test_a_staged_dict_pickles_as_a_plain_dict_once_its_arena_is_unpinned(config):
+    """DCP's process executor pickles the staged dict, which moves the arena's storage into
+    shared memory: a pinned arena is unregistered first (here a CPU arena stands in, marked
+    pinned), and the child gets a plain dict with the same values."""
+    import pickle
+
+    writer = S3StorageWriter("s3://bucket/pickled", config=config, pool=HostBufferPool())
+    state = _state(n=2)
+    staged = writer.stage(state)
+    writer.synchronize_staging()
+    arena = writer._lease.arena
+    arena.pinned = True
+    clone = pickle.loads(pickle.dumps(staged))
+    assert type(clone) is dict and clone.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(clone[k], v) if isinstance(v, torch.Tensor) else clone[k] == v, k
+    assert not arena.pinned
+    writer._lease.release()
+
+
+def test_pinned_arena_memory_is_mapped_on_pages_of_its_own_and_unmapped_with_its_last_view():
+    """CUDA registers whole pages: an arena sharing a page with another would fail the second
+    registration. The memory goes when the last tensor viewing it does."""
+    import mmap
+
+    from s3dcp.pool import _page_aligned
+
+    def mapped(address: int) -> bool:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= address < hi:
+                    return True
+        return False
+
+    size = 8 * MiB + 3 * mmap.PAGESIZE + 5
+    buf = _page_aligned(size)
+    address = buf.data_ptr()
+    assert address % mmap.PAGESIZE == 0 and buf.numel() == size and mapped(address)
+    view = buf[size - 10:]
+    del buf
+    view.fill_(7)  # still mapped while a view lives
+    assert mapped(address)
+    del view
+    assert not mapped(address)
+
+
 def _stage_in_child(queue, config, state):
     torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe (what DataLoader workers do too)
     writer = S3StorageWriter("s3://bucket/forked", config=config, pool=HostBufferPool())

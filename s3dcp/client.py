@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 import xml.etree.ElementTree as ET
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, urlencode, urlsplit
@@ -35,8 +35,8 @@ from .errors import IntegrityError, NoSuchKeyError, RequestAbortedError, S3Conne
 from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
 from .streams import BufferStream, chain, deadlines, finalizer, gather
 
-__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "translate_error", "abort_all", "abort_and_wait",
-           "wait_or_abort"]
+__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "RequestFuture", "translate_error", "abort_all",
+           "abort_and_wait"]
 
 log = logging.getLogger("s3dcp")
 
@@ -137,6 +137,9 @@ class S3Client:
 
         request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers), stream)
         size = stream.size
+        # Above the threshold the CRT uploads in parts; at the threshold itself that depends on
+        # its comparison, so it counts as a single PUT here (the safe side, see RequestFuture.abort).
+        multipart = not single_request and size > self.config.effective_multipart_threshold_bytes
         return self._submit(
             "PutObject", bucket, key,
             lambda crt, on_done: crt.make_request(
@@ -145,6 +148,7 @@ class S3Client:
                 on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], size),
             releases=[stream.release],
+            clean_abort=multipart,
         )
 
     def get_range_into(self, bucket: str, key: str, offset: int, dest) -> "Future[int]":
@@ -205,6 +209,7 @@ class S3Client:
                 part_size=self.config.download_part_size_bytes),
             result=result,
             releases=[sinks.clear, reach.clear],
+            clean_abort=True,  # a read stopped halfway leaves nothing behind
         )
 
     def get(self, bucket: str, key: str) -> "Future[bytes]":
@@ -402,7 +407,7 @@ class S3Client:
             return native
 
     def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable,
-                releases: Sequence[Callable[[], None]] = ()) -> Future:
+                releases: Sequence[Callable[[], None]] = (), clean_abort: bool = False) -> Future:
         """Queue one CRT meta request; return a future with its translated outcome. Never blocks:
         it may be called from a CRT callback (the next page of a listing).
 
@@ -410,8 +415,11 @@ class S3Client:
         ``max_concurrency`` per process and configuration). When the request ends, success or
         not, its slot goes to the next queued request, its deadline is dropped and ``releases``
         run, so nothing keeps the caller's buffers alive after the future is done.
+        ``clean_abort``: cancelling the request once sent leaves nothing stored (a read, a
+        multipart upload), see :meth:`RequestFuture.abort`.
         """
         call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s)
+        call.clean_abort = clean_abort
         self._native().submit(call)
         return call.future
 
@@ -546,56 +554,49 @@ class RequestFuture(Future):
         super().__init__()
         self._call: _Call | None = call  # dropped when the request ends
 
-    def abort(self) -> None:
+    def abort(self, *, only_if_clean: bool = False) -> None:
         """Stop the request: one still queued never starts; one in flight is cancelled in the
         CRT (which also aborts a multipart upload). The future then fails with
         :class:`RequestAbortedError`, or keeps the outcome the request had already reached; it
-        is done only once the CRT holds none of the request's buffers. Never blocks."""
+        is done only once the CRT holds none of the request's buffers. Never blocks.
+
+        A single PUT cancelled after its body went out may still be stored by the server, even
+        after a DELETE that followed it. ``only_if_clean`` leaves such a request to finish:
+        only a queued request, a read or a multipart upload (whose parts the abort discards)
+        is stopped."""
         call = self._call
         if call is not None:
-            call.abort()
+            call.abort(only_if_clean=only_if_clean)
 
 
-def abort_all(futures: Iterable[Future]) -> None:
+def abort_all(futures: Iterable[Future], *, only_if_clean: bool = False) -> None:
     """Abort every request of ``futures`` not over yet (others are left alone); never blocks."""
     for f in futures:
         if isinstance(f, RequestFuture) and not f.done():
-            f.abort()
+            f.abort(only_if_clean=only_if_clean)
 
 
-def abort_and_wait(futures: Iterable[Future]) -> None:
-    """Abort every request of ``futures`` not over yet and wait until each has ended (the CRT
-    then holds none of their buffers). Used when a save or load fails or is interrupted,
-    before its buffers are reused."""
+def abort_and_wait(futures: Iterable[Future], *, only_if_clean: bool = False) -> None:
+    """Abort the requests of ``futures`` not over yet (see :meth:`RequestFuture.abort`) and wait
+    until every one has ended (the CRT then holds none of their buffers). Used when a save or
+    load fails or is interrupted, before its buffers are let go."""
     futures = list(futures)
-    abort_all(futures)
+    abort_all(futures, only_if_clean=only_if_clean)
     wait(futures)
-
-
-def wait_or_abort(futures: Sequence[Future]) -> None:
-    """Wait for every request of ``futures``; at the first failure, or if the wait itself is
-    interrupted (Ctrl-C), abort the others and wait for them to end before raising it."""
-    try:
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()
-    except BaseException:
-        abort_and_wait(futures)
-        raise
 
 
 class _Call:
     """One request from submission to its end: what starts it, the future it completes, and
     the references (request, deadline, caller buffers) dropped the moment it ends."""
 
-    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s",
+    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s", "clean_abort",
                  "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native", "_queue")
 
     def __init__(self, operation, bucket, key, start, result, releases, timeout_s) -> None:
         self.operation, self.bucket, self.key = operation, bucket, key
         self._start, self._result, self._releases = start, result, list(releases)
         self._timeout_s = timeout_s
+        self.clean_abort = False  # see RequestFuture.abort
         self.future = RequestFuture(self)
         self._request = None
         self._deadline = None
@@ -628,14 +629,19 @@ class _Call:
             request.cancel()
         return True
 
-    def abort(self) -> None:
+    def abort(self, *, only_if_clean: bool = False) -> None:
         """Stop the request (see :meth:`RequestFuture.abort`)."""
         if self._finished:
             return
-        self._aborted = True
+        sent_is_fine = self.clean_abort or not only_if_clean
+        if sent_is_fine:
+            self._aborted = True  # start(), if it is about to run, cancels what it makes
         queue = self._queue
         if queue is not None and queue.unqueue(self):  # never started: over now
+            self._aborted = True
             self._end(error=self._abort_error(), free_slot=False)
+            return
+        if not sent_is_fine:
             return
         request = self._request  # None: start() is making it, and cancels it once stored
         if request is not None:

@@ -227,13 +227,15 @@ class HostBufferPool:
             with self._cond:
                 if self._in_use < max_in_use:
                     self._in_use += 1
-                    arena = self._take_free(needed)
+                    arena, dropped = self._take_free(needed)
                     break
                 if waited is None:
                     waited = time.perf_counter()
                     log.debug("staging waits: %d checkpoint(s) still uploading (max_inflight_checkpoints=%d)",
                               self._in_use, max_in_use)
                 self._cond.wait(_POLL_S)  # woken at once by release(); the poll sees saves that ended
+        if dropped is not None:
+            dropped.close()  # unpinning gigabytes takes a while: not under the lock
         if waited is not None:
             log.debug("staging waited %.3fs for an earlier upload", time.perf_counter() - waited)
         if arena is None:
@@ -251,20 +253,21 @@ class HostBufferPool:
         arena.limit = max(nbytes, 1)
         return arena
 
-    def _take_free(self, needed: int) -> Arena | None:
-        """A free arena that fits (the smallest), or None; called with the lock held. A free
-        arena too small is dropped, so memory stays bounded when the state grows."""
+    def _take_free(self, needed: int) -> tuple[Arena | None, Arena | None]:
+        """A free arena that fits (the smallest), or None; and a free arena too small, dropped
+        so that memory stays bounded when the state grows (the caller closes it). Called with
+        the lock held."""
         fits = [a for a in self._free if a.capacity >= needed]
         if fits:
             arena = min(fits, key=lambda a: a.capacity)
             self._free.remove(arena)
-            return arena
+            return arena, None
         if self._free:
             dropped = max(self._free, key=lambda a: a.capacity)
             self._free.remove(dropped)
             self.bytes_allocated -= dropped.capacity
-            dropped.close()
-        return None
+            return None, dropped
+        return None, None
 
     def release(self, arena: Arena) -> None:
         with self._cond:

@@ -482,8 +482,8 @@ class _Copies:
         arena = self.lease.arena
         out: list[torch.Tensor] = []
         for t, start, moved in zip(self.sources, self.starts, self.moved):
-            if start is None:
-                out.append(torch.empty(t.shape, dtype=t.dtype) if t.nbytes == 0 else t.detach())
+            if start is None:  # empty (a view of the arena like the others: pinned alike), or beyond the budget
+                out.append(arena.view_like(0, t) if t.nbytes == 0 else t.detach())
                 continue
             dst = arena.view_like(start, t)
             out.append(dst)

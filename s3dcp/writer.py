@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,7 +29,7 @@ from torch.futures import Future as TorchFuture
 
 from . import integrity, layout
 from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
-from .client import S3Client, abort_and_wait, wait_or_abort
+from .client import S3Client, abort_and_wait
 from .config import S3Config
 from .errors import (
     CheckpointExistsError,
@@ -221,8 +221,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                                         bytes=uploads.bytes, objects=len(uploads.keys),
                                         inherited_bytes=uploads.inherited_bytes,
                                         inherited_items=uploads.inherited_items)
-        except BaseException:
-            uploads.discard()
+        except BaseException as e:
+            uploads.discard(e)
             raise
         finally:
             self._staging_end(lease)
@@ -487,27 +487,35 @@ class _Uploads:
         self.bytes += offset
 
     def drain(self) -> None:
-        """Wait for every upload so far; at the first failure (or an interrupt) abort the
-        others and raise it."""
-        wait_or_abort(self.futures)
+        """Wait for every upload so far; raise the first failure as soon as it happens (then
+        :meth:`discard` stops the others)."""
+        done, _ = wait(self.futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in self.futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
 
     def wait(self) -> list[WriteResult]:
         self.drain()
         return self.results
 
-    def discard(self) -> None:
-        """After a failure or an interrupt: abort what is in flight and wait for it to stop
-        reading the staged memory, then delete what did upload (the CRT aborts the multipart
-        uploads it stopped or that failed)."""
-        abort_and_wait(self.futures)
-        done = [k for k, f in zip(self.keys, self.futures) if f.exception() is None]
-        if not done:
+    def discard(self, error: BaseException) -> None:
+        """After ``error``: stop the uploads in flight and wait for them to stop reading the
+        staged memory, then delete every object this rank started (the CRT aborts the multipart
+        uploads it stopped or that failed). After a failed upload, only what stops without
+        leaving anything stored is stopped (queued uploads, multipart ones); a single PUT
+        already sending finishes, and is deleted with the rest. After an interrupt (Ctrl-C) all
+        stop at once, and a single PUT cut off after its body went out may still be stored
+        after the delete (``s3dcp gc`` removes it). Every key is deleted, not only those whose
+        upload succeeded: one that timed out may have been stored all the same, and deleting a
+        key that is not there is no error."""
+        abort_and_wait(self.futures, only_if_clean=isinstance(error, Exception))
+        if not self.keys:
             return
         try:
-            self.writer.client.delete(self.writer._uri.bucket, done).result()
+            self.writer.client.delete(self.writer._uri.bucket, self.keys).result()
         except S3DCPError:
-            log.warning("could not delete %d object(s) of a failed save under %s; `s3dcp gc` will",
-                        len(done), self.writer._uri, exc_info=True)
+            log.warning("could not delete the %d object(s) of a failed save under %s; `s3dcp gc` will",
+                        len(self.keys), self.writer._uri, exc_info=True)
 
 
 def _own_names(locations) -> set[str]:

@@ -178,7 +178,7 @@ def test_abort_stops_a_request_in_flight_and_one_still_queued(s3_server, bucket,
             time.sleep(0.05)
         assert not big.done() and not queued.done()
         started = time.monotonic()
-        abort_and_wait([big, queued])
+        abort_and_wait([big, queued], only_if_clean=True)  # a multipart upload and a queued PUT stop cleanly
         assert time.monotonic() - started < 10  # not the 60 s the parts are held
         for future, key in ((big, "big"), (queued, "queued")):
             err = future.exception()
@@ -190,3 +190,25 @@ def test_abort_stops_a_request_in_flight_and_one_still_queued(s3_server, bucket,
         big.abort()  # over: nothing to do
         proxy.clear_rules()
         assert client.put(bucket, "after", b"v").result(timeout=30).size == 1
+
+
+def test_a_single_put_already_sending_is_left_to_finish_unless_every_request_must_stop(s3_server, bucket,
+                                                                                       boto3_client):
+    """A single PUT cancelled after its body went out may still be stored by the server, even
+    after a DELETE that followed: ``only_if_clean`` lets it finish; a plain abort stops it."""
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART), endpoint_url=proxy.endpoint_url))
+        proxy.add_rule(Rule("delay", method="PUT", delay_s=2))
+        for key in ("finishes", "stops"):
+            future = client.put(bucket, key, b"payload")
+            deadline = time.monotonic() + 30
+            while not any(r.target.endswith(f"/{key}") for r in proxy.requests):
+                assert time.monotonic() < deadline, "the PUT never reached the server"
+                time.sleep(0.05)
+            abort_and_wait([future], only_if_clean=key == "finishes")
+            if key == "finishes":
+                assert future.result().size == 7
+            else:
+                assert isinstance(future.exception(), RequestAbortedError)
+        assert boto3_client.get_object(Bucket=bucket, Key="finishes")["Body"].read() == b"payload"

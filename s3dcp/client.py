@@ -21,6 +21,7 @@ import hashlib
 import io
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -418,8 +419,7 @@ class S3Client:
         ``clean_abort``: cancelling the request once sent leaves nothing stored (a read, a
         multipart upload), see :meth:`RequestFuture.abort`.
         """
-        call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s)
-        call.clean_abort = clean_abort
+        call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s, clean_abort)
         self._native().submit(call)
         return call.future
 
@@ -589,14 +589,14 @@ class _Call:
     """One request from submission to its end: what starts it, the future it completes, and
     the references (request, deadline, caller buffers) dropped the moment it ends."""
 
-    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s", "clean_abort",
-                 "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native", "_queue")
+    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s", "_clean_abort",
+                 "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native", "_waits_in")
 
-    def __init__(self, operation, bucket, key, start, result, releases, timeout_s) -> None:
+    def __init__(self, operation, bucket, key, start, result, releases, timeout_s, clean_abort=False) -> None:
         self.operation, self.bucket, self.key = operation, bucket, key
         self._start, self._result, self._releases = start, result, list(releases)
         self._timeout_s = timeout_s
-        self.clean_abort = False  # see RequestFuture.abort
+        self._clean_abort = clean_abort  # see RequestFuture.abort
         self.future = RequestFuture(self)
         self._request = None
         self._deadline = None
@@ -604,7 +604,7 @@ class _Call:
         self._aborted = False
         self._finished = False
         self._native: _NativeClient | None = None
-        self._queue: _NativeClient | None = None  # the native client whose queue it may wait in
+        self._waits_in: _NativeClient | None = None  # the native client whose queue it may wait in
 
     def start(self, native: "_NativeClient") -> bool:
         """Make the CRT request; False if that failed or the call was aborted while it waited
@@ -633,10 +633,10 @@ class _Call:
         """Stop the request (see :meth:`RequestFuture.abort`)."""
         if self._finished:
             return
-        sent_is_fine = self.clean_abort or not only_if_clean
+        sent_is_fine = self._clean_abort or not only_if_clean
         if sent_is_fine:
             self._aborted = True  # start(), if it is about to run, cancels what it makes
-        queue = self._queue
+        queue = self._waits_in
         if queue is not None and queue.unqueue(self):  # never started: over now
             self._aborted = True
             self._end(error=self._abort_error(), free_slot=False)
@@ -690,7 +690,7 @@ class _Call:
             self._deadline.cancel()
         for release in self._releases:
             release()
-        self._start = self._result = self._request = self._deadline = self._queue = None
+        self._start = self._result = self._request = self._deadline = self._waits_in = None
         self._releases = []
         self.future._call = None
         native, self._native = self._native, None
@@ -721,7 +721,7 @@ class _NativeClient:
     def submit(self, call: _Call) -> None:
         with self._lock:
             if self.in_flight >= self.limit:
-                call._queue = self
+                call._waits_in = self
                 self._queue.append(call)
                 return
             self.in_flight += 1
@@ -776,7 +776,7 @@ class _NativeUse:
 
     def release(self) -> None:
         native, self.native = self.native, None
-        if native is not None:
+        if native is not None and native.key[0] == os.getpid():  # a forked child leaves the parent's alone
             _release_native(native)
 
 
@@ -784,7 +784,6 @@ def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _Native
     """The shared native client for ``config`` and the credentials in force now, made on first
     use. Keyed by process (a forked child builds its own) and by a digest of static credentials,
     so a secret changed in the environment is used by the next S3Client, as with boto3."""
-    import os
 
     source = _credential_source(config, profile_given, os.environ)
     key = (os.getpid(), config, source[0], hashlib.sha256(repr(source).encode()).hexdigest())

@@ -176,9 +176,12 @@ class _Finalizers:
 
         def callback() -> None:
             # Once the thread has ended at exit (atexit handlers run on the main thread, holding
-            # none of s3dcp's locks), or in a forked child before any new registration restarted
-            # it, the work runs here rather than wait in a queue no thread serves.
-            if self._stopped or not self._running():
+            # none of s3dcp's locks), the work runs here rather than wait in a queue no thread
+            # serves. In a forked child the parent's thread is gone too, but the work waits for
+            # the next registration to start one: run here, at whatever allocation collected the
+            # object, it once started a thread inside a new thread's bootstrap and crashed the
+            # child (a collection of S3Clients inherited from the parent).
+            if self._stopped:
                 work()
             else:
                 put(work)
@@ -220,6 +223,9 @@ class _Finalizers:
         if thread is not None and thread.is_alive():
             self._queue.put(None)
             thread.join(timeout=10.0)
+        else:  # a forked child that never started its own: the work handed over is done here
+            self._queue.put(None)
+            self._run()
 
 
 _FINALIZERS = _Finalizers()

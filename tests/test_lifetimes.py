@@ -351,3 +351,59 @@ def test_finalizer_work_runs_on_its_thread_and_in_place_once_that_has_stopped():
     finalizers._finish()
     callback()
     assert ran == ["s3dcp-finalizers", threading.current_thread().name]
+
+
+class _Dropped:
+    """An object to collect in a forked child."""
+
+
+def _in_forked_child(parent_client: list, ran: list, report) -> None:
+    """Runs in a child forked by the test below; reports what the finalizers did."""
+    import gc as child_gc
+
+    from s3dcp.streams import finalizer
+
+    native = parent_client[0]._use.native
+    users = native.users
+    parent_client.clear()  # the parent's S3Client, and the object of the parent's finalizer, die here
+    child_gc.collect()
+    before_restart = list(ran)
+    done = threading.Event()
+    weakref.finalize(_Dropped(), finalizer(done.set))  # a registration starts the child's own thread
+    done.wait(10)
+    report.put((before_restart, list(ran), native.users == users and native.key in client_mod._NATIVE))
+
+
+def test_finalizers_in_a_forked_child_wait_for_its_own_thread_and_leave_the_parents_clients_alone(
+        s3_server, bucket):
+    """In a child forked from a process using s3dcp, the finalizer thread is gone. Work handed
+    over by finalizers there waits for the child's own thread (started by its next
+    registration) instead of running wherever a collection started — that once started a
+    thread inside a new thread's bootstrap and crashed the child. And an S3Client inherited
+    from the parent, collected in the child, does not release the parent's native client."""
+    import multiprocessing
+
+    from s3dcp.streams import finalizer
+
+    client = S3Client(s3_server.s3_config())
+    client.head_bucket(bucket).result()  # the native client exists
+    ran: list[str] = []
+    dropped = _Dropped()
+    weakref.finalize(dropped, finalizer(lambda: ran.append(threading.current_thread().name)))
+    holder = [client, dropped]
+    del client, dropped
+    ctx = multiprocessing.get_context("fork")
+    report = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(holder, ran, report))
+    child.start()
+    try:
+        before_restart, after, parents_native_untouched = report.get(timeout=30)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert before_restart == [], "finalizer work ran in place, at the collection"
+    assert after == ["s3dcp-finalizers"]
+    assert parents_native_untouched
+    assert ran == []  # the parent's own finalizer has not run: its object lives on here

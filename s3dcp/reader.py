@@ -259,19 +259,16 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         waited for (they write into the window and the destinations) before it is raised. An
         interrupt (Ctrl-C) does the same."""
         ended: queue.SimpleQueue = queue.SimpleQueue()
-        in_flight = 0
-        requests: set = set()  # the GETs not yet taken from `ended`
+        in_flight: set = set()  # the GETs not yet taken from `ended`
 
         def issue(name: str, run: list[Segment], slot: torch.Tensor | None) -> None:
-            nonlocal in_flight
             run_start, run_end = run[0].offset, max(seg.end for seg in run)
             if slot is None:
                 sinks = [(seg.offset, seg.tag.sink) for seg in run]
             else:
                 sinks = [(run_start, byte_view(slot[:run_end - run_start]))]
             future = self.client.get_scatter(uri.bucket, object_key(uri, name), run_start, run_end, sinks)
-            in_flight += 1
-            requests.add(future)
+            in_flight.add(future)
             future.add_done_callback(lambda f: ended.put((run, slot, f)))
 
         pending = deque(bounce_runs)
@@ -293,8 +290,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                         window.wait_draining()  # every slot is being copied out of
                     continue
                 run, slot, f = ended.get()
-                in_flight -= 1
-                requests.discard(f)
+                in_flight.discard(f)
                 tokens: list = []
                 try:
                     if error is None:
@@ -310,12 +306,12 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                                                    tokens, planner)
                 except BaseException as e:  # noqa: BLE001 - raised once the GETs in flight end
                     error = e
-                    abort_all(requests)
+                    abort_all(in_flight)
                 finally:
                     if slot is not None:
                         window.give(slot, tokens)
         except BaseException:  # an interrupt while GETs write into the window and the destinations
-            abort_and_wait(requests)
+            abort_and_wait(in_flight)
             raise
         finally:
             if window is not None:

@@ -460,6 +460,7 @@ class _Copies:
         self.starts: list[int | None] = []
         self.moved: list[bool] = []  # copied by the copy threads
         moves: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
+        self._deferred_devices: set[int] = set()  # of CUDA sources beyond the budget (copied in rounds)
         for t in sources:
             nbytes = t.nbytes
             start = arena.reserve(nbytes) if nbytes else None
@@ -470,11 +471,10 @@ class _Copies:
                 moves.append((base + start, t.data_ptr(), nbytes))
             elif start is None and nbytes:
                 lease.pending = True
+                if t.is_cuda:
+                    self._deferred_devices.add(t.device.index)
         self._wait = _memcpy_start(moves)
         self._device: dict[int, tuple[list, list]] = {}  # CUDA device -> (staged tensors, sources)
-        # devices of CUDA sources beyond the budget, which write_data copies in rounds
-        self._deferred_devices = {t.device.index for t, start in zip(sources, self.starts)
-                                  if start is None and t.nbytes and t.is_cuda}
         self._strided: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def destinations(self) -> list[torch.Tensor]:

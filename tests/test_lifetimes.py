@@ -77,6 +77,38 @@ def test_failed_request_lets_go_of_buffers_and_keeps_its_error(client, bucket):
     assert isinstance(put.exception(), NoSuchBucketError)
 
 
+def test_aborted_requests_let_go_of_buffers_deadlines_and_their_call(s3_server, bucket):
+    """Aborting — a multipart PUT in flight, a PUT still queued, a GET — frees what each held
+    (caller buffers, deadline, the request's own record) though their futures stay alive, and
+    the native client's slots come back. Over repeated cycles nothing accumulates."""
+    from dataclasses import replace
+
+    from s3dcp.client import abort_and_wait
+    from s3dcp.errors import RequestAbortedError
+
+    client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART), max_concurrency=1))
+    data = torch.randint(0, 255, (3 * PART,), dtype=torch.uint8)
+    client.put(bucket, "src", [byte_view(data)]).result()
+    futures, refs = [], []
+    for _ in range(5):
+        upload = torch.zeros(6 * PART, dtype=torch.uint8)
+        queued = torch.zeros(1024, dtype=torch.uint8)
+        dest = torch.empty(3 * PART, dtype=torch.uint8)
+        refs += [weakref.ref(upload), weakref.ref(queued), weakref.ref(dest)]
+        batch = [client.put(bucket, "big", [byte_view(upload)]), client.put(bucket, "small", [byte_view(queued)]),
+                 client.get_range_into(bucket, "src", 0, byte_view(dest))]
+        abort_and_wait(batch)
+        futures += batch
+        del upload, queued, dest, batch
+    assert any(isinstance(f.exception(), RequestAbortedError) for f in futures)
+    assert all(_gone(r) for r in refs), "an aborted request holds the caller's buffers"
+    assert all(f._call is None for f in futures)  # no future keeps its request's record alive
+    assert _request_deadlines() == 0
+    native = client._use.native
+    assert native.in_flight == 0 and not native._queue
+    client.close()
+
+
 def _request_deadlines() -> int:
     """Live deadline entries of requests (other entries: idle native clients' linger timers)."""
     with deadlines()._cond:

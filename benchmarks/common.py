@@ -61,8 +61,8 @@ class Target:
         return self._boto3_factory(**config_overrides)
 
     def s3_client(self, **config_changes):
-        """An :class:`s3dcp.client.S3Client` for the target (``config_changes`` applied to the config)."""
-        from s3dcp.client import S3Client
+        """An :class:`s3dcp.s3.client.S3Client` for the target (``config_changes`` applied to the config)."""
+        from s3dcp.s3.client import S3Client
 
         return S3Client(self.config.replace(**config_changes) if config_changes else self.config)
 

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from s3dcp.config import S3Config
-    from s3dcp.staging import HostBufferPool, StagingMixin
-    from s3dcp.tensors import byte_view
+    from s3dcp.saving.staging import HostBufferPool, StagingMixin
+    from s3dcp.format.tensors import byte_view
 
     class Stager(StagingMixin):  # the staging half of S3StorageWriter, without the S3 half
         def __init__(self, pool):

@@ -58,12 +58,12 @@ from torch.distributed.checkpoint.metadata import (
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from s3dcp import layout  # noqa: E402
-from s3dcp.layout import ItemLocation  # noqa: E402
-from s3dcp.metadata import decode_metadata, encode_metadata  # noqa: E402
+from s3dcp.format import layout  # noqa: E402
+from s3dcp.format.layout import ItemLocation  # noqa: E402
+from s3dcp.format.metadata import decode_metadata, encode_metadata  # noqa: E402
 
 MiB = 1024 * 1024
-BLOCK_SIZE_BYTES = 16 * MiB  # s3dcp.integrity.BLOCK_SIZE_BYTES
+BLOCK_SIZE_BYTES = 16 * MiB  # s3dcp.format.integrity.BLOCK_SIZE_BYTES
 OBJECT_TARGET_BYTES = 512 * MiB  # S3Config.object_size_target_bytes default
 
 # (name, shape) of one transformer layer, Llama-70B-like (hidden 8192, MLP 28672, 8 KV heads).

@@ -200,9 +200,9 @@ def sample() -> dict:
     their config, at most ``_MAX_IDLE`` of them) are released first, and their CRT threads and
     sockets awaited: how many linger at a sample depends on the cycle's pace, not on leaks. A
     client still held after its reader or writer is done is not idle, and is counted."""
-    from s3dcp import client as client_mod
-    from s3dcp.client import close_native_clients, native_clients
-    from s3dcp.staging import shared_pool
+    from s3dcp.s3 import client as client_mod
+    from s3dcp.s3.client import close_native_clients, native_clients
+    from s3dcp.saving.staging import shared_pool
 
     me = psutil.Process()
     untrimmed = me.memory_info().rss
@@ -310,7 +310,7 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
     """Run ``settings.cycles`` cycles (see the module docstring) checkpointing under
     ``base_uri``; returns every cycle. Leaves only the last ``keep_last`` checkpoints."""
     from s3dcp import CheckpointManager, S3StorageReader, S3StorageWriter, gc
-    from s3dcp.manager import delete_checkpoint
+    from s3dcp.lifecycle.manager import delete_checkpoint
     from s3dcp.uri import parse_s3_uri
 
     state = make_state(settings.state_bytes)
@@ -385,7 +385,7 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
 def _wait_for_save_threads(timeout_s: float = 10.0) -> None:
     """Let the last save's thread end (it gives its staging arena back when it has), so every
     sample is taken at the same point: nothing of a save still running."""
-    from s3dcp.staging import shared_pool
+    from s3dcp.saving.staging import shared_pool
 
     deadline = time.monotonic() + timeout_s
     while shared_pool().in_use and time.monotonic() < deadline:
@@ -642,8 +642,8 @@ def main(argv=None) -> int:
 
         cycles = run_soak(target.config, base_uri, settings, progress=progress)
         wall_s = time.perf_counter() - started
-        from s3dcp.client import S3Client
-        from s3dcp.manager import delete_checkpoint, scan_directories
+        from s3dcp.s3.client import S3Client
+        from s3dcp.lifecycle.manager import delete_checkpoint, scan_directories
         from s3dcp.uri import parse_s3_uri
 
         client = S3Client(target.config)  # leave the bucket as we found it

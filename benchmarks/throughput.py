@@ -362,16 +362,16 @@ class RawPath(Path):
     # A new S3Client per step, as S3StorageWriter/Reader make one per save/load (both share the
     # process's native CRT client for this config, so the two paths see the same buffer pool).
     def save(self, where):
-        from s3dcp.client import S3Client
-        from s3dcp.tensors import byte_view
+        from s3dcp.s3.client import S3Client
+        from s3dcp.format.tensors import byte_view
 
         client = S3Client(self.ctx["cfg"])
         client.put(self.ctx["bucket"], self._key(where), byte_view(self.src)).result()
         client.close()
 
     def load(self, where):
-        from s3dcp.client import S3Client
-        from s3dcp.tensors import byte_view
+        from s3dcp.s3.client import S3Client
+        from s3dcp.format.tensors import byte_view
 
         client = S3Client(self.ctx["cfg"])
         client.get_range_into(self.ctx["bucket"], self._key(where), 0, byte_view(self.dst)).result()
@@ -486,7 +486,7 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
 def _run_rank(rank: int, world: int, spec: dict) -> None:
     import torch.distributed as dist
     from boto3.s3.transfer import TransferConfig
-    from s3dcp.client import S3Client
+    from s3dcp.s3.client import S3Client
 
     cfg = spec["cfg"]
     ctx = {

@@ -34,7 +34,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from s3dcp.streams import BufferStream  # noqa: E402 - what S3Client.put reads from, for boto3 too
+from s3dcp.s3.streams import BufferStream  # noqa: E402 - what S3Client.put reads from, for boto3 too
 
 
 class _WriteView(io.RawIOBase):
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         if args.s3dcp_concurrency:
             changes["max_concurrency"] = args.s3dcp_concurrency
         cfg = target.config.replace(**changes)
-        from s3dcp.client import S3Client
+        from s3dcp.s3.client import S3Client
 
         client = S3Client(cfg)
         boto = target.boto3_client(max_pool_connections=max(10, args.boto3_concurrency + 2))

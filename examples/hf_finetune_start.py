@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from s3dcp import CheckpointNotFoundError, S3Config
-from s3dcp.hf_reader import S3SafetensorsReader
+from s3dcp.interop.safetensors_reader import S3SafetensorsReader
 
 DEFAULT_BUCKET = "demo"
 VOCAB, WIDTH, LAYERS = 256, 64, 2
@@ -69,7 +69,7 @@ def publish(uri: str, config: S3Config) -> None:
     """Write the stand-in model as two safetensors shards and an index, and upload them."""
     from safetensors.torch import save_file
 
-    from s3dcp.client import S3Client
+    from s3dcp.s3.client import S3Client
     from s3dcp.uri import parse_s3_uri
 
     weights = pretrained_weights()

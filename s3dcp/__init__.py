@@ -32,15 +32,15 @@ _LAZY = {
     "async_save": ".api",
     "load": ".api",
     "last_save_stats": ".api",
-    "S3StorageWriter": ".writer",
-    "S3StorageReader": ".reader",
-    "HostBufferPool": ".staging",
-    "release_staging_memory": ".staging",
-    "gc": ".collect",
-    "GcReport": ".collect",
-    "CheckpointManager": ".manager",
-    "CheckpointInfo": ".manager",
-    "S3SafetensorsReader": ".hf_reader",
+    "S3StorageWriter": ".saving.writer",
+    "S3StorageReader": ".loading.reader",
+    "HostBufferPool": ".saving.staging",
+    "release_staging_memory": ".saving.staging",
+    "gc": ".lifecycle.gc",
+    "GcReport": ".lifecycle.gc",
+    "CheckpointManager": ".lifecycle.manager",
+    "CheckpointInfo": ".lifecycle.manager",
+    "S3SafetensorsReader": ".interop.safetensors_reader",
 }
 
 
@@ -49,8 +49,8 @@ def close(wait_s: float = 0.0) -> None:
     when their last request ends) and idle staging memory. Safe to call any time; anything used
     afterwards is made again on demand. With ``wait_s``, wait up to that long for the CRT's
     threads and sockets to be gone (e.g. before forking workers)."""
-    from .client import close_native_clients
-    from .staging import release_staging_memory
+    from .s3.client import close_native_clients
+    from .saving.staging import release_staging_memory
 
     close_native_clients(wait_s=wait_s)
     release_staging_memory()

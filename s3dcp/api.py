@@ -20,7 +20,7 @@ Why these exist next to ``dcp.save(..., storage_writer=S3StorageWriter(...))``:
   ``failed_ranks`` (the ranks that failed, ascending) and ``rank_errors`` ({rank: exception})
   attached, chained ``from`` DCP's exception.
 - Any other keyword (``incremental_from=``, ``item_checksum=``, ``pool=``) goes to
-  :class:`S3StorageWriter`; the figures of the save (:class:`~s3dcp.writer.SaveStats`: bytes,
+  :class:`S3StorageWriter`; the figures of the save (:class:`~s3dcp.saving.writer.SaveStats`: bytes,
   stage and upload seconds, GB/s, bytes inherited) are ``future.stats`` of an async save and
   :func:`last_save_stats` for both.
 
@@ -36,13 +36,13 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .client import S3Client
+from .s3.client import S3Client
 from .config import S3Config
 from .errors import ConfigError, unwrap_error
-from .reader import S3StorageReader
+from .loading.reader import S3StorageReader
 
 if TYPE_CHECKING:
-    from .writer import S3StorageWriter, SaveStats
+    from .saving.writer import S3StorageWriter, SaveStats
 
 __all__ = ["save", "async_save", "load", "unwrap_error", "last_save_stats", "SaveFuture"]
 
@@ -51,7 +51,7 @@ _last_stats_lock = threading.Lock()
 
 
 def last_save_stats() -> "SaveStats | None":
-    """The :class:`~s3dcp.writer.SaveStats` of the :func:`save` or :func:`async_save` that
+    """The :class:`~s3dcp.saving.writer.SaveStats` of the :func:`save` or :func:`async_save` that
     committed last in this process (this rank's figures), or None before the first one.
 
     With DCP's process executor the upload runs in another process, whose figures this
@@ -69,7 +69,7 @@ def _record(writer: "S3StorageWriter") -> None:
 class SaveFuture(concurrent.futures.Future):
     """What :func:`async_save` returns: resolves to DCP's ``Metadata`` once the checkpoint is
     committed, or raises the unwrapped error. ``writer`` is the :class:`S3StorageWriter` it
-    used; ``stats`` its :class:`~s3dcp.writer.SaveStats`, complete once the future is done."""
+    used; ``stats`` its :class:`~s3dcp.saving.writer.SaveStats`, complete once the future is done."""
 
     def __init__(self, writer: "S3StorageWriter") -> None:
         super().__init__()
@@ -101,7 +101,7 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    from .writer import S3StorageWriter
+    from .saving.writer import S3StorageWriter
 
     writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
     try:
@@ -141,7 +141,7 @@ def async_save(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from .writer import S3StorageWriter
+    from .saving.writer import S3StorageWriter
 
     executor = async_checkpointer_type or AsyncCheckpointerType.THREAD
     if executor == AsyncCheckpointerType.PROCESS and not _dist_on():

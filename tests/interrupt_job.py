@@ -40,7 +40,7 @@ def job_config() -> S3Config:
 
 
 def in_flight() -> int:
-    from s3dcp import client
+    from s3dcp.s3 import client
 
     with client._NATIVE_LOCK:
         natives = list(client._NATIVE.values())

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from s3dcp import HostBufferPool, S3StorageReader, S3StorageWriter
 from s3dcp.config import MiB
-from s3dcp.staging import shared_pool
+from s3dcp.saving.staging import shared_pool
 
 
 def _state(seed=0, n=8, rows=256):
@@ -165,7 +165,7 @@ def test_the_arena_and_the_staged_copy_go_back_when_the_save_thread_ends(bucket,
 def test_a_failure_while_building_the_staged_tree_waits_for_the_copy_threads(bucket, config, monkeypatch):
     """The bulk copy runs on the copy threads while the training thread builds the staged dict;
     if building it fails, the arena goes back to the pool only once no thread writes into it."""
-    from s3dcp import staging, statetree
+    from s3dcp.saving import staging, statetree
 
     pool = HostBufferPool()
     writer = S3StorageWriter(f"s3://{bucket}/tree-fails", config=config, pool=pool)
@@ -400,7 +400,7 @@ def test_pinned_arena_memory_is_mapped_on_pages_of_its_own_and_unmapped_with_its
     registration. The memory goes when the last tensor viewing it does."""
     import mmap
 
-    from s3dcp.pool import _page_aligned
+    from s3dcp.memory.pool import _page_aligned
 
     def mapped(address: int) -> bool:
         with open("/proc/self/maps") as maps:
@@ -458,7 +458,7 @@ def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(
     """``_memcpy_start`` deals the bytes out to its threads in equal shares: each move lands exactly
     (the alignment gaps between staged tensors stay untouched), and a move is split only where
     it straddles two shares (finer pieces lose glibc's non-temporal stores)."""
-    from s3dcp import staging
+    from s3dcp.saving import staging
 
     monkeypatch.setattr(staging, "_COPY_THREADS", 3)
     pieces = []

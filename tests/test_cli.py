@@ -209,7 +209,7 @@ def test_verify_passes_then_names_a_corrupted_item(capsys, bucket, s3_config, bo
     assert code == 0 and out.startswith("OK: 6 item(s)") and err == ""
 
     # flip one byte in the second 16 MiB block of "big", and one in "model.w"
-    from s3dcp.reader import S3StorageReader
+    from s3dcp.loading.reader import S3StorageReader
 
     md = S3StorageReader(uri, config=s3_config).fetch_metadata()
     locs = {index.fqn: loc for index, loc in md.storage_data.items()}

@@ -1,4 +1,4 @@
-"""s3dcp.client against the real SeaweedFS server: round trips, ranges, conditions, listing,
+"""s3dcp.s3.client against the real SeaweedFS server: round trips, ranges, conditions, listing,
 and errors that say what went wrong."""
 
 import os
@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from fault_proxy import FaultProxy, Rule
-from s3dcp.client import S3Client, abort_and_wait
+from s3dcp.s3.client import S3Client, abort_and_wait
 from s3dcp.config import MiB
 from s3dcp.errors import (
     AccessDeniedError,

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
 from s3dcp import HostBufferPool, S3StorageReader, S3StorageWriter, gc
-from s3dcp.client import S3Client
+from s3dcp.s3.client import S3Client
 from s3dcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -24,7 +24,7 @@ from s3dcp.errors import (
     NoSuchBucketError,
     root_error,
 )
-from s3dcp.layout import METADATA_NAME, object_name, parse_object_name
+from s3dcp.format.layout import METADATA_NAME, object_name, parse_object_name
 
 
 def _state(seed: int, n: int = 4, cols: int = 128) -> dict:
@@ -385,7 +385,7 @@ def test_staging_copies_every_kind_of_tensor_exactly(s3_config, pool):
     writer = S3StorageWriter("s3://bucket/x", config=s3_config, pool=pool)
     staged = writer.stage(state)
     writer.synchronize_staging()
-    from s3dcp import statetree
+    from s3dcp.saving import statetree
 
     pairs = list(zip(statetree.tensors(state), statetree.tensors(staged)))
     assert len(pairs) == 3 + 600 + 7

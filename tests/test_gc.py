@@ -6,7 +6,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3dcp import S3StorageReader, S3StorageWriter, gc
-from s3dcp.client import S3Client
+from s3dcp.s3.client import S3Client
 
 
 def _keys(boto3_client, bucket, prefix=""):
@@ -65,6 +65,6 @@ def test_gc_knows_spread_object_names(bucket, s3_config):
 
 def test_s3dcp_gc_is_the_function_whatever_was_imported_before():
     import s3dcp
-    import s3dcp.collect  # noqa: F401 - a submodule named like the function would replace it
+    import s3dcp.lifecycle.gc  # noqa: F401 - a submodule named like the function would replace it
 
     assert callable(s3dcp.gc) and s3dcp.gc is gc

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3dcp import CheckpointManager, S3StorageReader, S3StorageWriter, cli
-from s3dcp.client import S3Client
+from s3dcp.s3.client import S3Client
 from s3dcp.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -25,10 +25,10 @@ from s3dcp.errors import (
     root_error,
 )
 from s3dcp import gc
-from s3dcp import incremental
-from s3dcp.incremental import materialize
-from s3dcp.layout import PENDING_NAME
-from s3dcp.manager import delete_checkpoint
+from s3dcp.lifecycle import incremental
+from s3dcp.lifecycle.incremental import materialize
+from s3dcp.format.layout import PENDING_NAME
+from s3dcp.lifecycle.manager import delete_checkpoint
 from s3dcp.uri import object_key, parse_s3_uri
 
 from fault_proxy import FaultProxy

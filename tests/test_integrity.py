@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from s3dcp import integrity
-from s3dcp.layout import ItemLocation
+from s3dcp.format import integrity
+from s3dcp.format.layout import ItemLocation
 
 
 def _location(data: bytes, block: int, algorithm: str = "crc32c") -> ItemLocation:

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from s3dcp import S3Config, S3StorageWriter
-from s3dcp.export import export_safetensors
+from s3dcp.interop.export import export_safetensors
 
 from test_multiprocess import Job, _assert_bitwise, run_jobs
 from ts_entry_point import entry_point_dir
@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, bucket: str, cfg: S3Config, plugin_path: str 
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torchsnapshot import Snapshot, StateDict
 
-    from s3dcp.hf_reader import S3SafetensorsReader
+    from s3dcp.interop.safetensors_reader import S3SafetensorsReader
 
     if plugin_path:
         sys.path.append(plugin_path)

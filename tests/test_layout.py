@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3dcp import integrity
-from s3dcp.layout import (
+from s3dcp.format import integrity
+from s3dcp.format.layout import (
     ObjectName,
     Segment,
     box_byte_range,

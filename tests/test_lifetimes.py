@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import s3dcp
-from s3dcp import client as client_mod
-from s3dcp.client import S3Client
+from s3dcp.s3 import client as client_mod
+from s3dcp.s3.client import S3Client
 from s3dcp.config import MiB, S3Config
 from s3dcp.errors import AccessDeniedError, NoSuchBucketError
-from s3dcp.streams import deadlines
-from s3dcp.tensors import byte_view
+from s3dcp.s3.streams import deadlines
+from s3dcp.format.tensors import byte_view
 
 PART = 5 * MiB
 
@@ -83,7 +83,7 @@ def test_aborted_requests_let_go_of_buffers_deadlines_and_their_call(s3_server, 
     the native client's slots come back. Over repeated cycles nothing accumulates."""
     from dataclasses import replace
 
-    from s3dcp.client import abort_and_wait
+    from s3dcp.s3.client import abort_and_wait
     from s3dcp.errors import RequestAbortedError
 
     client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART), max_concurrency=1))
@@ -367,7 +367,7 @@ def test_finalizer_work_runs_on_its_thread_and_in_place_once_that_has_stopped():
     """Before exit, a finalizer only hands its work over; once the thread has stopped at exit
     (weakref's own exit hook runs the remaining finalizers after ours), the work runs in place
     instead of waiting in a queue nobody serves."""
-    from s3dcp.streams import _Finalizers
+    from s3dcp.s3.streams import _Finalizers
 
     finalizers = _Finalizers()
     ran: list[str] = []
@@ -393,7 +393,7 @@ def _in_forked_child(parent_client: list, ran: list, report) -> None:
     """Runs in a child forked by the test below; reports what the finalizers did."""
     import gc as child_gc
 
-    from s3dcp.streams import finalizer
+    from s3dcp.s3.streams import finalizer
 
     native = parent_client[0]._use.native
     users = native.users
@@ -415,7 +415,7 @@ def test_finalizers_in_a_forked_child_wait_for_its_own_thread_and_leave_the_pare
     from the parent, collected in the child, does not release the parent's native client."""
     import multiprocessing
 
-    from s3dcp.streams import finalizer
+    from s3dcp.s3.streams import finalizer
 
     client = S3Client(s3_server.s3_config())
     client.head_bucket(bucket).result()  # the native client exists

@@ -14,10 +14,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from s3dcp import S3StorageReader, S3StorageWriter, bounce
+from s3dcp import S3StorageReader, S3StorageWriter
+from s3dcp.loading import bounce
 from s3dcp.config import MiB
 from s3dcp.errors import IntegrityError, NoSuchKeyError, root_error
-from s3dcp.pool import HostBufferPool
+from s3dcp.memory.pool import HostBufferPool
 
 from rss import peak_rss_sampler
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from s3dcp import CheckpointManager, S3Config
-from s3dcp.client import S3Client
+from s3dcp.s3.client import S3Client
 from s3dcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -29,7 +29,7 @@ from s3dcp.errors import (
     IncompleteCheckpointError,
     S3ServerError,
 )
-from s3dcp.manager import delete_checkpoint
+from s3dcp.lifecycle.manager import delete_checkpoint
 from s3dcp.uri import parse_s3_uri
 
 

@@ -1,4 +1,4 @@
-"""Tests for s3dcp.metadata: DCP Metadata <-> format versions 1 (JSON) and 2 (columnar), exact round
+"""Tests for s3dcp.format.metadata: DCP Metadata <-> format versions 1 (JSON) and 2 (columnar), exact round
 trip, the lazy storage_data mapping, refusal of damaged input, no pickle."""
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-import s3dcp.metadata as s3md
-import s3dcp.metadata_columns as s3cols
-import s3dcp.metadata_storage as s3storage
-import s3dcp.metadata_v2 as s3v2
+import s3dcp.format.metadata as s3md
+import s3dcp.format.metadata.columns as s3cols
+import s3dcp.format.metadata.storage as s3storage
+import s3dcp.format.metadata.v2 as s3v2
 from s3dcp.errors import MetadataFormatError
-from s3dcp.layout import ItemLocation
-from s3dcp.metadata import (
+from s3dcp.format.layout import ItemLocation
+from s3dcp.format.metadata import (
     FORMAT_NAME, FORMAT_VERSION, decode_metadata, dtype_to_str, encode_metadata, format_version_of, str_to_dtype,
 )
-from s3dcp.metadata_v2 import LazyStorageData
+from s3dcp.format.metadata.v2 import LazyStorageData
 
 VERSIONS = [1, 2]
 
-# Built independently of s3dcp.metadata, so a dtype its table missed fails the tests.
+# Built independently of s3dcp.format.metadata, so a dtype its table missed fails the tests.
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 ALL_LAYOUTS = sorted({v for v in vars(torch).values() if isinstance(v, torch.layout)}, key=str)
 ALL_MEMORY_FORMATS = sorted({v for v in vars(torch).values() if isinstance(v, torch.memory_format)}, key=str)
@@ -829,7 +829,7 @@ def test_lazy_storage_data_is_a_read_only_mapping():
     assert lazy != {**md.storage_data, MetadataIndex("z"): ItemLocation("o", 0, 0, None)}
     assert_same(copy.deepcopy(lazy), md.storage_data)
     assert lazy.object_names() == {loc.object_name for loc in md.storage_data.values()}
-    from s3dcp.layout import object_sizes
+    from s3dcp.format.layout import object_sizes
 
     assert lazy.object_extents() == object_sizes(md.storage_data.values())  # incremental commit checks
     assert_same(pickle.loads(pickle.dumps(decode_metadata(encode_metadata(md)))), md)

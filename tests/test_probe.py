@@ -1,4 +1,4 @@
-"""s3dcp.probe tells a TLS/plain-HTTP mismatch apart, against real sockets on loopback."""
+"""s3dcp.s3.probe tells a TLS/plain-HTTP mismatch apart, against real sockets on loopback."""
 
 import http.server
 import shutil
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from s3dcp.probe import scheme_mismatch
+from s3dcp.s3.probe import scheme_mismatch
 
 
 def test_https_endpoint_at_a_plain_http_server():

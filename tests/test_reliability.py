@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fault_proxy import FaultProxy, Rule
 from s3dcp import HostBufferPool, S3Config, S3StorageReader, S3StorageWriter, gc
-from s3dcp.client import S3Client
+from s3dcp.s3.client import S3Client
 from s3dcp.config import MiB
 from s3dcp.errors import (
     AccessDeniedError,
@@ -44,7 +44,7 @@ from s3dcp.errors import (
     ThrottlingError,
 )
 from s3dcp.testing import SeaweedServer
-from s3dcp.writer import METADATA_NAME
+from s3dcp.saving.writer import METADATA_NAME
 
 # Retries that give up quickly, for the faults that never go away.
 FAST_RETRIES = dict(max_retries=2, retry_backoff_base_ms=10, retry_max_backoff_s=1)

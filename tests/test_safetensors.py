@@ -25,10 +25,10 @@ from s3dcp.errors import (
     IntegrityError,
     MetadataFormatError,
 )
-from s3dcp.export import export_safetensors
-from s3dcp.export_cli import parse_size
-from s3dcp.hf_reader import S3SafetensorsReader
-from s3dcp.safetensors_format import parse_header
+from s3dcp.interop.export import export_safetensors
+from s3dcp.cli.export import parse_size
+from s3dcp.interop.safetensors_reader import S3SafetensorsReader
+from s3dcp.format.safetensors import parse_header
 
 MODEL_FILES = {  # file -> tensors, as Hugging Face shards a model
     "model-00001-of-00002.safetensors": ("embed.weight", "norm.scale"),
@@ -99,7 +99,7 @@ def test_parse_size():
 
 
 def test_check_shard_set():
-    from s3dcp.safetensors_format import check_shard_set
+    from s3dcp.format.safetensors import check_shard_set
 
     check_shard_set(["model.safetensors"], where="p")
     check_shard_set(["a.safetensors", "b.safetensors"], where="p")  # unnumbered: nothing to count
@@ -240,7 +240,7 @@ def test_a_bf16_to_fp32_load_holds_bounce_memory_within_the_window(s3_server, bu
     flight: ~95-105 MiB measured), below the 160 MiB file (a bounce buffer per tensor up front
     held all of it: 175 MiB). The same bound as test_load_window's for S3StorageReader."""
     from rss import peak_rss_sampler
-    from s3dcp.pool import HostBufferPool
+    from s3dcp.memory.pool import HostBufferPool
 
     MiB = 2**20
     count, shape = 5, (2, 8 * MiB)  # 5 x 32 MiB of bf16
@@ -331,7 +331,7 @@ def test_export_to_s3_loads_with_the_reader(bucket, s3_config, tmp_path):
 
 
 def test_export_refuses_a_corrupted_item_and_writes_no_index(bucket, s3_config, boto3_client, tmp_path):
-    from s3dcp.reader import S3StorageReader
+    from s3dcp.loading.reader import S3StorageReader
 
     uri = f"s3://{bucket}/run/step-1"
     dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))
@@ -348,7 +348,7 @@ def test_export_refuses_a_corrupted_item_and_writes_no_index(bucket, s3_config, 
 
 def _corrupt_item(boto3_client, bucket: str, uri: str, fqn: str, s3_config) -> None:
     """Flip one bit of checkpoint item ``fqn`` in its data object."""
-    from s3dcp.reader import S3StorageReader
+    from s3dcp.loading.reader import S3StorageReader
 
     md = S3StorageReader(uri, config=s3_config).fetch_metadata()
     loc = next(loc for idx, loc in md.storage_data.items() if idx.fqn == fqn)
@@ -441,7 +441,7 @@ def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_p
 def test_default_shard_size_is_hugging_faces_5gb():
     import inspect
 
-    from s3dcp.export_cli import DEFAULT_SHARD_SIZE_BYTES
+    from s3dcp.cli.export import DEFAULT_SHARD_SIZE_BYTES
 
     assert DEFAULT_SHARD_SIZE_BYTES == 5 * 1000**3
     assert inspect.signature(export_safetensors).parameters["shard_size_bytes"].default == 5 * 1000**3
@@ -553,9 +553,9 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
     from s3dcp.config import S3Config
-    from s3dcp.client import S3Client
-    from s3dcp.export import export_safetensors
-    import s3dcp.reader, safetensors.torch  # imported by the export: not part of what it holds
+    from s3dcp.s3.client import S3Client
+    from s3dcp.interop.export import export_safetensors
+    import s3dcp.loading.reader, safetensors.torch  # imported by the export: not part of what it holds
     cfg = S3Config(**json.loads(sys.argv[1]))
     client = S3Client(cfg)
     client.list(cfg_bucket := sys.argv[2]).result()  # the CRT client exists before the baseline
@@ -598,7 +598,7 @@ def test_export_memory_is_bounded_by_the_largest_tensor_plus_the_window(bucket, 
 
 
 def test_ring_arena_hands_out_spans_first_in_first_out():
-    from s3dcp.ring_buffer import RingArena
+    from s3dcp.memory.ring_buffer import RingArena
 
     arena = RingArena(640)
     a, b = arena.allocate(256), arena.allocate(256)

@@ -18,8 +18,8 @@ from s3dcp.errors import (
     IntegrityError,
     root_error,
 )
-from s3dcp.layout import parse_object_name
-from s3dcp.writer import METADATA_NAME
+from s3dcp.format.layout import parse_object_name
+from s3dcp.saving.writer import METADATA_NAME
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -170,7 +170,7 @@ def test_overwrite_removes_the_replaced_data_objects(uri, bucket, small_parts, b
 
 def test_commit_is_conditional_even_after_the_early_check(uri, small_parts, s3_server):
     """Two writers that both passed the early check: the second commit must lose."""
-    from s3dcp.client import S3Client
+    from s3dcp.s3.client import S3Client
     from s3dcp.uri import parse_s3_uri
 
     writer = S3StorageWriter(uri, config=small_parts)

@@ -23,7 +23,7 @@ from s3dcp.errors import (
     NoSuchKeyError,
     S3DCPError,
 )
-from s3dcp.torchsnapshot_plugin import S3CRTStoragePlugin
+from s3dcp.interop.torchsnapshot_plugin import S3CRTStoragePlugin
 
 from ts_entry_point import declared_entry_point, entry_point_dir
 
@@ -68,7 +68,7 @@ def assert_same(actual, expected, path=""):
 
 
 def test_entry_point_is_declared_and_resolves(s3_config, bucket):
-    assert declared_entry_point() == ("s3dcp", "s3dcp.torchsnapshot_plugin:create_plugin")
+    assert declared_entry_point() == ("s3dcp", "s3dcp.interop.torchsnapshot_plugin:create_plugin")
     plugin = url_to_storage_plugin(f"s3dcp://{bucket}/snaps/x", {"config": s3_config})
     assert isinstance(plugin, S3CRTStoragePlugin)
     assert (plugin.uri.bucket, plugin.uri.prefix) == (bucket, "snaps/x")
@@ -221,7 +221,7 @@ def test_bf16_behaves_as_with_torchsnapshots_own_fs_plugin(shape, s3_config, buc
 
 
 def test_downloaded_buffer_is_handed_over_without_a_copy_and_still_streams():
-    from s3dcp.torchsnapshot_plugin import _Downloaded
+    from s3dcp.interop.torchsnapshot_plugin import _Downloaded
 
     data = bytearray(b"0123456789")
     d = _Downloaded(data)

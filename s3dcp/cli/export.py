@@ -1,4 +1,4 @@
-"""``s3dcp export``: the command line of :mod:`s3dcp.export` (argument parsing and output only).
+"""``s3dcp export``: the command line of :mod:`s3dcp.interop.export` (argument parsing and output only).
 
 Importing this module is cheap (no torch): the CLI builds its parser for every command.
 """
@@ -38,9 +38,9 @@ def register_cli(command: Callable[..., Any]) -> None:
 
 
 def cmd_export(args) -> int:
-    from .client import S3Client
-    from .config import S3Config
-    from .export import export_safetensors
+    from ..s3.client import S3Client
+    from ..config import S3Config
+    from ..interop.export import export_safetensors
 
     client = S3Client(S3Config(endpoint_url=args.endpoint_url, region=args.region))
     bar = _progress_bar(args.quiet or args.json)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .errors import (
+from ..errors import (
     AccessDeniedError,
     IntegrityError,
     NoSuchBucketError,

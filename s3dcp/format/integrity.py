@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from awscrt import checksums as _crt
 
-from .config import MiB
+from ..config import MiB
 
 __all__ = ["BLOCK_SIZE_BYTES", "ItemChecksums", "ItemCheck", "compute", "checksum", "algorithm_of"]
 
@@ -80,7 +80,7 @@ class ItemCheck:
     pieces that end on block boundaries (or at the item's end): each piece that is a whole
     block is checked against that block's checksum, and when the feeding covered the whole item
     the combined CRC is checked against the whole-item checksum. ``location`` is an
-    :class:`s3dcp.layout.ItemLocation` (anything with ``length``, ``checksum``, ``block_size``
+    :class:`s3dcp.format.layout.ItemLocation` (anything with ``length``, ``checksum``, ``block_size``
     and ``block_checksums``).
     """
 

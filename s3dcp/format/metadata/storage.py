@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from . import metadata as m
-from .errors import MetadataFormatError
-from .layout import ItemLocation
-from .metadata_columns import MAX_COUNT, ColumnReader, bounded
+from .. import metadata as m
+from ...errors import MetadataFormatError
+from ..layout import ItemLocation
+from .columns import MAX_COUNT, ColumnReader, bounded
 
 __all__ = ["Rows", "LazyStorageData"]
 
@@ -320,7 +320,7 @@ class LazyStorageData(Mapping):
         return {self._rows.names[i] for i in np.unique(self._rows.obj).tolist()}
 
     def object_extents(self) -> dict[str, int]:
-        """Per object name, where its last item ends (what :func:`s3dcp.layout.object_sizes`
+        """Per object name, where its last item ends (what :func:`s3dcp.format.layout.object_sizes`
         gives for the values), without building any location."""
         rows = self._rows
         ends = np.zeros(len(rows.names), np.int64)

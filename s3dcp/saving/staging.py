@@ -32,7 +32,7 @@ One save's hold on an arena is a :class:`Lease`. Its whole life, every path incl
    the lease is over, so a save that fails early returns its error through its future.
 
 Host memory taken by staging is ``max_inflight_checkpoints × min(state bytes,
-staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.pool`).
+staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.memory.pool`).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from typing import Any, Callable
 import torch
 
 from . import statetree
-from .pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
-from .streams import finalizer
-from .tensors import has_lazy_bits
+from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
+from ..s3.streams import finalizer
+from ..format.tensors import has_lazy_bits
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
 
@@ -293,7 +293,7 @@ class StagingMixin:
         try:
             previous = self._lease
             if previous is not None and not previous.over():
-                from .errors import ConfigError
+                from ..errors import ConfigError
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
@@ -342,7 +342,7 @@ class StagingMixin:
     def _staging_begin(self) -> Lease | None:
         """First thing in write_data: the lease of this save, its device copies landed."""
         if getattr(self, "_needs_rounds", False):
-            from .errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError(
                 "staging_budget_bytes is smaller than the state, which needs the writer's own "

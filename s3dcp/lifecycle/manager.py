@@ -16,7 +16,7 @@ and only after a newer save has committed; directories without ``.metadata`` (a 
 running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age.
 
 With ``incremental=True`` each save uses the newest committed checkpoint as its base
-(:mod:`s3dcp.incremental`): unchanged items become references to it. Retention then deletes a
+(:mod:`s3dcp.lifecycle.incremental`): unchanged items become references to it. Retention then deletes a
 checkpoint's metadata and only those of its objects that no kept checkpoint references; the
 rest go when the last checkpoint referencing them goes. Choosing the base:
 
@@ -43,16 +43,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .client import ObjectInfo, S3Client
-from .config import S3Config
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
+from ..s3.client import ObjectInfo, S3Client
+from ..config import S3Config
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
 from .incremental import DeleteResult, check_base, held_for_references
 from .incremental import delete_checkpoint as _delete_checkpoint
-from .layout import METADATA_NAME, is_data_object
-from .uri import S3Uri, parse_s3_uri
+from ..format.layout import METADATA_NAME, is_data_object
+from ..uri import S3Uri, parse_s3_uri
 
 if TYPE_CHECKING:
-    from .writer import S3StorageWriter
+    from ..saving.writer import S3StorageWriter
 
 # torch (and the writer and reader, which need it) is imported where it is used, so listing and
 # deleting checkpoints (``s3dcp ls``, ``s3dcp rm``) do not pay for importing it.
@@ -85,7 +85,7 @@ class CheckpointManager:
     Args:
         base_uri: ``s3://bucket/run``; checkpoint ``step`` goes to ``base_uri/name_format(step)``.
         config: :class:`S3Config`; default: resolved from the environment.
-        client: an :class:`s3dcp.client.S3Client` to use for everything (tests inject one).
+        client: an :class:`s3dcp.s3.client.S3Client` to use for everything (tests inject one).
         keep_last: committed checkpoints to keep, newest first (``None``: keep all).
         keep_every: also keep every step that is a multiple of this (``None``: none).
         async_mode: :meth:`save` returns once the state is staged (``dcp.async_save``);
@@ -183,7 +183,7 @@ class CheckpointManager:
         self._raise_finished_errors()
         import torch.distributed.checkpoint as dcp
 
-        from .writer import S3StorageWriter
+        from ..saving.writer import S3StorageWriter
 
         base = self._choose_base(step) if self.incremental else None
         try:
@@ -409,7 +409,7 @@ class CheckpointManager:
             self._drain()  # no DCP collective of ours may run beside a save's
         import torch.distributed.checkpoint as dcp
 
-        from .reader import S3StorageReader
+        from ..loading.reader import S3StorageReader
 
         reader = S3StorageReader(self.uri(step), config=self.config, client=self.client)
         try:
@@ -442,7 +442,7 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
                       on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
     """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
     committed checkpoints under the same parent reference; see
-    :func:`s3dcp.incremental.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
+    :func:`s3dcp.lifecycle.incremental.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
     return _delete_checkpoint(client, uri, on_deleted=on_deleted)
 
 

@@ -6,7 +6,7 @@ writer. s3dcp writes its own format instead, and decoding builds only the known 
 plain values. Two versions exist; :func:`decode_metadata` reads both, telling them apart by the
 first byte, and :func:`encode_metadata` writes version 2 unless asked for 1:
 
-- version 2 (:mod:`s3dcp.metadata_v2`): a JSON header plus typed, compressed binary columns for the
+- version 2 (:mod:`s3dcp.format.metadata.v2`): a JSON header plus typed, compressed binary columns for the
   per-chunk numbers; ~1/40 of DCP's pickle at a million chunks, and decoded lazily: storage
   locations are built only for the items a rank reads. It starts with the byte 0x89.
 - version 1 (this module): one JSON document, starting with ``{``. Simple to read with any
@@ -74,8 +74,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import MetadataFormatError
-from .layout import ItemLocation
+from ...errors import MetadataFormatError
+from ..layout import ItemLocation
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "format_version_of", "dtype_to_str",
@@ -138,7 +138,7 @@ def encode_metadata(md: Metadata, *, version: int = FORMAT_VERSION) -> bytes:
     if md.version is not None and type(md.version) is not str:
         raise TypeError(f"Metadata.version must be a str or None, got {_type_name(md.version)}")
     if version == 2:
-        from . import metadata_v2  # imported here: it builds on the helpers of this module
+        from . import v2 as metadata_v2  # imported here: it builds on the helpers of this module
 
         return metadata_v2.encode(md)
     if version != 1:
@@ -266,14 +266,14 @@ def decode_metadata(data: bytes, *, source: str = "<metadata>", lazy: bool = Tru
     in ``data`` can run code: only the DCP metadata classes and plain values are ever built.
 
     ``state_dict_metadata`` is always decoded in full. With ``lazy`` (the default) a version-2
-    ``storage_data`` is a read-only :class:`~s3dcp.metadata_v2.LazyStorageData` mapping that
+    ``storage_data`` is a read-only :class:`~s3dcp.format.metadata.v2.LazyStorageData` mapping that
     builds each ItemLocation when it is looked up; ``lazy=False`` (and version 1) gives a dict.
     """
     try:
         data = bytes(data)
         with _gc_paused():
             if data[:1] == b"\x89":
-                from . import metadata_v2
+                from . import v2 as metadata_v2
 
                 if data.startswith(metadata_v2.MAGIC):
                     return metadata_v2.decode(data, lazy=lazy)
@@ -358,7 +358,7 @@ def format_version_of(data: bytes) -> int | None:
 
     Reads only the header (v2) or the first fields (v1 as s3dcp writes it), not the whole object.
     """
-    from . import metadata_v2
+    from . import v2 as metadata_v2
 
     if bytes(data[: len(metadata_v2.MAGIC)]) == metadata_v2.MAGIC:
         try:

@@ -42,20 +42,20 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from . import integrity, layout
-from .client import S3Client
-from .config import S3Config
-from .errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
-from .safetensors_format import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
-from .ring_buffer import RingArena, align as _align
-from .tensors import byte_view
-from .uri import S3Uri, is_s3_uri, object_key, parse_s3_uri
+from ..format import integrity, layout
+from ..s3.client import S3Client
+from ..config import S3Config
+from ..errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
+from ..format.safetensors import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
+from ..memory.ring_buffer import RingArena, align as _align
+from ..format.tensors import byte_view
+from ..uri import S3Uri, is_s3_uri, object_key, parse_s3_uri
 
 __all__ = ["export_safetensors", "ExportReport", "DEFAULT_SHARD_SIZE_BYTES", "DEFAULT_WINDOW_BYTES"]
 
 log = logging.getLogger("s3dcp")
 
-from .export_cli import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES  # noqa: E402 - one definition
+from ..cli.export import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES  # noqa: E402 - one definition
 
 
 @dataclass
@@ -117,7 +117,7 @@ def export_safetensors(
     called after each tensor is written.
     """
     _require_safetensors()  # before anything is created at dest
-    from .reader import S3StorageReader
+    from ..loading.reader import S3StorageReader
 
     if shard_size_bytes <= 0 or window_bytes <= 0:
         raise ConfigError(f"shard_size_bytes={shard_size_bytes} and window_bytes={window_bytes} must be positive")

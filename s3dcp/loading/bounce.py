@@ -8,7 +8,7 @@
 
 A load whose bytes cannot land in their destination directly (part of an item, another dtype,
 a GPU tensor) holds at most ``slots × slot_bytes`` of bounce memory, whatever the state's size.
-The arena comes from a :class:`s3dcp.pool.HostBufferPool`, pinned when CUDA is there, so
+The arena comes from a :class:`s3dcp.memory.pool.HostBufferPool`, pinned when CUDA is there, so
 host-to-device copies run asynchronously on a side stream (:class:`CudaCopier`) while later
 GETs are still in flight; a slot is reused only after the copies out of it are done.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .pool import HostBufferPool
+from ..memory.pool import HostBufferPool
 
 __all__ = ["BounceWindow", "SyncCopier", "CudaCopier", "ThreadCopier", "DeviceCopier", "copier_for", "read_pool",
            "release_read_memory"]

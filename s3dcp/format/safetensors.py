@@ -5,9 +5,9 @@
              "__metadata__": {"format": "pt"}}          offsets relative to the data section
     index:  model.safetensors.index.json = {"metadata": {"total_size": N}, "weight_map": {"name": "file"}}
 
-Reading needs only the header, so :class:`s3dcp.hf_reader.S3SafetensorsReader` fetches it with a
+Reading needs only the header, so :class:`s3dcp.interop.safetensors_reader.S3SafetensorsReader` fetches it with a
 ranged GET and then fetches exactly the tensor bytes each rank needs. Writing goes through the
-``safetensors`` package (:mod:`s3dcp.export`); this module only parses what it wrote.
+``safetensors`` package (:mod:`s3dcp.interop.export`); this module only parses what it wrote.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .errors import IncompleteCheckpointError, MetadataFormatError
+from ..errors import IncompleteCheckpointError, MetadataFormatError
 
 __all__ = [
     "HEADER_LENGTH_BYTES", "INDEX_NAME", "SUFFIX", "DTYPES", "TensorEntry", "Header",

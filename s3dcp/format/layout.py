@@ -2,7 +2,7 @@
 
 Pure data and logic, no I/O: :class:`ItemLocation` is the value type of ``Metadata.storage_data``
 (keyed by DCP's :class:`~torch.distributed.checkpoint.metadata.MetadataIndex`), written into the
-checkpoint metadata by :mod:`s3dcp.metadata` and read back to find each item on load.
+checkpoint metadata by :mod:`s3dcp.format.metadata` and read back to find each item on load.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = [
 #   <prefix>/.metadata                      the commit marker: written last, by the coordinator
 #   <prefix>/[NN-]__<rank>_<i>.<save id>.distcp   data objects (see object_name)
 #   <prefix>/.pending-references            an incremental save's references, from just before its
-#                                           commit check until just after its commit (s3dcp.incremental)
+#                                           commit check until just after its commit (s3dcp.lifecycle.incremental)
 METADATA_NAME = ".metadata"
 PENDING_NAME = ".pending-references"
 DATA_SUFFIX = ".distcp"

@@ -74,8 +74,8 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from .client import S3Client
-from .errors import (
+from ..s3.client import S3Client
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
@@ -83,7 +83,7 @@ from .errors import (
     MetadataFormatError,
     NoSuchKeyError,
 )
-from .layout import (
+from ..format.layout import (
     METADATA_NAME,
     PENDING_NAME,
     ItemLocation,
@@ -92,7 +92,7 @@ from .layout import (
     object_sizes,
     parse_object_name,
 )
-from .uri import S3Uri, object_key, parent_prefix, parse_s3_uri
+from ..uri import S3Uri, object_key, parent_prefix, parse_s3_uri
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -164,7 +164,7 @@ class BaseIndex:
     def load(cls, client: S3Client, target: S3Uri, base: S3Uri) -> "BaseIndex":
         """Read the base's metadata; refuse a base that is not a committed checkpoint."""
         check_base(target, base)
-        from .reader import S3StorageReader
+        from ..loading.reader import S3StorageReader
 
         try:
             metadata = S3StorageReader(str(base), client=client).fetch_metadata()
@@ -217,7 +217,7 @@ def sources(locations: Iterable[ItemLocation]) -> dict:
 
 
 # ---------------------------------------------------------------------------- deletion side
-_V2_MAGIC = b"\x89S3DCPMD"  # s3dcp.metadata_v2.MAGIC, repeated here so that reading names needs no torch
+_V2_MAGIC = b"\x89S3DCPMD"  # s3dcp.format.metadata.v2.MAGIC, repeated here so that reading names needs no torch
 _V2_HEAD = struct.Struct("<8sQ")
 
 
@@ -225,11 +225,11 @@ def object_names(raw: bytes, source: str) -> set[str]:
     """The object names a ``.metadata`` object uses. Versions 1 (one JSON document) and 2 (its
     header's interned ``object_names``, after checking the trailer CRC) are read directly,
     without importing torch, so ``s3dcp ls`` and ``rm`` stay light; anything else is decoded in
-    full by :func:`s3dcp.metadata.decode_metadata`, which also says what is wrong with it."""
+    full by :func:`s3dcp.format.metadata.decode_metadata`, which also says what is wrong with it."""
     names = _v2_names(raw) if raw[:len(_V2_MAGIC)] == _V2_MAGIC else _v1_names(raw)
     if names is not None:
         return names
-    from .metadata import decode_metadata
+    from ..format.metadata import decode_metadata
 
     metadata = decode_metadata(raw, source=source)
     return {loc.object_name for loc in (metadata.storage_data or {}).values()}
@@ -342,7 +342,7 @@ def references(client: S3Client, bucket: str, parent: str, *, ignore: frozenset[
 
 def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]:
     """The directories of ``by_dir`` (listing prefix -> its objects, as
-    :func:`s3dcp.manager.scan_directories` gives) that are deleted checkpoints kept only for
+    :func:`s3dcp.lifecycle.manager.scan_directories` gives) that are deleted checkpoints kept only for
     their references: no ``.metadata``, and every data object referenced by a committed
     sibling. ``ls`` and :meth:`CheckpointManager.list` do not show them. Reads references only
     when there is such a candidate."""
@@ -481,8 +481,8 @@ def materialize(uri: str, *, client: S3Client | None = None, config=None,
     that names the copies. The checkpoint stays committed and loadable throughout (the new
     metadata is one atomic PUT, written after every copy exists). Objects of deleted bases
     that only this checkpoint referenced are deleted afterwards. ``copy_options`` go to
-    :meth:`s3dcp.client.S3Client.copy` (``multipart_threshold_bytes``)."""
-    from .metadata import decode_metadata, encode_metadata
+    :meth:`s3dcp.s3.client.S3Client.copy` (``multipart_threshold_bytes``)."""
+    from ..format.metadata import decode_metadata, encode_metadata
 
     target = parse_s3_uri(uri)
     client = client or S3Client(config)

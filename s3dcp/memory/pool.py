@@ -6,7 +6,7 @@ them back, so only the first checkpoint of a job pays for allocating and page-fa
 memory; later ones are a memcpy. It also bounds how many arenas are in use at once
 (``max_inflight_checkpoints``): :meth:`HostBufferPool.acquire` waits for a free one.
 
-Who holds an arena, and when it comes back, is the stager's business (:mod:`s3dcp.staging`):
+Who holds an arena, and when it comes back, is the stager's business (:mod:`s3dcp.saving.staging`):
 the pool only asks each holder whether it is over (:meth:`Holder.over`) and takes back the
 arenas of those that are.
 """
@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .config import MiB
+from ..config import MiB
 
 __all__ = ["Arena", "HostBufferPool", "Holder", "shared_pool", "release_staging_memory", "ALIGN_BYTES"]
 

@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .client import S3Client
-from .config import S3Config
-from .errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
-from .layout import ItemLocation
-from .metadata import dtype_to_str
-from .pool import HostBufferPool
-from .reader import S3StorageReader
-from .safetensors_format import INDEX_NAME, SUFFIX, Header, check_shard_set, header_length, parse_header, parse_index
+from ..s3.client import S3Client
+from ..config import S3Config
+from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
+from ..format.layout import ItemLocation
+from ..format.metadata import dtype_to_str
+from ..memory.pool import HostBufferPool
+from ..loading.reader import S3StorageReader
+from ..format.safetensors import INDEX_NAME, SUFFIX, Header, check_shard_set, header_length, parse_header, parse_index
 
 __all__ = ["S3SafetensorsReader"]
 
@@ -69,7 +69,7 @@ class S3SafetensorsReader(S3StorageReader):
     Args:
         path: ``s3://bucket/prefix`` of the directory holding the files (trailing ``/`` optional).
         config: :class:`S3Config`; default: resolved from the environment.
-        client: an :class:`s3dcp.client.S3Client` to use.
+        client: an :class:`s3dcp.s3.client.S3Client` to use.
         pool: where the bounce window comes from (see :class:`S3StorageReader`).
     """
 

@@ -21,7 +21,7 @@ under the root (one HEAD, before any object is written): it is refused with
 :class:`CheckpointExistsError` unless ``storage_options`` holds ``"overwrite": True``, in which case
 the old ``.snapshot_metadata`` is deleted first and a failed re-take leaves no snapshot at all.
 
-Every coroutine awaits a future of :class:`s3dcp.client.S3Client`; at most ``max_concurrency``
+Every coroutine awaits a future of :class:`s3dcp.s3.client.S3Client`; at most ``max_concurrency``
 requests are started at once (an ``asyncio.Semaphore``, so the event loop never blocks on the
 client's own limit). Errors are s3dcp's (:class:`NoSuchBucketError`, :class:`AccessDeniedError`,
 …) and reach the caller of ``take``/``restore``/``wait``.
@@ -41,10 +41,10 @@ from typing import Any, Awaitable, Callable, Optional
 
 from torchsnapshot.io_types import ReadIO, StoragePlugin, WriteIO
 
-from .client import S3Client
-from .config import S3Config
-from .errors import CheckpointExistsError, ConfigError, NoSuchKeyError
-from .uri import parse_s3_uri
+from ..s3.client import S3Client
+from ..config import S3Config
+from ..errors import CheckpointExistsError, ConfigError, NoSuchKeyError
+from ..uri import parse_s3_uri
 
 __all__ = ["S3CRTStoragePlugin", "PROTOCOL", "SNAPSHOT_METADATA_NAME", "create_plugin"]
 

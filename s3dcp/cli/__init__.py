@@ -32,9 +32,10 @@ from dataclasses import asdict
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
-from . import __version__, integrity, layout
-from .config import S3Config
-from .errors import (
+from .. import __version__
+from ..format import integrity, layout
+from ..config import S3Config
+from ..errors import (
     AccessDeniedError,
     CheckpointNotFoundError,
     ConfigError,
@@ -45,9 +46,9 @@ from .errors import (
     UnsafePickleError,
     root_error,
 )
-from .layout import METADATA_NAME, is_data_object, parse_object_name
-from .localserver import DEFAULT_BUCKET
-from .uri import S3Uri, object_key, parse_s3_uri
+from ..format.layout import METADATA_NAME, is_data_object, parse_object_name
+from ..localserver import DEFAULT_BUCKET
+from ..uri import S3Uri, object_key, parse_s3_uri
 
 __all__ = ["main", "parse_duration"]
 
@@ -217,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
                         "checkpoints you trust: unpickling can run code)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    from .export_cli import register_cli as register_export  # s3dcp export (its own module)
+    from .export import register_cli as register_export  # s3dcp export (its own module)
     register_export(command)
 
     p = command("mb", cmd_mb, "create a bucket (in the region of --region / AWS_REGION on AWS)")
@@ -263,15 +264,15 @@ def _duration_arg(text: str) -> float:
 
 
 def _client(args):
-    from .client import S3Client
+    from ..s3.client import S3Client
 
     return S3Client(S3Config(endpoint_url=args.endpoint_url, region=args.region))
 
 
 # ---------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
-    from .incremental import held_for_references
-    from .manager import scan_directories
+    from ..lifecycle.incremental import held_for_references
+    from ..lifecycle.manager import scan_directories
 
     base = parse_s3_uri(args.uri)
     now = time.time()
@@ -328,9 +329,9 @@ def cmd_ls(args) -> int:
 def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .incremental import sources
-    from .metadata import FORMAT_NAME, dtype_to_str, format_version_of
-    from .reader import S3StorageReader
+    from ..lifecycle.incremental import sources
+    from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of
+    from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
     client = _client(args)
@@ -391,7 +392,7 @@ def cmd_inspect(args) -> int:
 def cmd_verify(args) -> int:
     from collections import deque
 
-    from .reader import S3StorageReader
+    from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
     client = _client(args)
@@ -491,7 +492,7 @@ def _chunk(offset) -> str:
 
 # ---------------------------------------------------------------------- rm
 def cmd_rm(args) -> int:
-    from .manager import delete_checkpoint
+    from ..lifecycle.manager import delete_checkpoint
 
     uri = parse_s3_uri(args.uri)
     client = _client(args)
@@ -523,7 +524,7 @@ def cmd_rm(args) -> int:
 
 # ---------------------------------------------------------------------- materialize
 def cmd_materialize(args) -> int:
-    from .incremental import materialize
+    from ..lifecycle.incremental import materialize
 
     uri = parse_s3_uri(args.uri)
     result = materialize(str(uri), client=_client(args))
@@ -539,7 +540,7 @@ def cmd_materialize(args) -> int:
 
 # ---------------------------------------------------------------------- gc
 def cmd_gc(args) -> int:
-    from .collect import gc
+    from ..lifecycle.gc import gc
 
     uri = parse_s3_uri(args.uri)
     client = _client(args)
@@ -596,7 +597,7 @@ def cmd_download(args) -> int:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from .reader import S3StorageReader
+    from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
     out = args.to_torch_save
@@ -631,7 +632,7 @@ def cmd_download(args) -> int:
 
 # ---------------------------------------------------------------------- server
 def cmd_server(args) -> int:
-    from . import localserver
+    from .. import localserver
 
     buckets = [] if args.no_bucket else (args.bucket or [DEFAULT_BUCKET])
     if args.stop:
@@ -690,7 +691,7 @@ def _boto3(config: S3Config):
     import boto3
     from botocore.config import Config
 
-    from .config import is_loopback_host
+    from ..config import is_loopback_host
 
     options: dict[str, Any] = {"signature_version": "s3v4", "retries": {"max_attempts": config.max_retries + 1,
                                                                         "mode": "standard"}}
@@ -708,7 +709,7 @@ def _scheme_hint(err: BaseException, args) -> str | None:
     """For a request that got no HTTP answer: does the endpoint speak the other protocol?"""
     if not isinstance(err, S3ConnectionError) or args is None:
         return None
-    from .probe import scheme_mismatch
+    from ..s3.probe import scheme_mismatch
 
     try:
         endpoint = S3Config(endpoint_url=getattr(args, "endpoint_url", None),

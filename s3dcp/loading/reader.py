@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from . import bounce, integrity, layout
-from .client import S3Client, abort_all, abort_and_wait
-from .config import S3Config
-from .errors import (
+from . import bounce
+from ..format import integrity, layout
+from ..s3.client import S3Client, abort_all, abort_and_wait
+from ..config import S3Config
+from ..errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     IntegrityError,
@@ -44,12 +45,12 @@ from .errors import (
     ThrottlingError,
     UnsafePickleError,
 )
-from .layout import METADATA_NAME, ItemLocation, Piece, Segment, is_data_object
-from .metadata import decode_metadata, str_to_dtype
-from .pool import HostBufferPool
-from .storage import S3CheckpointPath, UnreadableMetadata
-from .tensors import byte_view, has_lazy_bits
-from .uri import object_key
+from ..format.layout import METADATA_NAME, ItemLocation, Piece, Segment, is_data_object
+from ..format.metadata import decode_metadata, str_to_dtype
+from ..memory.pool import HostBufferPool
+from ..s3.location import S3CheckpointPath, UnreadableMetadata
+from ..format.tensors import byte_view, has_lazy_bits
+from ..uri import object_key
 
 __all__ = ["S3StorageReader"]
 
@@ -97,16 +98,16 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     Args:
         path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.load``.
         config: :class:`S3Config`; default: resolved from the environment.
-        client: an :class:`s3dcp.client.S3Client` to use.
+        client: an :class:`s3dcp.s3.client.S3Client` to use.
         verify: check every item's checksum (default True).
         allow_pickle: DCP stores non-tensor values (ints, strings, lists...) with
             ``torch.save`` and its default planner unpickles them with ``weights_only=False``,
             which can run code. By default the reader first checks each such item loads with
             ``weights_only=True`` (plain data only) and refuses the checkpoint otherwise; pass
             True for checkpoints you trust that hold other Python objects.
-        pool: the :class:`s3dcp.pool.HostBufferPool` the bounce window comes from (items that
+        pool: the :class:`s3dcp.memory.pool.HostBufferPool` the bounce window comes from (items that
             cannot land in their destination directly); default: a process-wide pool of its
-            own, pinned when CUDA is available (``s3dcp.bounce.read_pool()``).
+            own, pinned when CUDA is available (``s3dcp.loading.bounce.read_pool()``).
     """
 
     def __init__(

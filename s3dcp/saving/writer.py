@@ -7,7 +7,7 @@
 
 With ``incremental_from=`` (a committed sibling checkpoint), an item whose staged bytes are
 unchanged since that base is not uploaded: its location is a reference to where the base holds
-it (``../step-1000/__0_0.TOKEN.distcp``); see :mod:`s3dcp.incremental`.
+it (``../step-1000/__0_0.TOKEN.distcp``); see :mod:`s3dcp.lifecycle.incremental`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
-from . import integrity, layout
-from .incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
-from .client import S3Client, abort_and_wait
-from .config import S3Config
-from .errors import (
+from ..format import integrity, layout
+from ..lifecycle.incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
+from ..s3.client import S3Client, abort_and_wait
+from ..config import S3Config
+from ..errors import (
     CheckpointExistsError,
     ConfigError,
     IncompleteCheckpointError,
@@ -40,12 +40,12 @@ from .errors import (
     PreconditionFailedError,
     S3DCPError,
 )
-from .layout import METADATA_NAME, PENDING_NAME, ItemLocation
-from .metadata import decode_metadata, dtype_to_str, encode_metadata
+from ..format.layout import METADATA_NAME, PENDING_NAME, ItemLocation
+from ..format.metadata import decode_metadata, dtype_to_str, encode_metadata
 from .staging import StagingMixin
-from .storage import S3CheckpointPath
-from .uri import object_key, parent_prefix, parse_s3_uri
-from .tensors import byte_view, to_host_contiguous
+from ..s3.location import S3CheckpointPath
+from ..uri import object_key, parent_prefix, parse_s3_uri
+from ..format.tensors import byte_view, to_host_contiguous
 
 __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
 
@@ -100,12 +100,12 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
        the checkpoint, and deletes the marker
 
     :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
-    training thread (see :class:`s3dcp.staging.StagingMixin`), then runs 0-6 in the background.
+    training thread (see :class:`s3dcp.saving.staging.StagingMixin`), then runs 0-6 in the background.
 
     Args:
         path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.save``.
         config: :class:`S3Config`; default: resolved from the environment.
-        client: an :class:`s3dcp.client.S3Client` to use (tests and benchmarks inject one).
+        client: an :class:`s3dcp.s3.client.S3Client` to use (tests and benchmarks inject one).
         overwrite: replace a committed checkpoint at ``path`` (its unreferenced data objects
             are deleted after the new metadata commits). Default: refuse.
         pool: the staging pool for ``async_save`` (default: the process-wide shared pool).
@@ -235,7 +235,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit (coordinator only, after every rank's writes succeeded). With references: put
         the pending-references marker, then check the base is still the committed checkpoint
-        set-up read (the protocol of :mod:`s3dcp.incremental` that keeps a concurrent delete of
+        set-up read (the protocol of :mod:`s3dcp.lifecycle.incremental` that keeps a concurrent delete of
         the base from leaving a dangling reference). Then check that every object the metadata
         names is there with its exact size, write the metadata with ``If-None-Match: *``, and
         delete the marker; with ``overwrite=True``, then delete the replaced checkpoint's own
@@ -293,7 +293,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
 
     # ------------------------------------------------------------------ helpers
     def _committed(self) -> bool:
-        from .errors import NoSuchKeyError
+        from ..errors import NoSuchKeyError
 
         try:
             self.client.head(self._uri.bucket, self._uri.key(METADATA_NAME)).result()

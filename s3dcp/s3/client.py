@@ -5,7 +5,7 @@
     head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
 
 Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, by
-:func:`s3dcp.responses.translate_error`, from HTTP status and S3 error code (never message
+:func:`s3dcp.s3.responses.translate_error`, from HTTP status and S3 error code (never message
 text) into the :mod:`s3dcp.errors` hierarchy, keeping the original as ``__cause__``.
 
 The CRT client is created lazily, so an :class:`S3Client` pickles (DCP's process executor
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
-from .config import S3Config
-from .errors import IntegrityError, NoSuchKeyError, RequestAbortedError, S3ConnectionError, S3DCPError, S3Error
+from ..config import S3Config
+from ..errors import IntegrityError, NoSuchKeyError, RequestAbortedError, S3ConnectionError, S3DCPError, S3Error
 from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
 from .streams import BufferStream, chain, deadlines, finalizer, gather
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import MetadataFormatError
+from ...errors import MetadataFormatError
 
 __all__ = ["ColumnWriter", "ColumnReader", "TYPES", "MAX_COUNT", "bounded"]
 

@@ -1,6 +1,6 @@
 """A FIFO ring buffer of host memory: spans allocated in order and freed in the same order.
 
-Used by :mod:`s3dcp.export` to download tensors a few ahead of the writer in memory it owns,
+Used by :mod:`s3dcp.interop.export` to download tensors a few ahead of the writer in memory it owns,
 so the memory bound does not depend on when the client lets go of a finished request's views.
 """
 

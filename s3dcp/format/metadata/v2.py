@@ -20,7 +20,7 @@ index into: ``fqns`` (state_dict_metadata keys in order, then fqns only storage 
 ``properties`` (distinct TensorProperties as ``[dtype, layout, requires_grad, memory_format,
 pin_memory]``), and under ``storage_data``: ``object_names`` (interned; any string, so a later
 incremental checkpoint may point at ``"../step-1000/__0_0.tok.distcp"``), ``dtypes``, and how
-checksums are stored (below). Columns (see :mod:`s3dcp.metadata_columns`):
+checksums are stored (below). Columns (see :mod:`s3dcp.format.metadata.columns`):
 
     state_dict_metadata, one value per entry:
       sdm.properties   0 = bytes item, k = properties[k-1]
@@ -75,11 +75,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import metadata as m
-from .errors import MetadataFormatError
-from .layout import ItemLocation
-from .metadata_columns import MAX_COUNT, ColumnReader, ColumnWriter, bounded
-from .metadata_storage import LazyStorageData, Rows
+from .. import metadata as m
+from ...errors import MetadataFormatError
+from ..layout import ItemLocation
+from .columns import MAX_COUNT, ColumnReader, ColumnWriter, bounded
+from .storage import LazyStorageData, Rows
 
 __all__ = ["MAGIC", "VERSION", "encode", "decode", "header_of", "LazyStorageData"]
 
@@ -94,7 +94,7 @@ _TRAILER = struct.Struct("<I")
 
 
 def encode(md: Metadata) -> bytes:
-    """Encode ``md`` (already type-checked at the top level by :func:`s3dcp.metadata.encode_metadata`)."""
+    """Encode ``md`` (already type-checked at the top level by :func:`s3dcp.format.metadata.encode_metadata`)."""
     cols = ColumnWriter()
     sdm = md.state_dict_metadata
     fqns: list[str] = []

@@ -1,0 +1,5 @@
+"""``python -m s3dcp.cli``: the ``s3dcp`` command."""
+
+from . import main
+
+raise SystemExit(main())

@@ -19,7 +19,7 @@ from s3dcp import S3StorageWriter, __version__, cli
 from s3dcp.config import MiB
 
 BIN = os.path.join(os.path.dirname(sys.executable), "s3dcp")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = [sys.executable, "-m", "s3dcp.cli"]  # this checkout's CLI, whichever s3dcp the venv installed
 
 

@@ -837,7 +837,7 @@ def test_lazy_storage_data_is_a_read_only_mapping():
 
 def build_scaled(ranks: int, tensors: int) -> Metadata:
     spec = importlib.util.spec_from_file_location(
-        "metadata_scale", pathlib.Path(__file__).parent.parent / "benchmarks" / "metadata_scale.py")
+        "metadata_scale", pathlib.Path(__file__).parents[2] / "benchmarks" / "metadata_scale.py")
     module = sys.modules.get("metadata_scale")
     if module is None:
         module = importlib.util.module_from_spec(spec)

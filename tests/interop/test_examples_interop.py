@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ts_entry_point import entry_point_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, *args: str, env: dict) -> subprocess.CompletedProcess:

@@ -290,7 +290,7 @@ def test_process_executor_round_trip(s3_server, bucket):
     """DCP's process executor: the writer is pickled to a daemon process; staged tensors go
     there through shared memory. Run in a fresh interpreter (it needs a process group)."""
     env = {**os.environ, **s3_server.env()}
-    job = Path(__file__).with_name("process_executor_job.py")
+    job = Path(__file__).parents[1] / "process_executor_job.py"
     done = subprocess.run([sys.executable, str(job), f"s3://{bucket}/proc"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3dcp import S3StorageWriter, __version__, cli
+from s3dcp.cli.parser import parse_duration
 from s3dcp.config import MiB
 
 BIN = os.path.join(os.path.dirname(sys.executable), "s3dcp")
@@ -105,11 +106,11 @@ def test_light_commands_do_not_import_torch(run_dir, bucket):
 
 
 def test_durations():
-    assert [cli.parse_duration(t) for t in ("30s", "10m", "1h", "2d", "1w", "90", "1h30m", "1.5h")] == \
+    assert [parse_duration(t) for t in ("30s", "10m", "1h", "2d", "1w", "90", "1h30m", "1.5h")] == \
         [30, 600, 3600, 172800, 604800, 90, 5400, 5400]
     for bad in ("", "h", "1x", "1h 30", "-1s"):
         with pytest.raises(ValueError):
-            cli.parse_duration(bad)
+            parse_duration(bad)
 
 
 def test_missing_bucket_is_one_clear_line(capsys):

@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Callable
+
+from .. import __version__
+from ..localserver import DEFAULT_BUCKET
+from .browse import cmd_inspect, cmd_ls
+from .cleanup import cmd_gc, cmd_materialize, cmd_rm
+from .common import UsageError
+from .server import cmd_mb, cmd_server
+from .verify import cmd_download, cmd_verify
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class _ArgumentError(UsageError):
+    """argparse refused the command line; ``parser`` is the (sub)parser whose usage applies."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises instead of exiting, so main() can answer in JSON."""
+
+    def error(self, message: str):
+        raise _ArgumentError(self, message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("--endpoint-url", default=argparse.SUPPRESS, metavar="URL",
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / the profile / AWS)")
+    common.add_argument("--region", default=argparse.SUPPRESS, help="S3 region (default: AWS_REGION / the profile)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print tracebacks of errors")
+
+    parser = _Parser(
+        prog="s3dcp", description="Inspect, verify, copy out and clean up PyTorch DCP checkpoints in S3.",
+        epilog="Exit status: 0 ok, 1 the operation failed, 2 usage error. "
+               "Credentials come from the usual AWS environment (variables, profile, instance role).")
+    parser.add_argument("--version", action="version", version=f"s3dcp {__version__}")
+    parser.add_argument("--endpoint-url", default=None, metavar="URL",
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / the profile / AWS); "
+                             "also accepted after the command")
+    parser.add_argument("--region", default=None, help="S3 region (default: AWS_REGION / the profile)")
+    parser.add_argument("--debug", action="store_true", help="print tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, run: Callable, help: str, s3: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common] if s3 else [], help=help, description=help)
+        if not s3:
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print tracebacks of errors")
+        p.set_defaults(run=run)
+        return p
+
+    p = command("ls", cmd_ls, "list the checkpoints below a prefix (directories holding .metadata or .distcp objects)")
+    p.add_argument("uri", help="s3://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("inspect", cmd_inspect, "show a checkpoint's contents from its metadata alone")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("verify", cmd_verify, "download every item and check its checksum (exit 1 if any is bad)")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = command("rm", cmd_rm, "delete a checkpoint (its .metadata first, then its data objects)")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("-y", "--yes", action="store_true", help="required to delete a committed checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = command("materialize", cmd_materialize,
+                "copy every object an incremental checkpoint references into it (server-side), so it stands alone")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("gc", cmd_gc, "delete leftovers of failed saves and abort stale multipart uploads")
+    p.add_argument("uri", help="s3://bucket/prefix (every checkpoint below it is examined)")
+    p.add_argument("--older-than", type=_duration_arg, default=3600.0, metavar="AGE",
+                   help="only leftovers older than this: 30s, 10m, 1h, 2d, 1h30m (default: 1h)")
+    p.add_argument("--dry-run", action="store_true", help="report what would go; delete nothing")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("download", cmd_download, "convert a checkpoint into one torch.save file")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--to-torch-save", required=True, metavar="FILE", help="the file to write")
+    p.add_argument("-f", "--force", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="unpickle non-tensor items without torch.load's weights_only safety (only for "
+                        "checkpoints you trust: unpickling can run code)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    from .export import register_cli as register_export  # s3dcp export (its own module)
+    register_export(command)
+
+    p = command("mb", cmd_mb, "create a bucket (in the region of --region / AWS_REGION on AWS)")
+    p.add_argument("uri", help="s3://bucket")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("server", cmd_server,
+                "run a local S3 server (SeaweedFS) on 127.0.0.1 that creates s3://demo, until Ctrl-C", s3=False)
+    p.epilog = ('In another shell, eval "$(s3dcp server --print-env)" points AWS SDKs and s3dcp at it '
+                "(and starts one in the background when none runs); s3dcp server --stop stops it.")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--print-env", action="store_true",
+                        help="print export lines for the running server (start one in the background if none "
+                             "runs) and exit: eval \"$(s3dcp server --print-env)\"")
+    action.add_argument("--stop", action="store_true", help="stop the server that --print-env names")
+    p.add_argument("--bucket", action="append", default=None, metavar="NAME",
+                   help=f"create this bucket (repeatable; default: {DEFAULT_BUCKET}); with --print-env also on a "
+                        "server that runs already")
+    p.add_argument("--no-bucket", action="store_true", help="create no bucket")
+    p.add_argument("--dir", metavar="D", help="data directory to use and keep (default: temporary)")
+    p.add_argument("--port", type=int, metavar="P", help="S3 port (default: a free one)")
+    p.add_argument("--access-key", default="s3dcp-local", help="the one access key (default: s3dcp-local)")
+    p.add_argument("--secret-key", help="its secret (default: a random one)")
+    return parser
+
+
+def parse_duration(text: str) -> float:
+    """``"90"``, ``"30s"``, ``"10m"``, ``"1h"``, ``"2d"``, ``"1w"``, ``"1h30m"`` -> seconds."""
+    value = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ValueError(f"invalid duration {text!r}: use a number with a unit, like 30s, 10m, 1h, 2d")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

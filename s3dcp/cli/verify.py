@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Sequence
+
+from ..errors import S3DCPError, UnsafePickleError, root_error
+from ..format import integrity, layout
+from ..uri import S3Uri, object_key, parse_s3_uri
+from .common import UsageError, _client
+from .output import _print_json, _progress, _size
+
+_READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one block
+
+
+# ---------------------------------------------------------------------- verify
+def cmd_verify(args) -> int:
+    from collections import deque
+
+    from ..loading.reader import S3StorageReader
+
+    uri = parse_s3_uri(args.uri)
+    client = _client(args)
+    md = S3StorageReader(str(uri), client=client).fetch_metadata()
+    checks: list[_Verify] = []
+    bad: list[dict[str, Any]] = []
+    unchecked = 0
+    segments: dict[str, list[layout.Segment]] = {}
+    for index, loc in md.storage_data.items():
+        if loc.checksum is None:
+            unchecked += 1
+            continue
+        try:
+            check = _Verify(index, integrity.ItemCheck(loc))
+        except ValueError as e:
+            bad.append(_bad(uri, index, loc, str(e)))
+            continue
+        checks.append(check)
+        step = check.item.piece_bytes  # pieces line up with the block checksums
+        for start in range(0, loc.length, step) if loc.length else [0]:
+            segments.setdefault(loc.object_name, []).append(
+                layout.Segment(loc.offset + start, min(step, loc.length - start), check))
+    runs = [(name, run) for name, segs in sorted(segments.items())
+            for run in layout.coalesce(segs, 0, integrity.BLOCK_SIZE_BYTES)]
+    total = sum(seg.length for _, run in runs for seg in run)
+
+    # A few ranged GETs in flight, handled in order so each item's pieces arrive in order;
+    # memory stays at a few blocks whatever the object sizes.
+    with _progress(total, "B", args.quiet) as bar:
+        window: deque = deque()
+
+        def finish_oldest() -> None:
+            future, buf, start, run = window.popleft()
+            _check_run(future, memoryview(buf), start, run)
+            bar.update(sum(seg.length for seg in run))
+
+        for name, run in runs:
+            start, end = run[0].offset, max(seg.end for seg in run)
+            buf = bytearray(end - start)
+            window.append((client.get_range_into(uri.bucket, object_key(uri, name), start, buf), buf, start, run))
+            if len(window) >= _READ_WINDOW:
+                finish_oldest()
+        while window:
+            finish_oldest()
+    bad += [_bad(uri, c.index, c.item.location, c.error or c.item.got, c.item.bad_blocks)
+            for c in checks if c.error or not c.item.ok]
+    nbytes = sum(c.item.location.length for c in checks)
+    if args.json:
+        _print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
+                     "unchecked_items": unchecked, "bytes": nbytes, "bad": bad})
+    else:
+        for b in bad:
+            where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
+            print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                  f"expected {b['expected']}, got {b['got']}{where}")
+        if not bad:
+            note = f", {unchecked} without checksums (not checked)" if unchecked else ""
+            print(f"OK: {len(checks)} item(s), {nbytes} bytes ({_size(nbytes)}) in "
+                  f"{len({c.item.location.object_name for c in checks})} object(s) of {uri} verified{note}")
+    if bad:
+        print(f"s3dcp: error: {len(bad)} bad item(s) in {uri}; restore from another checkpoint", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _Verify:
+    """One item under ``s3dcp verify``: its :class:`integrity.ItemCheck`, fed piece by piece
+    in order, or why it could not be read."""
+
+    def __init__(self, index, item: integrity.ItemCheck) -> None:
+        self.index, self.item = index, item
+        self.error: str | None = None
+
+
+def _check_run(future, buf: memoryview, start: int, run: list) -> None:
+    try:
+        future.result()
+    except S3DCPError as e:
+        for seg in run:
+            seg.tag.error = seg.tag.error or f"unreadable: {' '.join(str(e).split())}"
+        return
+    for seg in run:
+        if seg.tag.error is None:
+            seg.tag.item.feed(buf[seg.offset - start:seg.end - start])
+
+
+def _bad(uri: S3Uri, index, loc, got: str, bad_blocks: Sequence[int] = ()) -> dict[str, Any]:
+    return {"object": f"s3://{uri.bucket}/{object_key(uri, loc.object_name)}", "fqn": index.fqn,
+            "offset": None if index.offset is None else list(index.offset),
+            "start": loc.offset, "end": loc.offset + loc.length, "expected": loc.checksum, "got": got,
+            "bad_blocks": list(bad_blocks)}
+
+
+def _chunk(offset) -> str:
+    return f" (chunk at {tuple(offset)})" if offset and any(offset) else ""
+
+
+# ---------------------------------------------------------------------- download
+def cmd_download(args) -> int:
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from ..loading.reader import S3StorageReader
+
+    uri = parse_s3_uri(args.uri)
+    out = args.to_torch_save
+    if os.path.exists(out) and not args.force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
+    reader = S3StorageReader(str(uri), client=_client(args), allow_pickle=args.allow_pickle)
+    reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    state_dict: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _load_state_dict(state_dict, storage_reader=reader, no_dist=True, planner=_EmptyStateDictLoadPlanner())
+    except BaseException as e:  # noqa: BLE001 - DCP wraps ours in a BaseException
+        if isinstance(root_error(e), UnsafePickleError):
+            raise UnsafePickleError(f"{root_error(e)} (here: --allow-pickle)") from e
+        raise
+    partial = f"{out}.partial"
+    try:
+        torch.save(state_dict, partial)
+        os.replace(partial, out)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    nbytes = os.path.getsize(out)
+    if args.json:
+        _print_json({"uri": str(uri), "file": os.path.abspath(out), "bytes": nbytes,
+                     "top_level_keys": sorted(map(str, state_dict))})
+    else:
+        print(f"wrote {out}: {len(state_dict)} top-level key(s), {_size(nbytes)} from {uri}")
+    return 0

@@ -11,11 +11,11 @@ import re
 import sys
 from typing import Any, Callable
 
+from ..interop.export_defaults import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES
+
 __all__ = ["register_cli", "cmd_export", "parse_size"]
 
 INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_SHARD_SIZE_BYTES = 5 * 1000**3  # Hugging Face's default max_shard_size, "5GB"
-DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 
 
 def register_cli(command: Callable[..., Any]) -> None:

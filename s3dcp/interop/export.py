@@ -50,12 +50,11 @@ from ..format.safetensors import INDEX_NAME, SUFFIX, index_document, parse_heade
 from ..memory.ring_buffer import RingArena, align as _align
 from ..format.tensors import byte_view
 from ..uri import S3Uri, is_s3_uri, object_key, parse_s3_uri
+from .export_defaults import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES
 
 __all__ = ["export_safetensors", "ExportReport", "DEFAULT_SHARD_SIZE_BYTES", "DEFAULT_WINDOW_BYTES"]
 
 log = logging.getLogger("s3dcp")
-
-from ..cli.export import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES  # noqa: E402 - one definition
 
 
 @dataclass

@@ -442,7 +442,7 @@ def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_p
 def test_default_shard_size_is_hugging_faces_5gb():
     import inspect
 
-    from s3dcp.cli.export import DEFAULT_SHARD_SIZE_BYTES
+    from s3dcp.interop.export_defaults import DEFAULT_SHARD_SIZE_BYTES
 
     assert DEFAULT_SHARD_SIZE_BYTES == 5 * 1000**3
     assert inspect.signature(export_safetensors).parameters["shard_size_bytes"].default == 5 * 1000**3

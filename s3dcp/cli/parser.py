@@ -5,10 +5,12 @@ import re
 from typing import Callable
 
 from .. import __version__
+from ..interop.export_defaults import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES
 from ..localserver import DEFAULT_BUCKET
 from .browse import cmd_inspect, cmd_ls
 from .cleanup import cmd_gc, cmd_materialize, cmd_rm
 from .common import UsageError
+from .export import cmd_export
 from .server import cmd_mb, cmd_server
 from .verify import cmd_download, cmd_verify
 
@@ -97,8 +99,21 @@ def _parser() -> argparse.ArgumentParser:
                         "checkpoints you trust: unpickling can run code)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    from .export import register_cli as register_export  # s3dcp export (its own module)
-    register_export(command)
+    p = command("export", cmd_export, "write a checkpoint's tensors as Hugging Face sharded safetensors")
+    p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
+    p.add_argument("--to-safetensors", required=True, metavar="DEST",
+                   help="a local directory or an s3://bucket/prefix to write the files to")
+    p.add_argument("--shard-size", type=_size_arg, default=DEFAULT_SHARD_SIZE_BYTES, metavar="SIZE",
+                   help="largest shard file: 5GB (default), 500MB, 2GiB, bytes")
+    p.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                   help="export only tensors whose name starts with PREFIX (repeatable), e.g. model.")
+    p.add_argument("--strip-prefix", metavar="PREFIX", help="drop PREFIX from the names written, e.g. model.")
+    p.add_argument("--window", type=_size_arg, default=DEFAULT_WINDOW_BYTES, metavar="SIZE",
+                   help="tensor bytes downloading ahead of the writer (default 256MiB)")
+    p.add_argument("-f", "--force", action="store_true",
+                   help="replace an export already at DEST (its index and *.safetensors files are deleted first)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
     p = command("mb", cmd_mb, "create a bucket (in the region of --region / AWS_REGION on AWS)")
     p.add_argument("uri", help="s3://bucket")
@@ -138,5 +153,27 @@ def parse_duration(text: str) -> float:
 def _duration_arg(text: str) -> float:
     try:
         return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5e9, ``"512MiB"`` -> 512×2²⁰, ``"1000"`` -> 1000 (Hugging Face's units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"invalid size {text!r}: use a number with a unit, like 5GB, 500MB, 2GiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None

@@ -26,8 +26,7 @@ from s3dcp.errors import (
     MetadataFormatError,
 )
 from s3dcp.interop.export import export_safetensors
-from s3dcp.cli.export import parse_size
-from s3dcp.cli.parser import _parser
+from s3dcp.cli.parser import _parser, parse_size
 from s3dcp.interop.safetensors_reader import S3SafetensorsReader
 from s3dcp.format.safetensors import parse_header
 

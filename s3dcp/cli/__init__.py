@@ -16,6 +16,13 @@ S3 settings come from the environment as for the library (``AWS_ENDPOINT_URL_S3`
 Exit status: 0 ok, 1 the operation failed (bad checkpoint, bad items, S3 errors), 2 usage.
 With ``--json`` an error is one JSON object on stderr: ``{"error": {"type", "message",
 "exit_code", and the S3 request's "bucket", "key", "status", "code", "request_id"}}``.
+
+This module owns :func:`main` and how errors are reported (exit status, one line or one JSON
+object, the hint for an http/https mismatch). The command line is parsed in :mod:`.parser`;
+the commands live one group per module: :mod:`.browse` (ls, inspect), :mod:`.verify` (verify,
+download), :mod:`.cleanup` (rm, materialize, gc), :mod:`.export`, :mod:`.server` (server, mb);
+:mod:`.output` prints tables, sizes and JSON. Importing any of them imports no torch: the heavy
+imports happen inside the commands that need them.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Sequence
 from ..config import S3Config
 from ..errors import ConfigError, NoSuchBucketError, S3ConnectionError, S3DCPError, root_error
 from .common import UsageError
-from .parser import _ArgumentError, _parser
+from .parser import CommandLineError, build_parser
 
 __all__ = ["main"]
 
@@ -54,12 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str], json_errors: bool) -> int:
-    parser = _parser()
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except _ArgumentError as e:
+    except CommandLineError as e:
         if json_errors:
             return _report_error(e, json_errors=True, debug=False)
         e.parser.print_usage(sys.stderr)
@@ -126,6 +133,3 @@ def _scheme_hint(err: BaseException, args) -> str | None:
     hint = scheme_mismatch(endpoint)
     return f"{hint} (--endpoint-url or AWS_ENDPOINT_URL_S3)" if hint else None
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

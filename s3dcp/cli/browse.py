@@ -1,3 +1,6 @@
+"""``s3dcp ls`` (the checkpoints below a prefix) and ``s3dcp inspect`` (one checkpoint's contents from
+its metadata alone): commands that read listings and metadata, never tensor data."""
+
 from __future__ import annotations
 
 import re
@@ -7,8 +10,10 @@ from typing import Any
 
 from ..format.layout import METADATA_NAME, is_data_object, parse_object_name
 from ..uri import parse_s3_uri
-from .common import _client
-from .output import _age, _print_json, _size, _table
+from .common import s3_client
+from .output import format_age, format_size, print_json, print_table
+
+__all__ = ["cmd_ls", "cmd_inspect"]
 
 
 # ---------------------------------------------------------------------- ls
@@ -19,7 +24,7 @@ def cmd_ls(args) -> int:
     base = parse_s3_uri(args.uri)
     now = time.time()
     rows = []
-    client = _client(args)
+    client = s3_client(args)
     by_dir = scan_directories(client, base)
     held = held_for_references(client, base.bucket, by_dir)  # deleted; objects kept for incremental ones
     for directory, objects in by_dir.items():
@@ -44,7 +49,7 @@ def cmd_ls(args) -> int:
         })
     rows.sort(key=lambda r: (r["run"], r["step"] is None, r["step"] or 0, r["name"]))
     if args.json:
-        _print_json(rows)
+        print_json(rows)
         return 0
     if not rows:
         print(f"s3dcp: no checkpoints under {base}", file=sys.stderr)
@@ -58,12 +63,13 @@ def cmd_ls(args) -> int:
         if headed:  # one table per run (the checkpoints' parent prefix)
             committed = [r for r in group if r["committed"] and r["step"] is not None]
             latest = f", latest committed step {max(r['step'] for r in committed)}" if committed else ""
-            print(f"{'' if i == 0 else chr(10)}{run}/  ({len(group)} checkpoint(s), {_size(sum(r['bytes'] for r in group))}"
-                  f"{latest})")
+            print(f"{'' if i == 0 else chr(10)}{run}/  ({len(group)} checkpoint(s), "
+                  f"{format_size(sum(r['bytes'] for r in group))}{latest})")
         cut = len(run) - len(str(base)) if run != str(base) else 0  # "a/" of "a/step-1"
-        _table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], _size(r["bytes"]), r["objects"],
-                         "committed" if r["committed"] else "INCOMPLETE", _age(r["age_s"])] for r in group],
-               indent=2 if headed else 0)
+        print_table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], format_size(r["bytes"]),
+                              r["objects"], "committed" if r["committed"] else "INCOMPLETE", format_age(r["age_s"])]
+                             for r in group],
+                    indent=2 if headed else 0)
     return 0
 
 
@@ -76,7 +82,7 @@ def cmd_inspect(args) -> int:
     from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
-    client = _client(args)
+    client = s3_client(args)
     md = S3StorageReader(str(uri), client=client).fetch_metadata()
     format_version = format_version_of(client.get(uri.bucket, uri.key(METADATA_NAME)).result())
     stored: dict[str, int] = {}
@@ -105,26 +111,27 @@ def cmd_inspect(args) -> int:
         **sources(md.storage_data.values()),  # incremental: bytes written vs inherited per base
     }
     if args.json:
-        _print_json(report)
+        print_json(report)
         return 0
     extra = "".join(f", {label} {value}" for label, value in (("DCP", md.version), ("save", report["save_id"]))
                     if value)
     print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
-    print(f"\ntensors: {len(tensors)}, {_size(sum(t['bytes'] for t in tensors))}")
-    _table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
-           [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]
-            for t in tensors], indent=2)
+    print(f"\ntensors: {len(tensors)}, {format_size(sum(t['bytes'] for t in tensors))}")
+    print_table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
+                [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]
+                 for t in tensors], indent=2)
     print(f"\nnon-tensor items: {len(others)}")
-    _table(["FQN", "BYTES"], [[o["fqn"], o["bytes"]] for o in others], indent=2)
+    print_table(["FQN", "BYTES"], [[o["fqn"], o["bytes"]] for o in others], indent=2)
     print(f"\ndata objects: {len(objects)}")
-    _table(["OBJECT", "RANK", "ITEMS", "BYTES"],
-           [[o["object"], "-" if o["rank"] is None else o["rank"], o["items"], o["bytes"]]
-            for o in report["objects"]], indent=2)
+    print_table(["OBJECT", "RANK", "ITEMS", "BYTES"],
+                [[o["object"], "-" if o["rank"] is None else o["rank"], o["items"], o["bytes"]]
+                 for o in report["objects"]], indent=2)
     if report["inherited"]:
         print("\nincremental: items stored here and referenced in bases")
-        _table(["SOURCE", "ITEMS", "BYTES"],
-               [["(written)", report["written"]["items"], report["written"]["bytes"]]]
-               + [[f"../{d}", v["items"], v["bytes"]] for d, v in sorted(report["inherited"].items())], indent=2)
-    print(f"\ntotal: {report['total_bytes']} bytes ({_size(report['total_bytes'])}) "
+        print_table(["SOURCE", "ITEMS", "BYTES"],
+                    [["(written)", report["written"]["items"], report["written"]["bytes"]]]
+                    + [[f"../{d}", v["items"], v["bytes"]] for d, v in sorted(report["inherited"].items())],
+                    indent=2)
+    print(f"\ntotal: {report['total_bytes']} bytes ({format_size(report['total_bytes'])}) "
           f"in {len(md.storage_data)} item(s), {len(objects)} object(s)")
     return 0

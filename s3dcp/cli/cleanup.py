@@ -1,3 +1,7 @@
+"""The commands that delete or rewrite what is stored: ``s3dcp rm`` (one checkpoint, keeping what
+others reference), ``s3dcp materialize`` (make an incremental checkpoint stand alone) and
+``s3dcp gc`` (leftovers of failed saves, stale multipart uploads)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -6,8 +10,10 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..format.layout import METADATA_NAME, is_data_object
 from ..uri import S3Uri, parse_s3_uri
-from .common import UsageError, _client
-from .output import _age, _print_json, _progress, _size
+from .common import UsageError, s3_client
+from .output import format_age, format_size, print_json, progress_bar
+
+__all__ = ["cmd_rm", "cmd_materialize", "cmd_gc"]
 
 
 # ---------------------------------------------------------------------- rm
@@ -15,7 +21,7 @@ def cmd_rm(args) -> int:
     from ..lifecycle.manager import delete_checkpoint
 
     uri = parse_s3_uri(args.uri)
-    client = _client(args)
+    client = s3_client(args)
     objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
     names = [o.key.rpartition("/")[2] for o in objects]
     committed = METADATA_NAME in names
@@ -24,21 +30,21 @@ def cmd_rm(args) -> int:
         raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no data objects)")
     if committed and not args.yes:
         raise UsageError(f"{uri} is a committed checkpoint ({len(ours)} object(s)); pass --yes to delete it")
-    with _progress(len(ours), "obj", args.quiet or len(ours) < 100) as bar:
+    with progress_bar(len(ours), "obj", args.quiet or len(ours) < 100) as bar:
         result = delete_checkpoint(client, uri, on_deleted=bar.update)
     count, nbytes = result
     others = len(objects) - len(ours)
     if args.json:
-        _print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
+        print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
                      "other_objects_left": others, "kept_referenced": result.kept,
                      "kept_referenced_bytes": result.kept_bytes, "released": result.released})
     else:
         left = f"; {others} other object(s) left in place" if others else ""
         if result.kept:
-            left += (f"; kept {len(result.kept)} object(s) ({_size(result.kept_bytes)}) that other checkpoints "
+            left += (f"; kept {len(result.kept)} object(s) ({format_size(result.kept_bytes)}) that other checkpoints "
                      "reference (deleted with the last of them)")
         print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
-              f"{count} object(s), {_size(nbytes)}{left}")
+              f"{count} object(s), {format_size(nbytes)}{left}")
     return 0
 
 
@@ -47,12 +53,13 @@ def cmd_materialize(args) -> int:
     from ..lifecycle.incremental import materialize
 
     uri = parse_s3_uri(args.uri)
-    result = materialize(str(uri), client=_client(args))
+    result = materialize(str(uri), client=s3_client(args))
     if args.json:
-        _print_json(asdict(result))
+        print_json(asdict(result))
     elif result.items:
         print(f"materialized {uri}: {result.items} item(s) now in {result.copied_objects} copied object(s) "
-              f"({_size(result.copied_bytes)}, server-side); {len(result.released)} unreferenced base object(s) freed")
+              f"({format_size(result.copied_bytes)}, server-side); {len(result.released)} unreferenced base "
+              "object(s) freed")
     else:
         print(f"{uri} references no other checkpoint; nothing to do")
     return 0
@@ -63,15 +70,15 @@ def cmd_gc(args) -> int:
     from ..lifecycle.gc import gc
 
     uri = parse_s3_uri(args.uri)
-    client = _client(args)
+    client = s3_client(args)
     report = gc(str(uri), older_than_s=args.older_than, client=client, dry_run=args.dry_run)
     skipped = _gc_skipped(uri, report, args.older_than)
     for key, upload_id in report.kept_recent_uploads:
         skipped.append({"prefix": f"s3://{uri.bucket}/{key}", "objects": None, "upload_id": upload_id,
-                        "reason": f"its save was active less than --older-than {_age(args.older_than)} ago (an "
+                        "reason": f"its save was active less than --older-than {format_age(args.older_than)} ago (an "
                                   "object, the upload's start or its newest part): it may still be uploading"})
     if args.json:
-        _print_json({"uri": str(uri), "dry_run": args.dry_run, "older_than_s": args.older_than, **asdict(report),
+        print_json({"uri": str(uri), "dry_run": args.dry_run, "older_than_s": args.older_than, **asdict(report),
                      "skipped": skipped})
         return 0
     verb = "would delete" if args.dry_run else "deleted"
@@ -85,7 +92,7 @@ def cmd_gc(args) -> int:
         what = f"upload {s['upload_id']}" if "upload_id" in s else f"{s['objects']} object(s)" \
             if s["objects"] is not None else "metadata"
         print(f"skipped: {s['prefix']} ({what}): {s['reason']}")
-    print(f"gc {uri}: {verb} {len(report.deleted)} object(s) ({_size(report.deleted_bytes)}), "
+    print(f"gc {uri}: {verb} {len(report.deleted)} object(s) ({format_size(report.deleted_bytes)}), "
           f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} upload(s); "
           f"skipped {len(report.kept_recent)} recent unreferenced object(s)"
           f"{f' and {len(report.unreadable_metadata)} checkpoint(s) with unreadable metadata' if report.unreadable_metadata else ''}")
@@ -99,7 +106,7 @@ def _gc_skipped(uri: S3Uri, report, older_than_s: float) -> list[dict[str, Any]]
         directory = key.rpartition("/")[0]
         recent[directory] = recent.get(directory, 0) + 1
     skipped = [{"prefix": f"s3://{uri.bucket}/{d}/", "objects": n, "reason":
-                f"unreferenced data newer than --older-than {_age(older_than_s)}: a save may still be writing "
+                f"unreferenced data newer than --older-than {format_age(older_than_s)}: a save may still be writing "
                 "it; rerun gc later (or with a smaller --older-than once no save runs)"}
                for d, n in sorted(recent.items())]
     skipped += [{"prefix": f"s3://{uri.bucket}/{key.rpartition('/')[0]}/", "objects": None, "reason":

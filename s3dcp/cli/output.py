@@ -1,18 +1,24 @@
+"""How ``s3dcp`` commands print: JSON on stdout, aligned tables, human sizes and ages, and a progress
+bar on stderr (tqdm, only on a terminal)."""
+
 from __future__ import annotations
 
 import json
 import sys
 from typing import Any
 
+__all__ = ["print_json", "print_table", "format_size", "format_age", "progress_bar"]
 
-# ---------------------------------------------------------------------- output helpers
-def _print_json(value: Any) -> None:
+
+def print_json(value: Any) -> None:
+    """``value`` as indented JSON on stdout, flushed."""
     json.dump(value, sys.stdout, indent=2)
     sys.stdout.write("\n")
     sys.stdout.flush()
 
 
-def _table(header: list[str], rows: list[list[Any]], indent: int = 0) -> None:
+def print_table(header: list[str], rows: list[list[Any]], indent: int = 0) -> None:
+    """``rows`` under ``header`` in left-aligned columns, or ``(none)``."""
     if not rows:
         print(" " * indent + "(none)")
         return
@@ -22,7 +28,8 @@ def _table(header: list[str], rows: list[list[Any]], indent: int = 0) -> None:
         print(" " * indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _size(n: int) -> str:
+def format_size(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
@@ -31,7 +38,8 @@ def _size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _age(seconds: float | None) -> str:
+def format_age(seconds: float | None) -> str:
+    """Seconds in the largest whole unit: ``5400`` -> ``"1h"``; None -> ``"-"``."""
     if seconds is None:
         return "-"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -51,7 +59,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, unit: str, quiet: bool):
+def progress_bar(total: int, unit: str, quiet: bool):
     """A tqdm bar on stderr when it is a terminal (and tqdm is installed), else nothing."""
     if quiet or not sys.stderr.isatty():
         return _NoBar()

@@ -1,3 +1,8 @@
+"""The ``s3dcp`` command line: the argparse tree (every command, its arguments and help) and the
+argument types (durations, sizes). Parsing only: each command's ``run`` is a function of the
+module that does the work; a refused command line raises :class:`CommandLineError`.
+"""
+
 from __future__ import annotations
 
 import argparse
@@ -14,10 +19,12 @@ from .export import cmd_export
 from .server import cmd_mb, cmd_server
 from .verify import cmd_download, cmd_verify
 
+__all__ = ["CommandLineError", "build_parser", "parse_duration", "parse_size"]
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-class _ArgumentError(UsageError):
+class CommandLineError(UsageError):
     """argparse refused the command line; ``parser`` is the (sub)parser whose usage applies."""
 
     def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
@@ -29,10 +36,11 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises instead of exiting, so main() can answer in JSON."""
 
     def error(self, message: str):
-        raise _ArgumentError(self, message)
+        raise CommandLineError(self, message)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``s3dcp`` parser; ``args.run(args)`` runs the command it parsed."""
     common = _Parser(add_help=False)
     common.add_argument("--endpoint-url", default=argparse.SUPPRESS, metavar="URL",
                         help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / the profile / AWS)")

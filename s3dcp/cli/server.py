@@ -1,3 +1,6 @@
+"""The commands that set up S3 rather than checkpoints: ``s3dcp server`` (a local SeaweedFS server to
+try things out, :mod:`s3dcp.localserver`) and ``s3dcp mb`` (create a bucket, through boto3)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +11,9 @@ from ..errors import AccessDeniedError, S3ConnectionError, S3Error
 from ..localserver import DEFAULT_BUCKET
 from ..uri import parse_s3_uri
 from .common import UsageError
-from .output import _print_json
+from .output import print_json
+
+__all__ = ["cmd_server", "cmd_mb"]
 
 
 # ---------------------------------------------------------------------- server
@@ -59,7 +64,7 @@ def cmd_mb(args) -> int:
         raise S3ConnectionError(f"CreateBucket failed without an HTTP answer from {config.endpoint_url}: {e}",
                                 operation="CreateBucket", bucket=uri.bucket) from e
     if args.json:
-        _print_json({"uri": str(uri), "created": created, "region": config.region,
+        print_json({"uri": str(uri), "created": created, "region": config.region,
                      "endpoint_url": config.endpoint_url})
     else:
         print(f"{'created' if created else 'exists already (yours)'}: s3://{uri.bucket} "

@@ -1,3 +1,7 @@
+"""The commands that read a checkpoint's data: ``s3dcp verify`` (every item against its checksum, a
+few ranged GETs in flight, memory bounded by a few blocks) and ``s3dcp download`` (the whole
+checkpoint into one ``torch.save`` file)."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +11,10 @@ from typing import Any, Sequence
 from ..errors import S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
 from ..uri import S3Uri, object_key, parse_s3_uri
-from .common import UsageError, _client
-from .output import _print_json, _progress, _size
+from .common import UsageError, s3_client
+from .output import format_size, print_json, progress_bar
+
+__all__ = ["cmd_verify", "cmd_download"]
 
 _READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one block
 
@@ -20,7 +26,7 @@ def cmd_verify(args) -> int:
     from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
-    client = _client(args)
+    client = s3_client(args)
     md = S3StorageReader(str(uri), client=client).fetch_metadata()
     checks: list[_Verify] = []
     bad: list[dict[str, Any]] = []
@@ -46,7 +52,7 @@ def cmd_verify(args) -> int:
 
     # A few ranged GETs in flight, handled in order so each item's pieces arrive in order;
     # memory stays at a few blocks whatever the object sizes.
-    with _progress(total, "B", args.quiet) as bar:
+    with progress_bar(total, "B", args.quiet) as bar:
         window: deque = deque()
 
         def finish_oldest() -> None:
@@ -66,7 +72,7 @@ def cmd_verify(args) -> int:
             for c in checks if c.error or not c.item.ok]
     nbytes = sum(c.item.location.length for c in checks)
     if args.json:
-        _print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
+        print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
                      "unchecked_items": unchecked, "bytes": nbytes, "bad": bad})
     else:
         for b in bad:
@@ -75,7 +81,7 @@ def cmd_verify(args) -> int:
                   f"expected {b['expected']}, got {b['got']}{where}")
         if not bad:
             note = f", {unchecked} without checksums (not checked)" if unchecked else ""
-            print(f"OK: {len(checks)} item(s), {nbytes} bytes ({_size(nbytes)}) in "
+            print(f"OK: {len(checks)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
                   f"{len({c.item.location.object_name for c in checks})} object(s) of {uri} verified{note}")
     if bad:
         print(f"s3dcp: error: {len(bad)} bad item(s) in {uri}; restore from another checkpoint", file=sys.stderr)
@@ -129,7 +135,7 @@ def cmd_download(args) -> int:
     out = args.to_torch_save
     if os.path.exists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
-    reader = S3StorageReader(str(uri), client=_client(args), allow_pickle=args.allow_pickle)
+    reader = S3StorageReader(str(uri), client=s3_client(args), allow_pickle=args.allow_pickle)
     reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
     state_dict: dict[str, Any] = {}
     try:
@@ -149,8 +155,8 @@ def cmd_download(args) -> int:
             os.unlink(partial)
     nbytes = os.path.getsize(out)
     if args.json:
-        _print_json({"uri": str(uri), "file": os.path.abspath(out), "bytes": nbytes,
+        print_json({"uri": str(uri), "file": os.path.abspath(out), "bytes": nbytes,
                      "top_level_keys": sorted(map(str, state_dict))})
     else:
-        print(f"wrote {out}: {len(state_dict)} top-level key(s), {_size(nbytes)} from {uri}")
+        print(f"wrote {out}: {len(state_dict)} top-level key(s), {format_size(nbytes)} from {uri}")
     return 0

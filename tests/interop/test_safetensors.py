@@ -26,7 +26,7 @@ from s3dcp.errors import (
     MetadataFormatError,
 )
 from s3dcp.interop.export import export_safetensors
-from s3dcp.cli.parser import _parser, parse_size
+from s3dcp.cli.parser import build_parser, parse_size
 from s3dcp.interop.safetensors_reader import S3SafetensorsReader
 from s3dcp.format.safetensors import parse_header
 
@@ -445,7 +445,7 @@ def test_default_shard_size_is_hugging_faces_5gb():
 
     assert DEFAULT_SHARD_SIZE_BYTES == 5 * 1000**3
     assert inspect.signature(export_safetensors).parameters["shard_size_bytes"].default == 5 * 1000**3
-    args = _parser().parse_args(["export", "s3://b/c", "--to-safetensors", "out"])
+    args = build_parser().parse_args(["export", "s3://b/c", "--to-safetensors", "out"])
     assert args.shard_size == 5 * 1000**3
 
 

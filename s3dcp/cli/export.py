@@ -1,25 +1,24 @@
-"""``s3dcp export``: the command line of :mod:`s3dcp.interop.export` (its output; its arguments are in
-:mod:`s3dcp.cli.parser`).
+"""``s3dcp export``: runs :func:`s3dcp.interop.export.export_safetensors` with a progress bar and prints
+its report (the command's arguments are in :mod:`s3dcp.cli.parser`).
 
-Importing this module is cheap (no torch): the CLI builds its parser for every command.
+Importing this module is cheap (no torch): the CLI imports it for every command.
 """
 
 from __future__ import annotations
 
-import json
 import sys
+
+from .common import s3_client
+from .output import print_json
 
 __all__ = ["cmd_export"]
 
-INDEX_NAME = "model.safetensors.index.json"
-
 
 def cmd_export(args) -> int:
-    from ..s3.client import S3Client
-    from ..config import S3Config
+    from ..format.safetensors import INDEX_NAME
     from ..interop.export import export_safetensors
 
-    client = S3Client(S3Config(endpoint_url=args.endpoint_url, region=args.region))
+    client = s3_client(args)
     bar = _progress_bar(args.quiet or args.json)
 
     def progress(done: int, total: int) -> None:
@@ -36,8 +35,7 @@ def cmd_export(args) -> int:
         if bar is not None:
             bar.close()
     if args.json:
-        json.dump(report.__dict__, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(report.__dict__)
     else:
         unverified = f", {report.unverified_chunks} chunk(s) without checksum" if report.unverified_chunks else ""
         print(f"exported {report.tensors} tensor(s), {report.tensor_bytes} bytes, from {report.source} to "

@@ -24,27 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import MetadataFormatError
-from .common import (  # noqa: F401  (the private names: v2 and storage reach them through this package, for now)
-    _DTYPES, _LAYOUTS, _MEMORY_FORMATS, _READS, FORMAT_NAME, FORMAT_VERSION, _bool, _check_version,
-    _decode_storage_meta, _dict, _encode_storage_meta, _from_name, _get, _int, _list, _opt, _reject_constant,
-    _short, _size, _str, _to_name, _type_name, dtype_to_str, str_to_dtype,
-)
-from .tree import _decode_tree, _encode_tree
-from .v1 import _V1_PREFIX, _decode, _encode_storage, _encode_storage_data
+from . import v1, v2
+from .common import _READS, FORMAT_NAME, FORMAT_VERSION, _type_name, dtype_to_str, str_to_dtype  # noqa: F401 (public)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "format_version_of", "dtype_to_str",
     "str_to_dtype",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Encoding
 
 
 def encode_metadata(md: Metadata, *, version: int = FORMAT_VERSION) -> bytes:
@@ -58,32 +48,10 @@ def encode_metadata(md: Metadata, *, version: int = FORMAT_VERSION) -> bytes:
     if md.version is not None and type(md.version) is not str:
         raise TypeError(f"Metadata.version must be a str or None, got {_type_name(md.version)}")
     if version == 2:
-        from . import v2 as metadata_v2  # imported here: it builds on the helpers of this module
-
-        return metadata_v2.encode(md)
-    if version != 1:
-        raise ValueError(f"version={version!r}: s3dcp writes metadata format versions {_READS}")
-    sdm = {}
-    for fqn, item in md.state_dict_metadata.items():
-        if type(fqn) is not str:  # json.dumps would silently turn an int key into a string
-            raise TypeError(f"state_dict_metadata key {fqn!r} is a {_type_name(fqn)}, not a str")
-        sdm[fqn] = _encode_storage(item, f"state_dict_metadata[{fqn!r}]")
-    doc = {
-        "format": FORMAT_NAME,
-        "version": 1,
-        "dcp_version": md.version,
-        "state_dict_metadata": sdm,
-        "storage_data": _encode_storage_data(md.storage_data),
-        "planner_data": _encode_tree(md.planner_data, "planner_data"),
-        "storage_meta": _encode_storage_meta(md.storage_meta),
-    }
-    # ensure_ascii keeps any str (even a lone surrogate) lossless; allow_nan=False proves the
-    # tagged tree left no bare nan/inf behind.
-    return json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-# ---------------------------------------------------------------------------------------------
-# Decoding
+        return v2.encode(md)
+    if version == 1:
+        return v1.encode(md)
+    raise ValueError(f"version={version!r}: s3dcp writes metadata format versions {_READS}")
 
 
 def decode_metadata(data: bytes, *, source: str = "<metadata>", lazy: bool = True) -> Metadata:
@@ -101,12 +69,10 @@ def decode_metadata(data: bytes, *, source: str = "<metadata>", lazy: bool = Tru
         data = bytes(data)
         with _gc_paused():
             if data[:1] == b"\x89":
-                from . import v2 as metadata_v2
-
-                if data.startswith(metadata_v2.MAGIC):
-                    return metadata_v2.decode(data, lazy=lazy)
+                if data.startswith(v2.MAGIC):
+                    return v2.decode(data, lazy=lazy)
                 raise MetadataFormatError("not s3dcp metadata: starts with byte 0x89 but not with the s3dcp magic")
-            return _decode(data)
+            return v1.decode(data)
     except MetadataFormatError as e:
         raise MetadataFormatError(f"{source}: {e}") from None
     except (KeyError, IndexError, TypeError, ValueError, OverflowError, RecursionError) as e:
@@ -138,22 +104,10 @@ def format_version_of(data: bytes) -> int | None:
 
     Reads only the header (v2) or the first fields (v1 as s3dcp writes it), not the whole object.
     """
-    from . import v2 as metadata_v2
-
-    if bytes(data[: len(metadata_v2.MAGIC)]) == metadata_v2.MAGIC:
+    if bytes(data[: len(v2.MAGIC)]) == v2.MAGIC:
         try:
-            version = metadata_v2.header_of(data).get("version")
+            version = v2.header_of(data).get("version")
         except MetadataFormatError:
             return None
         return version if type(version) is int else None
-    match = _V1_PREFIX.match(bytes(data[:200]))
-    if match:
-        return int(match.group(1))
-    try:  # JSON in another field order: parse it all
-        doc = json.loads(bytes(data))
-    except (ValueError, RecursionError):
-        return None
-    version = doc.get("version") if type(doc) is dict and doc.get("format") == FORMAT_NAME else None
-    return version if type(version) is int else None
-
-
+    return v1.version_of(data)

@@ -29,19 +29,19 @@ from ...errors import MetadataFormatError
 from .common import _DTYPES, _from_name, _list, _short, _size, _str, _type_name, dtype_to_str
 
 
-def _encode_tree(obj: Any, path: str) -> Any:
-    """Encode a planner_data-like tree with the tags described in the module docstring."""
+def encode_tree(obj: Any, path: str) -> Any:
+    """Encode a planner_data-like tree with the tags described in the module docstring; ``path`` names it in errors."""
     t = type(obj)
     if obj is None or t is bool or t is int or t is str:
         return obj
     if t is float:
         return obj if math.isfinite(obj) else {"__float__": repr(obj)}  # 'nan', 'inf', '-inf'
     if t is list:
-        return [_encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if t is tuple:
-        return {"__tuple__": [_encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"__tuple__": [encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
     if t is dict:
-        return {"__dict__": [[_encode_tree(k, f"{path} key {k!r}"), _encode_tree(v, f"{path}[{k!r}]")]
+        return {"__dict__": [[encode_tree(k, f"{path} key {k!r}"), encode_tree(v, f"{path}[{k!r}]")]
                              for k, v in obj.items()]}
     if t is bytes:
         return {"__bytes__": base64.b64encode(obj).decode("ascii")}
@@ -55,25 +55,25 @@ def _encode_tree(obj: Any, path: str) -> Any:
     )
 
 
-def _decode_tree(node: Any, where: str) -> Any:
-    """Inverse of :func:`_encode_tree`."""
+def decode_tree(node: Any, where: str) -> Any:
+    """Inverse of :func:`encode_tree`; a bad node raises MetadataFormatError naming ``where``."""
     t = type(node)
     if node is None or t is bool or t is int or t is float or t is str:
         return node
     if t is list:
-        return [_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        return [decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
     if len(node) != 1:
         msg = f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}"
         raise MetadataFormatError(msg)
     ((tag, body),) = node.items()
     if tag == "__tuple__":
-        return tuple(_decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_list(body, where)))
+        return tuple(decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_list(body, where)))
     if tag == "__dict__":
         out = {}
         for i, pair in enumerate(_list(body, where)):
             if type(pair) is not list or len(pair) != 2:
                 raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
-            out[_decode_tree(pair[0], f"{where} key {i}")] = _decode_tree(pair[1], f"{where}[{i}]")
+            out[decode_tree(pair[0], f"{where} key {i}")] = decode_tree(pair[1], f"{where}[{i}]")
         return out
     if tag == "__bytes__":
         return base64.b64decode(_str(body, where), validate=True)

@@ -40,11 +40,33 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
 from .common import (
-    _DTYPES, _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _bool, _check_version, _decode_storage_meta, _dict, _get,
+    _DTYPES, _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _bool, _check_version, _decode_storage_meta, _dict,
+    _encode_storage_meta, _get,
     _int, _ints, _json_type, _list, _named, _opt, _reject_constant, _short, _size, _str, _to_name, _type_name,
     dtype_to_str,
 )
-from .tree import _decode_tree
+from .tree import decode_tree, encode_tree
+
+
+def encode(md: Metadata) -> bytes:
+    """Encode ``md`` as one JSON document, pure ASCII (the caller has checked ``md``'s type)."""
+    sdm = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if type(fqn) is not str:  # json.dumps would silently turn an int key into a string
+            raise TypeError(f"state_dict_metadata key {fqn!r} is a {_type_name(fqn)}, not a str")
+        sdm[fqn] = _encode_storage(item, f"state_dict_metadata[{fqn!r}]")
+    doc = {
+        "format": FORMAT_NAME,
+        "version": 1,
+        "dcp_version": md.version,
+        "state_dict_metadata": sdm,
+        "storage_data": _encode_storage_data(md.storage_data),
+        "planner_data": encode_tree(md.planner_data, "planner_data"),
+        "storage_meta": _encode_storage_meta(md.storage_meta),
+    }
+    # ensure_ascii keeps any str (even a lone surrogate) lossless; allow_nan=False proves the
+    # tagged tree left no bare nan/inf behind.
+    return json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def _encode_storage(item: Any, where: str) -> dict:
@@ -101,7 +123,8 @@ def _encode_storage_data(sd: Any) -> list | None:
     return out
 
 
-def _decode(data: bytes) -> Metadata:
+def decode(data: bytes) -> Metadata:
+    """Decode a format-1 document; the caller (:func:`~s3dcp.format.metadata.decode_metadata`) names the source."""
     if not data.strip():
         raise MetadataFormatError("not s3dcp metadata: the object is empty")
     try:
@@ -125,7 +148,7 @@ def _decode(data: bytes) -> Metadata:
     storage_meta = _get(doc, "storage_meta", "metadata")
     return Metadata(
         state_dict_metadata={k: _decode_storage(v, f"state_dict_metadata[{k!r}]") for k, v in sdm.items()},
-        planner_data=_decode_tree(_get(doc, "planner_data", "metadata"), "planner_data"),
+        planner_data=decode_tree(_get(doc, "planner_data", "metadata"), "planner_data"),
         storage_data=_decode_storage_data(_get(doc, "storage_data", "metadata")),
         storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
         version=_get(doc, "dcp_version", "metadata", _opt(_str)),
@@ -133,6 +156,19 @@ def _decode(data: bytes) -> Metadata:
 
 
 _V1_PREFIX = re.compile(rb'\s*\{\s*"format"\s*:\s*"s3dcp-metadata"\s*,\s*"version"\s*:\s*(\d{1,9})\s*[,}]')
+
+
+def version_of(data: bytes) -> int | None:
+    """The version a JSON document claims: from its first fields when s3dcp wrote it, else by parsing it all."""
+    match = _V1_PREFIX.match(bytes(data[:200]))
+    if match:
+        return int(match.group(1))
+    try:  # JSON in another field order: parse it all
+        doc = json.loads(bytes(data))
+    except (ValueError, RecursionError):
+        return None
+    version = doc.get("version") if type(doc) is dict and doc.get("format") == FORMAT_NAME else None
+    return version if type(version) is int else None
 
 
 def _decode_storage(node: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:

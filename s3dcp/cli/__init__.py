@@ -271,7 +271,7 @@ def _client(args):
 
 # ---------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
-    from ..lifecycle.incremental import held_for_references
+    from ..lifecycle.deletion import held_for_references
     from ..lifecycle.manager import scan_directories
 
     base = parse_s3_uri(args.uri)
@@ -329,7 +329,7 @@ def cmd_ls(args) -> int:
 def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..lifecycle.incremental import sources
+    from ..format.references import sources
     from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of
     from ..loading.reader import S3StorageReader
 
@@ -524,7 +524,7 @@ def cmd_rm(args) -> int:
 
 # ---------------------------------------------------------------------- materialize
 def cmd_materialize(args) -> int:
-    from ..lifecycle.incremental import materialize
+    from ..lifecycle.materialize import materialize
 
     uri = parse_s3_uri(args.uri)
     result = materialize(str(uri), client=_client(args))

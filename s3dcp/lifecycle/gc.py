@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..s3.client import S3Client, UploadInfo
 from ..config import S3Config
-from .incremental import References, references
+from ..saving.referenced import References, references
 from ..format.layout import PENDING_NAME, parse_object_name
 from ..uri import parse_s3_uri
 

@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from ..s3.client import ObjectInfo, S3Client
 from ..config import S3Config
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
-from .incremental import DeleteResult, check_base, held_for_references
-from .incremental import delete_checkpoint as _delete_checkpoint
+from .deletion import DeleteResult, held_for_references
+from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
+from ..saving.base import check_base
 from ..uri import S3Uri, parse_s3_uri
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from ..format.references import object_names, pending_names
 from ..saving.referenced import References, references
 from ..uri import S3Uri, object_key, parent_prefix
 
-__all__ = ["held_for_references", "DeleteResult", "delete_checkpoint"]
+__all__ = ["held_for_references", "DeleteResult", "delete_checkpoint", "release_unreferenced"]
 
 log = logging.getLogger("s3dcp")
 
@@ -91,7 +91,7 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
     ``.metadata`` (from then on it is neither committed, loadable, nor a valid base: a save
     on it that has not passed its commit check refuses to commit, and a half-finished deletion
     reads as incomplete, never as a corrupt checkpoint); only then read the references of
-    every sibling, committed and pending (the order the protocol in the module docstring
+    every sibling, committed and pending (the order the protocol in :mod:`s3dcp.saving.referenced`
     needs); delete its data objects that none of them references; delete its own marker, if a
     save here never finished; then delete objects of earlier-deleted siblings that only this
     checkpoint still referenced. Objects that s3dcp did not write, and deeper directories, are
@@ -134,14 +134,14 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
         refs = references(client, uri.bucket, parent_prefix(uri))
         if refs.unreadable:
             return result
-    result.released = _release(client, uri.bucket, own_refs, refs)
+    result.released = release_unreferenced(client, uri.bucket, own_refs, refs)
     if kept:
         log.info("deleted %s; kept %d of its object(s) (%d bytes) that other checkpoints reference", uri,
                  len(kept), result.kept_bytes)
     return result
 
 
-def _release(client: S3Client, bucket: str, keys: Iterable[str], refs: References) -> list[str]:
+def release_unreferenced(client: S3Client, bucket: str, keys: Iterable[str], refs: References) -> list[str]:
     """Delete those of ``keys`` (objects in sibling directories) that no committed checkpoint
     references and whose directory is no committed checkpoint: leftovers of deleted bases."""
     doomed = sorted(k for k in keys

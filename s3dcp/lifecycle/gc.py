@@ -17,10 +17,10 @@ the key of each of its unfinished multipart uploads. In each checkpoint director
 - objects that committed metadata references, and the metadata, are never touched — also
   objects of a deleted checkpoint that an incremental sibling still references: references are
   collected from every committed checkpoint under each directory's parent prefix
-  (:func:`s3dcp.lifecycle.incremental.references`); nothing is deleted under a parent prefix where some
+  (:func:`s3dcp.saving.referenced.references`); nothing is deleted under a parent prefix where some
   metadata cannot be read;
 - an unfinished upload whose key is not a data object name is judged alone, by its own age;
-- a pending-references marker (:mod:`s3dcp.lifecycle.incremental`) older than ``older_than_s`` belongs to
+- a pending-references marker (:mod:`s3dcp.saving.referenced`) older than ``older_than_s`` belongs to
   an incremental save that died between writing it and committing: gc ignores it when
   collecting references and deletes it. A younger one counts as references.
 """

@@ -16,7 +16,7 @@ and only after a newer save has committed; directories without ``.metadata`` (a 
 running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age.
 
 With ``incremental=True`` each save uses the newest committed checkpoint as its base
-(:mod:`s3dcp.lifecycle.incremental`): unchanged items become references to it. Retention then deletes a
+(:mod:`s3dcp.saving.base`): unchanged items become references to it. Retention then deletes a
 checkpoint's metadata and only those of its objects that no kept checkpoint references; the
 rest go when the last checkpoint referencing them goes. Choosing the base:
 
@@ -443,7 +443,7 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
                       on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
     """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
     committed checkpoints under the same parent reference; see
-    :func:`s3dcp.lifecycle.incremental.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
+    :func:`s3dcp.lifecycle.deletion.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
     return _delete_checkpoint(client, uri, on_deleted=on_deleted)
 
 

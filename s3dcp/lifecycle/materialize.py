@@ -14,7 +14,7 @@ from ..format.layout import METADATA_NAME, new_save_id, object_sizes, parse_obje
 from ..format.references import split_reference
 from ..saving.referenced import references
 from ..uri import object_key, parent_prefix, parse_s3_uri
-from .deletion import _release
+from .deletion import release_unreferenced
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -100,7 +100,7 @@ def materialize(uri: str, *, client: S3Client | None = None, config=None,
                single_request=True, content_type="application/json").result()
     refs = references(client, target.bucket, parent_prefix(target))
     if not refs.unreadable:
-        result.released = _release(client, target.bucket, (object_key(target, n) for n in referenced), refs)
+        result.released = release_unreferenced(client, target.bucket, (object_key(target, n) for n in referenced), refs)
     log.info("materialized %s: %d object(s), %d bytes copied server-side for %d item(s)", target,
              result.copied_objects, result.copied_bytes, result.items)
     return result

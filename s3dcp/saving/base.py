@@ -8,7 +8,8 @@ that a base is a sibling (check_base).
         │       — nothing uploaded; a reference the base held is copied as is (no chains)
         └─ no:  uploaded as in a full save
     commit (coordinator): marker, base unchanged, every referenced object there at the size
-        the base records (one LIST per referenced directory), then .metadata as always (below)
+        the base records (one LIST per referenced directory), then .metadata as always
+        (the order that keeps a concurrent delete of the base safe: :mod:`s3dcp.saving.referenced`)
 
 **Deciding "unchanged".** Only from the bytes staged for this save: FQN and chunk offsets (the
 :class:`MetadataIndex`), stored dtype and shape, byte length, and a CRC64NVME of the bytes
@@ -31,6 +32,7 @@ from ..s3.client import S3Client
 from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
 from ..format.layout import ItemLocation, object_sizes
 from ..format.references import REFERENCE_CHECKSUM, reference_name, split_reference
+from ..loading.reader import S3StorageReader
 from ..uri import S3Uri, parent_prefix
 
 if TYPE_CHECKING:
@@ -77,8 +79,6 @@ class BaseIndex:
     def load(cls, client: S3Client, target: S3Uri, base: S3Uri) -> "BaseIndex":
         """Read the base's metadata; refuse a base that is not a committed checkpoint."""
         check_base(target, base)
-        from ..loading.reader import S3StorageReader
-
         try:
             metadata = S3StorageReader(str(base), client=client).fetch_metadata()
         except (CheckpointNotFoundError, IncompleteCheckpointError) as e:

@@ -5,7 +5,8 @@ References are plain object names relative to the checkpoint directory, so the m
 does not change: ``"__0_0.tok.distcp"`` is the checkpoint's own object, ``"../<sibling>/<name>"``
 one of a sibling under the same parent prefix (:func:`s3dcp.uri.object_key` resolves and
 polices them). Loading an incremental checkpoint reads exactly the bytes a full one would,
-only from other keys, and verifies them against the same checksums.
+only from other keys, and verifies them against the same checksums. Hence a base must be a
+sibling (:func:`check_base`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import struct
 import zlib
 from typing import Iterable
 
-from ..errors import MetadataFormatError
+from ..errors import ConfigError, MetadataFormatError
+from ..uri import S3Uri, parent_prefix
 from .layout import ItemLocation
 
 __all__ = [
-    "REFERENCE_CHECKSUM", "is_reference", "split_reference", "reference_name", "sources", "object_names",
+    "REFERENCE_CHECKSUM", "is_reference", "split_reference", "reference_name", "check_base", "sources", "object_names",
     "encode_pending", "pending_names",
 ]
 
@@ -43,6 +45,18 @@ def split_reference(object_name: str) -> tuple[str | None, str]:
 def reference_name(directory: str, name: str) -> str:
     """The object name, relative to a checkpoint, of object ``name`` of sibling ``directory``."""
     return f"../{directory}/{name}"
+
+
+def check_base(target: S3Uri, base: S3Uri) -> None:
+    """Refuse a base that is not a sibling of ``target`` (same bucket, same parent prefix,
+    another directory): references are ``../<sibling>/<name>`` and deletion counts them per
+    parent prefix, so a base anywhere else could be deleted under the checkpoint."""
+    if base.bucket != target.bucket or parent_prefix(base) != parent_prefix(target) or not target.prefix \
+            or base.prefix == target.prefix or not base.prefix:
+        raise ConfigError(
+            f"incremental_from={str(base)!r} cannot be the base of {target}: a base must be another "
+            f"checkpoint in the same directory (s3://{target.bucket}/{parent_prefix(target)}<name>), so that "
+            "its objects are counted as referenced before anything there is deleted")
 
 
 def sources(locations: Iterable[ItemLocation]) -> dict:

@@ -49,7 +49,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwr
 from .deletion import DeleteResult, held_for_references
 from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
-from ..saving.base import check_base
+from ..format.references import check_base
 from ..uri import S3Uri, parse_s3_uri
 
 if TYPE_CHECKING:

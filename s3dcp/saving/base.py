@@ -1,5 +1,6 @@
-"""What an incremental save inherits from its base: the base's items (BaseIndex) and the rule
-that a base is a sibling (check_base).
+"""What an incremental save inherits from its base: the base's items (BaseIndex). The rule that a
+base is a sibling is :func:`s3dcp.format.references.check_base` (pure, so the manager checks it
+without importing torch).
 
     base (a committed sibling, e.g. run/step-1000) ──.metadata──► BaseIndex: per item (FQN +
         chunk offsets) its object, byte range, length, dtype, shape and CRC64NVME
@@ -29,30 +30,18 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..s3.client import S3Client
-from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
+from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.layout import ItemLocation, object_sizes
-from ..format.references import REFERENCE_CHECKSUM, reference_name, split_reference
+from ..format.references import REFERENCE_CHECKSUM, check_base, reference_name, split_reference
 from ..loading.reader import S3StorageReader
-from ..uri import S3Uri, parent_prefix
+from ..uri import S3Uri
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-__all__ = ["BaseIndex", "check_base"]
+__all__ = ["BaseIndex"]
 
 log = logging.getLogger("s3dcp")
-
-
-def check_base(target: S3Uri, base: S3Uri) -> None:
-    """Refuse a base that is not a sibling of ``target`` (same bucket, same parent prefix,
-    another directory): references are ``../<sibling>/<name>`` and deletion counts them per
-    parent prefix, so a base anywhere else could be deleted under the checkpoint."""
-    if base.bucket != target.bucket or parent_prefix(base) != parent_prefix(target) or not target.prefix \
-            or base.prefix == target.prefix or not base.prefix:
-        raise ConfigError(
-            f"incremental_from={str(base)!r} cannot be the base of {target}: a base must be another "
-            f"checkpoint in the same directory (s3://{target.bucket}/{parent_prefix(target)}<name>), so that "
-            "its objects are counted as referenced before anything there is deleted")
 
 
 class BaseIndex:

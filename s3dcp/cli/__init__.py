@@ -272,7 +272,7 @@ def _client(args):
 # ---------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
     from ..lifecycle.deletion import held_for_references
-    from ..lifecycle.manager import scan_directories
+    from ..lifecycle.directories import scan_directories
 
     base = parse_s3_uri(args.uri)
     now = time.time()

@@ -33,7 +33,7 @@ log = logging.getLogger("s3dcp")
 
 def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]:
     """The directories of ``by_dir`` (listing prefix -> its objects, as
-    :func:`s3dcp.lifecycle.manager.scan_directories` gives) that are deleted checkpoints kept only for
+    :func:`s3dcp.lifecycle.directories.scan_directories` gives) that are deleted checkpoints kept only for
     their references: no ``.metadata``, and every data object referenced by a committed
     sibling. ``ls`` and :meth:`CheckpointManager.list` do not show them. Reads references only
     when there is such a candidate."""

@@ -10,6 +10,8 @@ from ..s3.client import ObjectInfo, S3Client
 from ..errors import ConfigError
 from ..uri import S3Uri
 
+__all__ = ["scan_directories", "name_pattern"]
+
 
 def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo]]:
     """Every object under ``base`` (all levels), grouped by the directory holding it
@@ -22,7 +24,9 @@ def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo
     return by_dir
 
 
-def _name_pattern(name_format: str) -> re.Pattern:
+def name_pattern(name_format: str) -> re.Pattern:
+    """The regular expression matching the directory names ``name_format`` gives (the step is group 1);
+    ConfigError for a format that is not one ``{step}`` in a relative path."""
     parts, fields = [], 0
     try:
         parsed = list(string.Formatter().parse(name_format))

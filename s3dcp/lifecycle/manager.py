@@ -49,8 +49,8 @@ from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
 from ..format.references import check_base
 from ..uri import S3Uri, parse_s3_uri
-from .directories import _name_pattern, scan_directories
-from .retention import _Doomed
+from .directories import name_pattern, scan_directories
+from .retention import Doomed, steps_to_delete
 
 if TYPE_CHECKING:
     from ..saving.writer import S3StorageWriter
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 # torch (and the writer and reader, which need it) is imported where it is used, so listing and
 # deleting checkpoints (``s3dcp ls``, ``s3dcp rm``) do not pay for importing it.
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "scan_directories", "METADATA_NAME"]
+__all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "METADATA_NAME"]
 
 log = logging.getLogger("s3dcp")
 
@@ -125,7 +125,7 @@ class CheckpointManager:
         if keep_every is not None and (not _is_int(keep_every) or keep_every < 1):
             raise ConfigError(f"keep_every={keep_every!r} must be an int >= 1 or None")
         self.base = parse_s3_uri(base_uri)
-        self._pattern = _name_pattern(name_format)
+        self._pattern = name_pattern(name_format)
         self.name_format = name_format
         self.incremental = incremental
         if incremental:  # references need the checkpoints to be siblings
@@ -145,7 +145,7 @@ class CheckpointManager:
         self._lock = threading.Lock()  # _pending, _bases_in_use, _doomed
         self._retention_lock = threading.Lock()
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
-        self._doomed = _Doomed()  # steps retention chose to delete: never a base again
+        self._doomed = Doomed()  # steps retention chose to delete: never a base again
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -318,17 +318,11 @@ class CheckpointManager:
             with self._lock:
                 self._doomed.spare(just_saved)  # saved again after an earlier deletion: a base again
             committed = [info for info in self.list() if info.committed]
-            keep = {just_saved}
-            if self.keep_last is None:
-                keep.update(info.step for info in committed)
-            else:
-                keep.update(info.step for info in committed[-self.keep_last:])
-            if self.keep_every is not None:
-                keep.update(info.step for info in committed if info.step % self.keep_every == 0)
-            newest = max((info.step for info in committed), default=None)
             with self._lock:  # a base of a save in flight stays (it is released when that save ends)
-                keep.update(self._bases_in_use.values())
-                doomed = [info for info in committed if info.step not in keep and info.step != newest]
+                steps = set(steps_to_delete([info.step for info in committed], just_saved=just_saved,
+                                            keep_last=self.keep_last, keep_every=self.keep_every,
+                                            in_use=self._bases_in_use.values()))
+                doomed = [info for info in committed if info.step in steps]
                 self._doomed.add(info.step for info in doomed)
             for info in doomed:
                 result = delete_checkpoint(self.client, parse_s3_uri(info.uri))

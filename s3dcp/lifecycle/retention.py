@@ -1,12 +1,32 @@
-"""Retention's bookkeeping: the steps it chose to delete, remembered while a base choice may still
-see them committed (so a save never takes a checkpoint being deleted as its base)."""
+"""Retention: which committed steps a policy deletes (:func:`steps_to_delete`, pure), and the
+bookkeeping of those being deleted (:class:`Doomed`), remembered while a base choice may still see
+them committed, so that a save never takes a checkpoint being deleted as its base."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
+__all__ = ["steps_to_delete", "Doomed"]
 
-class _Doomed:
+
+def steps_to_delete(committed: list[int], *, just_saved: int, keep_last: int | None, keep_every: int | None,
+                    in_use: Iterable[int] = ()) -> list[int]:
+    """The steps of ``committed`` (ascending) that retention deletes after ``just_saved`` committed:
+    those outside the newest ``keep_last`` (None: keep all) and not a multiple of ``keep_every``;
+    never the newest committed step, ``just_saved``, nor a step in ``in_use`` (the base of a
+    save in flight)."""
+    keep = {just_saved, *in_use}
+    if keep_last is None:
+        keep.update(committed)
+    elif keep_last > 0:  # committed[-0:] would be all of it
+        keep.update(committed[-keep_last:])
+    if keep_every is not None:
+        keep.update(step for step in committed if step % keep_every == 0)
+    newest = max(committed, default=None)
+    return [step for step in committed if step not in keep and step != newest]
+
+
+class Doomed:
     """The steps retention chose to delete, each remembered only while a base choice may still
     see it committed. ``.metadata`` goes first, so a LIST that began after a deletion finished
     cannot list that step as committed; one that began before it may. A step is forgotten once

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
 from ..format import integrity, layout
-from ..lifecycle.incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
+from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, is_reference
 from ..s3.client import S3Client, abort_and_wait
 from ..config import S3Config
 from ..errors import (
@@ -42,6 +42,8 @@ from ..errors import (
 )
 from ..format.layout import METADATA_NAME, PENDING_NAME, ItemLocation
 from ..format.metadata import decode_metadata, dtype_to_str, encode_metadata
+from .base import BaseIndex
+from .referenced import references
 from .staging import StagingMixin
 from ..s3.location import S3CheckpointPath
 from ..uri import object_key, parent_prefix, parse_s3_uri

@@ -31,17 +31,22 @@ import os
 import secrets
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack, suppress
 
+from ._seaweed_process import (
+    _MAX_UNIX_SOCKET_PATH,
+    _REAPER,
+    _STOP_GRACE_S,
+    _State,
+    _die_with_this_thread,
+    _pick_ports,
+    _socket_paths,
+)
 from .config import S3Config
 from .errors import ConfigError
 
@@ -53,66 +58,11 @@ __all__ = [
     "main",
 ]
 
-# weed mini's servers that take ports: flags -<name>.port and -<name>.port.grpc.
-_SERVERS = ("master", "volume", "filer", "s3", "admin")
-# The embedded maintenance worker dials the admin server at admin.port + 10000 whatever
-# -admin.port.grpc says (weed 4.48), so the admin gRPC port is always pinned to that.
-_GRPC_OFFSET = 10000
 # weed exits with one of these in its log when a port it was given is taken.
 _PORT_CLASH_MARKERS = ("is not available", "address already in use", "reserved for gRPC")
 _START_ATTEMPTS = 3
-_STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 40
 _MAX_VOLUMES = 1000
-_MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
-
-# The reaper: `sh -c _REAPER reaper GRACE_S OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed,
-# prints weed's pid on its stdout (then closes it), and forwards SIGTERM (a stop) to weed. On
-# SIGHUP (the starter died: see _die_with_this_thread) it stops weed too, SIGKILLs it if it is
-# still running GRACE_S (whole) seconds later (nobody else will: weed's volume server waits ~30 s
-# for the connections of a killed client, and a SIGTERM that reaches weed before its exec is
-# lost), and deletes OWNED_DIR (empty: none). Once weed has
-# exited it removes the sockets and exits with weed's status. Signals may come before weed is
-# started: the traps are set first and checked after.
-_REAPER = r"""
-grace=$1; owned=$2; shift 2
-sockets=
-while [ "$#" -gt 0 ] && [ "$1" != -- ]; do sockets="$sockets $1"; shift; done
-shift
-weed=; stopping=; orphaned=; timer=
-stop() {
-    stopping=1
-    if [ -z "$weed" ]; then return; fi
-    kill -TERM "$weed" 2>/dev/null
-    if [ -n "$orphaned" ] && [ -z "$timer" ]; then
-        # Polls rather than waits to be killed: a signal that reaches a subshell before it has
-        # reset the traps it forked with is lost. Ends by itself within 1 s of weed's end.
-        (i=0
-         while kill -0 "$weed"; do
-             if [ "$i" -ge "$grace" ]; then kill -KILL "$weed"; break; fi
-             sleep 1
-             i=$((i + 1))
-         done) >/dev/null 2>&1 &
-        timer=$!
-    fi
-}
-trap stop TERM
-trap 'orphaned=1; stop' HUP
-"$@" >&2 &
-weed=$!
-echo "$weed"
-exec >&-
-if [ -n "$stopping" ]; then stop; fi
-while :; do
-    wait "$weed"
-    status=$?
-    kill -0 "$weed" 2>/dev/null || break  # wait returns early when a trap runs
-done
-if [ -n "$timer" ]; then kill "$timer" 2>/dev/null; fi  # usually ends it at once (see stop)
-rm -f $sockets
-if [ -n "$orphaned" ] && [ -n "$owned" ]; then rm -rf "$owned"; fi
-exit "$status"
-"""
 
 
 class WeedNotFoundError(ConfigError):
@@ -394,102 +344,6 @@ class SeaweedServer:
         except OSError as e:
             return f"(no log: {e})"
 
-
-def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
-    """Distinct free loopback ports for every server weed mini opens, keyed by flag name.
-
-    All sockets stay bound until every port is chosen, so no two picks collide.
-    """
-    ports: dict[str, int] = {}
-    with ExitStack() as stack:
-
-        def grab(port: int = 0) -> int | None:
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return None
-            return s.getsockname()[1]
-
-        for server in _SERVERS:
-            if server == "admin":  # needs port and port + 10000 (see _GRPC_OFFSET)
-                while True:
-                    port = grab()
-                    if port + _GRPC_OFFSET <= 65535 and grab(port + _GRPC_OFFSET):
-                        break
-                ports["admin.port"], ports["admin.port.grpc"] = port, port + _GRPC_OFFSET
-            elif server == "s3" and s3_port:
-                if grab(s3_port) is None:
-                    raise ConfigError(f"S3 port {s3_port} on 127.0.0.1 is in use")
-                ports["s3.port"] = s3_port
-                ports["s3.port.grpc"] = grab()
-            else:
-                ports[f"{server}.port"] = grab()
-                ports[f"{server}.port.grpc"] = grab()
-    return ports
-
-
-def _socket_paths(ports: dict[str, int], data_dir: str) -> list[str]:
-    """The unix sockets weed mini creates outside its data dir (paths hard-coded in weed 4.x)."""
-    paths = [f"/tmp/seaweedfs-{server}-grpc-{ports[server + '.port.grpc']}.sock"
-             for server in _SERVERS]
-    if len(os.path.join(data_dir, "filer.sock")) > _MAX_UNIX_SOCKET_PATH:  # see _command
-        paths += [f"/tmp/seaweedfs-filer-{ports['filer.port']}.sock",
-                  f"/tmp/seaweedfs-s3-{ports['s3.port']}.sock"]
-    return paths
-
-
-def _die_with_this_thread() -> list[str]:
-    """A command prefix that sends the reaper SIGHUP if the process that started the server dies
-    without stopping it (SIGKILL, a crash): `setpriv --pdeathsig` (util-linux); the reaper then
-    stops weed and removes what it left. The signal follows the *thread* that started it, so
-    only the main thread asks for it; elsewhere, or without setpriv, nothing (stop() and the
-    exit hook still apply)."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return []
-    return [setpriv, "--pdeathsig", "HUP", "--"]
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM to the reaper (which passes it on to weed), wait up to 10 s (weed takes a few
-    to close its listeners), then SIGKILL to both (they are a process group of their own)."""
-    if proc.poll() is None:
-        try:
-            proc.terminate()
-            proc.wait(timeout=_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-class _State:
-    """The process and temporary dir of one server: what its finalizer must clean up."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None  # the reaper (weed's parent)
-        self.weed_pid: int | None = None
-        self.owned_dir: str | None = None  # a data dir we created, so ours to delete
-        self.sockets: list[str] = []  # unix sockets weed leaves in /tmp
-
-    def stop_process(self) -> None:
-        if self.proc is not None:
-            _terminate(self.proc)
-            self.proc = None
-            self.weed_pid = None
-        # The reaper removed these, unless it was killed; then they are ours to remove.
-        for path in self.sockets:
-            with suppress(OSError):
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
-                    os.unlink(path)
-        self.sockets = []
-
-    def cleanup(self) -> None:
-        self.stop_process()
-        if self.owned_dir:
-            shutil.rmtree(self.owned_dir, ignore_errors=True)
-            self.owned_dir = None
 
 
 # ---------------------------------------------------------------------- command line

@@ -1,12 +1,13 @@
-"""The copies of one ``stage()``: a state's tensors into a leased arena, as fast as the host allows.
+"""The copies of one ``stage()``: a state's tensors into an arena, as fast as the host allows.
 
-Owns the copy machinery: the order of one stage's copies (:class:`_Copies`), the copy threads
+Owns the copy machinery: the order of one stage's copies (:class:`Copies`), the copy threads
 that ``memmove`` contiguous host tensors (GIL released), and per CUDA device a side stream for
 the non_blocking device-to-host copies and the events that mark their end.
 
-Must not decide how long an arena is held or when it goes back: that is the lease's business
-(:mod:`s3dcp.saving.staging`). Everything here ends before ``stage()`` returns, except the device
-copies, whose events it hands over.
+Must not decide who holds the arena, for how long, or when it goes back: that is the lease's
+business (:mod:`s3dcp.saving.staging`), which is handed the events and the ``pending`` flag.
+Everything here has ended when :meth:`Copies.finish` returns, except the device copies, whose
+events say when they land.
 """
 
 from __future__ import annotations
@@ -14,37 +15,38 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from ..format.tensors import has_lazy_bits
-
-if TYPE_CHECKING:
-    from .staging import Lease
+from ..memory.pool import Arena
 
 
-class _Copies:
+class Copies:
     """One stage's copies, in the order that hides the training thread's per-tensor Python
     behind the bulk copy:
 
-    1. ``_Copies(lease, sources)`` reserves each source's place in the arena (integers only)
+    1. ``Copies(arena, sources)`` reserves each source's place in the arena (integers only)
        and starts copying the contiguous host sources on the copy threads (``memmove``, GIL
        released);
     2. meanwhile :meth:`destinations` makes the staged tensors (views of those places) that the
        staged state dict is built from — a few microseconds of Python per tensor, hundreds of
        tensors in an optimizer state;
     3. :meth:`finish` copies the rest (CUDA sources: ``non_blocking`` on a side stream into the
-       pinned arena, the lease's event marking their end; strided ones and lazy conjugate or
+       pinned arena, an event in :attr:`events` marking their end; strided ones and lazy conjugate or
        negative views: ``copy_``, which gives their values) and waits for the bulk copy.
 
-    A source that does not fit the budget is staged as itself (``lease.pending``: write_data
-    copies it in rounds)."""
+    A source that does not fit the budget is staged as itself and sets :attr:`pending`
+    (write_data copies it in rounds); for such sources on a GPU, :attr:`training_done` gets an
+    event per device after the work queued before the stage, where the rounds' copies start."""
 
-    def __init__(self, lease: Lease, sources: list[torch.Tensor]) -> None:
-        self.lease = lease
+    def __init__(self, arena: Arena, sources: list[torch.Tensor]) -> None:
+        self.arena = arena
         self.sources = sources
-        arena = lease.arena
+        self.pending = False  # some source is beyond the budget
+        self.events: list[tuple[int, Any]] = []  # (CUDA device, event after its copies into the arena)
+        self.training_done: dict[int, Any] = {}  # CUDA device -> event after the work queued before the stage
         base = arena.address
         self.starts: list[int | None] = []
         self.moved: list[bool] = []  # copied by the copy threads
@@ -59,7 +61,7 @@ class _Copies:
             if moved:
                 moves.append((base + start, t.data_ptr(), nbytes))
             elif start is None and nbytes:
-                lease.pending = True
+                self.pending = True
                 if t.is_cuda:
                     self._deferred_devices.add(t.device.index)
         self._wait = _memcpy_start(moves)
@@ -68,7 +70,7 @@ class _Copies:
 
     def destinations(self) -> list[torch.Tensor]:
         """The staged tensor of each source, in order."""
-        arena = self.lease.arena
+        arena = self.arena
         out: list[torch.Tensor] = []
         for t, start, moved in zip(self.sources, self.starts, self.moved):
             if start is None:  # empty (a view of the arena like the others: pinned alike), or beyond the budget
@@ -98,14 +100,14 @@ class _Copies:
                     with torch.cuda.device(device):
                         stream.wait_stream(torch.cuda.current_stream(device))
                         with torch.cuda.stream(stream):
-                            torch._foreach_copy_(dsts, srcs, non_blocking=self.lease.arena.pinned)
+                            torch._foreach_copy_(dsts, srcs, non_blocking=self.arena.pinned)
                         event = torch.cuda.Event()
                         event.record(stream)
-                    self.lease.events.append((device, event))
+                    self.events.append((device, event))
                 for device in self._deferred_devices:  # where the rounds' copies must start
                     event = torch.cuda.Event()
                     event.record(torch.cuda.current_stream(device))
-                    self.lease.training_done[device] = event
+                    self.training_done[device] = event
                 for dst, src in self._strided:
                     dst.copy_(src)
         finally:

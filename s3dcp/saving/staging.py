@@ -10,7 +10,7 @@ One save's hold on an arena is a :class:`Lease`. Its whole life, every path incl
 
 1. ``stage()`` takes an arena from the pool (waiting while ``max_inflight_checkpoints`` are in
    use: back-pressure instead of doubling memory) and copies the state into it (in the order
-   of :class:`_Copies`).
+   of :class:`~s3dcp.saving.copies.Copies`).
 2. The first writer call of the save, on whichever thread runs it (``reset``, ``storage_meta``,
    ``set_up_storage_writer``, ..., or pickling for the process executor), *attaches* the lease
    to that save call: the frame of DCP's save function on that thread's stack.
@@ -31,6 +31,11 @@ One save's hold on an arena is a :class:`Lease`. Its whole life, every path incl
    at the end of ``write_data``. ``synchronize_staging`` stops waiting for rounds the moment
    the lease is over, so a save that fails early returns its error through its future.
 
+This module owns the stager (:class:`StagingMixin`: the AsyncStager protocol of the writer,
+and the rounds) and the lease with its life. It must not do ``stage()``'s copies itself — their
+order, the copy threads and the CUDA side streams are :mod:`s3dcp.saving.copies`'s — nor upload
+or commit anything (the writer's).
+
 Host memory taken by staging is ``max_inflight_checkpoints × min(state bytes,
 staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.memory.pool`).
 """
@@ -47,7 +52,7 @@ from typing import Any, Callable
 import torch
 
 from . import statetree
-from .copies import _Copies
+from .copies import Copies
 from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
 from ..s3.streams import finalizer
 
@@ -294,7 +299,10 @@ class StagingMixin:
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
-            copies = _Copies(lease, found)  # the bulk of the bytes is being copied from here on
+            copies = Copies(arena, found)  # the bulk of the bytes is being copied from here on
+            # the lease takes the copies' lists themselves: what finish() records, also before
+            # a failure, is what release() waits for
+            lease.pending, lease.events, lease.training_done = copies.pending, copies.events, copies.training_done
             try:
                 destinations = iter(copies.destinations())
                 staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))

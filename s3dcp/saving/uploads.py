@@ -1,10 +1,11 @@
 """One rank's part of a save: the objects it uploads, under which identity, and their end.
 
 Owns what ``write_data`` does with a rank's items: each item's data resolved from the planner
-(:func:`_resolve`), the save's identity on this rank (:class:`SavePlanData`, :func:`_identity`:
-never an object name an earlier save used), and the upload group (:class:`_Uploads`): checksum
-each item, refer to an incremental base for the unchanged ones, pack the rest into objects,
-upload them in parallel, and on failure stop them and delete what they stored.
+(:func:`resolve`), the save's identity on this rank (:class:`SavePlanData`,
+:func:`save_identity`: never an object name an earlier save used), and the upload group
+(:class:`Uploads`): checksum each item, refer to an incremental base for the unchanged ones,
+pack the rest into objects, upload them in parallel, and on failure stop them and delete what
+they stored.
 
 Must not commit, nor touch anything but this rank's own new objects: the metadata, the
 pending-references marker and the objects of other checkpoints are the writer's commit
@@ -18,7 +19,7 @@ import logging
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -26,14 +27,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format import integrity, layout
 from ..lifecycle.incremental import BaseIndex
-from ..s3.client import abort_and_wait
+from ..s3.client import S3Client, abort_and_wait
+from ..config import S3Config
 from ..errors import S3DCPError
 from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
 from ..format.tensors import byte_view
-
-if TYPE_CHECKING:
-    from .writer import S3StorageWriter
+from ..uri import S3Uri
 
 log = logging.getLogger("s3dcp")
 
@@ -47,11 +47,17 @@ class SavePlanData:
     save_id: str
 
 
-class _Uploads:
-    """The objects one rank's write_data is uploading: futures, keys and write results."""
+class Uploads:
+    """The objects one rank's write_data is uploading under ``uri``: futures, keys and write
+    results. Items are checksummed with ``item_checksum``; ``config`` sizes the objects and
+    spreads their names."""
 
-    def __init__(self, writer: S3StorageWriter, rank: int, save_id: str, base: BaseIndex | None = None) -> None:
-        self.writer = writer
+    def __init__(self, client: S3Client, uri: S3Uri, config: S3Config, *, rank: int, save_id: str,
+                 item_checksum: str, base: BaseIndex | None = None) -> None:
+        self.client = client
+        self.uri = uri
+        self.config = config
+        self.item_checksum = item_checksum
         self.rank = rank
         self.save_id = save_id
         self.base = base
@@ -68,12 +74,12 @@ class _Uploads:
         references to it; pack the rest, in order, into objects of about the configured target
         size (an item larger than the target gets one of its own) and start uploading each
         object as soon as it is complete."""
-        target = self.writer.config.object_size_target_bytes
+        target = self.config.object_size_target_bytes
         group: list = []
         group_bytes = 0
         for item, data in pairs:
             view = data if isinstance(data, memoryview) else byte_view(data)
-            sums = integrity.compute(self.writer.item_checksum, view)
+            sums = integrity.compute(self.item_checksum, view)
             tensor = isinstance(data, torch.Tensor)
             dtype = dtype_to_str(data.dtype) if tensor else None
             shape = tuple(data.shape) if tensor else None
@@ -94,8 +100,7 @@ class _Uploads:
 
     def _put(self, group: list) -> None:
         """Upload checksummed items back to back as the rank's next object."""
-        writer = self.writer
-        name = layout.object_name(self.rank, len(self.keys), self.save_id, writer.config.key_prefix_spread)
+        name = layout.object_name(self.rank, len(self.keys), self.save_id, self.config.key_prefix_spread)
         views: list[memoryview] = []
         offset = 0
         for item, _data, view, sums, dtype, shape in group:
@@ -107,10 +112,10 @@ class _Uploads:
             )))
             views.append(view)
             offset += view.nbytes
-        key = writer._uri.key(name)
+        key = self.uri.key(name)
         self.keys.append(key)
         self._keep_alive.append(group)
-        self.futures.append(writer.client.put(writer._uri.bucket, key, views))
+        self.futures.append(self.client.put(self.uri.bucket, key, views))
         self.bytes += offset
 
     def drain(self) -> None:
@@ -139,21 +144,17 @@ class _Uploads:
         if not self.keys:
             return
         try:
-            self.writer.client.delete(self.writer._uri.bucket, self.keys).result()
+            self.client.delete(self.uri.bucket, self.keys).result()
         except S3DCPError:
             log.warning("could not delete the %d object(s) of a failed save under %s; `s3dcp gc` will",
-                        len(self.keys), self.writer._uri, exc_info=True)
-
-
-def _is_tensor(data: Any) -> bool:
-    return isinstance(data, torch.Tensor)
+                        len(self.keys), self.uri, exc_info=True)
 
 
 _USED_SAVE_IDS: dict[str, int] = {}  # save ids this process has written, and how often
 _USED_LOCK = threading.Lock()
 
 
-def _identity(plan_data: Any, rank: int) -> tuple[int, str]:
+def save_identity(plan_data: Any, rank: int) -> tuple[int, str]:
     """(rank, save id) of the save whose plan this rank got.
 
     Normally the coordinator's fresh id from this save's plan. Two cases get a new one here:
@@ -173,7 +174,7 @@ def _identity(plan_data: Any, rank: int) -> tuple[int, str]:
     return plan_data.rank, hashlib.sha256(f"{plan_data.save_id}:{uses}".encode()).hexdigest()[:12]
 
 
-def _resolve(planner: SavePlanner, item: WriteItem) -> Any:
+def resolve(planner: SavePlanner, item: WriteItem) -> Any:
     """The item's data: a contiguous tensor (host, unless it awaits a staging round), or a
     byte view of the planner's serialized bytes."""
     data = planner.resolve_data(item)

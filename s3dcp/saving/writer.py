@@ -8,6 +8,11 @@
 With ``incremental_from=`` (a committed sibling checkpoint), an item whose staged bytes are
 unchanged since that base is not uploaded: its location is a reference to where the base holds
 it (``../step-1000/__0_0.TOKEN.distcp``); see :mod:`s3dcp.lifecycle.incremental`.
+
+This module owns the writer's side of DCP's call order and the commit (``finish``: the checks,
+the metadata PUT, the pending-references marker, the replaced checkpoint's objects). It must not
+pack or upload data objects itself (a rank's uploads are :mod:`s3dcp.saving.uploads`'s), nor
+copy tensors for async_save (:mod:`s3dcp.saving.staging`'s).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -39,7 +45,7 @@ from ..errors import (
 from ..format.layout import METADATA_NAME, PENDING_NAME
 from ..format.metadata import decode_metadata, encode_metadata
 from .staging import StagingMixin
-from .uploads import SavePlanData, _identity, _is_tensor, _resolve, _Uploads
+from .uploads import SavePlanData, Uploads, resolve, save_identity
 from ..s3.location import S3CheckpointPath
 from ..uri import object_key, parent_prefix, parse_s3_uri
 from ..format.tensors import to_host_contiguous
@@ -188,13 +194,16 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         lease = self._staging_begin()
         start = time.perf_counter()
-        rank, self._save_id = _identity(plan.storage_data, self._rank)
-        uploads = _Uploads(self, rank, self._save_id, self._base)
+        rank, self._save_id = save_identity(plan.storage_data, self._rank)
+        uploads: Uploads | None = None
         try:
+            # in the try: the client may be made here, and a failure must still end the lease
+            uploads = Uploads(self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
+                              item_checksum=self.item_checksum, base=self._base)
             ready, deferred = [], []
             for item in plan.items:
-                data = _resolve(planner, item)
-                if not _is_tensor(data):
+                data = resolve(planner, item)
+                if not isinstance(data, torch.Tensor):
                     ready.append((item, data))
                 elif lease is not None and lease.pending and not lease.arena.owns(data):
                     deferred.append((item, data))  # beyond the staging budget: copied in rounds
@@ -210,7 +219,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                                         inherited_bytes=uploads.inherited_bytes,
                                         inherited_items=uploads.inherited_items)
         except BaseException as e:
-            uploads.discard(e)
+            if uploads is not None:
+                uploads.discard(e)
             raise
         finally:
             self._staging_end(lease)

@@ -1,10 +1,11 @@
 """The ``weed`` process of a :class:`s3dcp.testing.SeaweedServer`, seen from outside: the ports
-and unix sockets it takes, the *reaper* shell it runs under, and how it is stopped and cleaned up
-on every path — ``stop()``, garbage collection, interpreter exit, and the death of the process
-that started it (SIGKILL, a crash), when nobody in Python is left to clean up.
+and unix sockets it takes (:func:`pick_ports`, :func:`socket_paths`), and its life
+(:class:`WeedProcess`): started under the *reaper* shell, stopped and cleaned up on every path —
+``stop()``, garbage collection, interpreter exit, and the death of the process that started it
+(SIGKILL, a crash), when nobody in Python is left to clean up.
 
 Must not know what the server is for: no S3, no buckets, no credentials, no weed flags but the
-port and socket names it must clean up after. Those are :mod:`s3dcp.testing`'s.
+ports and sockets it takes. Those, and when to start and stop, are :mod:`s3dcp.testing`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _SERVERS = ("master", "volume", "filer", "s3", "admin")
 # -admin.port.grpc says (weed 4.48), so the admin gRPC port is always pinned to that.
 _GRPC_OFFSET = 10000
 _STOP_GRACE_S = 10.0
-_MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
+MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
 
 # The reaper: `sh -c _REAPER reaper GRACE_S OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed,
 # prints weed's pid on its stdout (then closes it), and forwards SIGTERM (a stop) to weed. On
@@ -77,7 +78,7 @@ exit "$status"
 """
 
 
-def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
+def pick_ports(s3_port: int | None = None) -> dict[str, int]:
     """Distinct free loopback ports for every server weed mini opens, keyed by flag name.
 
     All sockets stay bound until every port is chosen, so no two picks collide.
@@ -111,11 +112,11 @@ def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
     return ports
 
 
-def _socket_paths(ports: dict[str, int], data_dir: str) -> list[str]:
+def socket_paths(ports: dict[str, int], data_dir: str) -> list[str]:
     """The unix sockets weed mini creates outside its data dir (paths hard-coded in weed 4.x)."""
     paths = [f"/tmp/seaweedfs-{server}-grpc-{ports[server + '.port.grpc']}.sock"
              for server in _SERVERS]
-    if len(os.path.join(data_dir, "filer.sock")) > _MAX_UNIX_SOCKET_PATH:  # see _command
+    if len(os.path.join(data_dir, "filer.sock")) > MAX_UNIX_SOCKET_PATH:  # see SeaweedServer._command
         paths += [f"/tmp/seaweedfs-filer-{ports['filer.port']}.sock",
                   f"/tmp/seaweedfs-s3-{ports['s3.port']}.sock"]
     return paths
@@ -146,8 +147,9 @@ def _terminate(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-class _State:
-    """The process and temporary dir of one server: what its finalizer must clean up."""
+class WeedProcess:
+    """The process and temporary dir of one server: what its finalizer must clean up. Holds no
+    reference to the server, so that the server's finalizer may hold this."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None  # the reaper (weed's parent)
@@ -155,7 +157,28 @@ class _State:
         self.owned_dir: str | None = None  # a data dir we created, so ours to delete
         self.sockets: list[str] = []  # unix sockets weed leaves in /tmp
 
-    def stop_process(self) -> None:
+    def start(self, command: list[str], *, cwd: str, env: dict[str, str], log_path: str) -> None:
+        """Run ``command`` (weed) under the reaper, its output appended to ``log_path``, and
+        learn weed's pid. Set :attr:`owned_dir` and :attr:`sockets` first: the reaper removes
+        them."""
+        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", f"{_STOP_GRACE_S:g}",
+                  self.owned_dir or "", *self.sockets, "--"]
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                _die_with_this_thread() + reaper + command,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,  # the reaper prints weed's pid, then closes it
+                stderr=log,
+                start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
+            )
+        with self.proc.stdout as out:
+            line = out.readline().strip()
+        self.weed_pid = int(line) if line.isdigit() else None
+
+    def stop(self) -> None:
+        """Stop weed (see :func:`_terminate`) and remove the sockets it left; idempotent."""
         if self.proc is not None:
             _terminate(self.proc)
             self.proc = None
@@ -168,7 +191,8 @@ class _State:
         self.sockets = []
 
     def cleanup(self) -> None:
-        self.stop_process()
+        """:meth:`stop`, then delete the data dir if it is ours (the server's finalizer)."""
+        self.stop()
         if self.owned_dir:
             shutil.rmtree(self.owned_dir, ignore_errors=True)
             self.owned_dir = None

@@ -21,7 +21,10 @@ What a server leaves in the temporary directories, and who removes it:
 weed runs under a small shell (the *reaper*, its parent) that removes the sockets when weed
 exits, and the data dir too when the process that started the server died without stopping
 it (Linux delivers SIGHUP to the reaper then; weed gets SIGTERM, and SIGKILL 10 s later if it is
-still running); :meth:`SeaweedServer.stop` removes both itself.
+still running); :meth:`SeaweedServer.stop` removes both itself. The ports, the sockets, the
+reaper and stopping weed are :mod:`s3dcp._seaweed_process`'s: this module owns the server as
+its users see it (weed's flags, credentials, readiness, clients, ``python -m s3dcp.testing``)
+and must not start, signal or reap processes itself.
 """
 
 from __future__ import annotations
@@ -31,22 +34,13 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import weakref
 from collections.abc import Sequence
 
-from ._seaweed_process import (
-    _MAX_UNIX_SOCKET_PATH,
-    _REAPER,
-    _STOP_GRACE_S,
-    _State,
-    _die_with_this_thread,
-    _pick_ports,
-    _socket_paths,
-)
+from ._seaweed_process import MAX_UNIX_SOCKET_PATH, WeedProcess, pick_ports, socket_paths
 from .config import S3Config
 from .errors import ConfigError
 
@@ -123,25 +117,25 @@ class SeaweedServer:
         self.ports: dict[str, int] = {}  # flag name (without '-') -> port
         self._s3_port = s3_port
         self._client = None  # for create_bucket
-        self._state = _State()  # what the finalizer cleans up; must not refer back to self
+        self._process = WeedProcess()  # what the finalizer cleans up; must not refer back to self
         self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "SeaweedServer":
         """Start ``weed mini``, wait until S3 answers, create :attr:`buckets`; return ``self``."""
-        if self._state.proc is not None:
+        if self._process.proc is not None:
             raise RuntimeError(f"{self!r} is already started")
         weed = self._weed_path or find_weed()
         self._open_data_dir()
         try:
             for attempt in range(1, _START_ATTEMPTS + 1):
-                self.ports = _pick_ports(self._s3_port)
+                self.ports = pick_ports(self._s3_port)
                 self._spawn(weed)
                 try:
                     self._wait_ready()
                     break
                 except SeaweedStartError:
-                    clash = self._state.proc.poll() is not None and any(
+                    clash = self._process.proc.poll() is not None and any(
                         m in self._log_tail() for m in _PORT_CLASH_MARKERS
                     )
                     self._stop_process()
@@ -175,10 +169,10 @@ class SeaweedServer:
     @property
     def pid(self) -> int | None:
         """The ``weed`` process id while it runs, else ``None``."""
-        proc = self._state.proc
+        proc = self._process.proc
         if proc is None or proc.poll() is not None:
             return None
-        return self._state.weed_pid
+        return self._process.weed_pid
 
     @property
     def endpoint_url(self) -> str:
@@ -254,13 +248,13 @@ class SeaweedServer:
     def _open_data_dir(self) -> None:
         if self._requested_data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="s3dcp-weed-")
-            self._state.owned_dir = self.data_dir
+            self._process.owned_dir = self.data_dir
         else:
             self.data_dir = os.path.abspath(self._requested_data_dir)
             os.makedirs(self.data_dir, exist_ok=True)
         # Runs once: on stop(), on garbage collection, or at interpreter exit (weakref.finalize
         # registers its own atexit hook), whichever comes first.
-        self._finalizer = weakref.finalize(self, self._state.cleanup)
+        self._finalizer = weakref.finalize(self, self._process.cleanup)
 
     def _command(self, weed: str) -> list[str]:
         d = self.data_dir
@@ -280,7 +274,7 @@ class SeaweedServer:
             # Volumes are sparse files, so allow many more.
             f"-volume.max={_MAX_VOLUMES}",
         ]
-        if len(os.path.join(d, "filer.sock")) <= _MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
+        if len(os.path.join(d, "filer.sock")) <= MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
             cmd += [f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
         return cmd
 
@@ -292,22 +286,8 @@ class SeaweedServer:
         # Whatever weed puts in the temporary directory it is told of goes with the data dir.
         env["TMPDIR"] = os.path.join(self.data_dir, "tmp")
         os.makedirs(env["TMPDIR"], exist_ok=True)
-        self._state.sockets = _socket_paths(self.ports, self.data_dir)
-        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", f"{_STOP_GRACE_S:g}",
-                  self._state.owned_dir or "", *self._state.sockets, "--"]
-        with open(self.log_path, "ab") as log:
-            self._state.proc = subprocess.Popen(
-                _die_with_this_thread() + reaper + self._command(weed),
-                cwd=self.data_dir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,  # the reaper prints weed's pid, then closes it
-                stderr=log,
-                start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
-            )
-        with self._state.proc.stdout as out:
-            line = out.readline().strip()
-        self._state.weed_pid = int(line) if line.isdigit() else None
+        self._process.sockets = socket_paths(self.ports, self.data_dir)
+        self._process.start(self._command(weed), cwd=self.data_dir, env=env, log_path=self.log_path)
 
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -316,9 +296,9 @@ class SeaweedServer:
         deadline = time.monotonic() + self.startup_timeout_s
         last_error: Exception | None = None
         while True:
-            if self._state.proc.poll() is not None:
+            if self._process.proc.poll() is not None:
                 raise SeaweedStartError(
-                    f"weed mini exited with status {self._state.proc.returncode} during startup; "
+                    f"weed mini exited with status {self._process.proc.returncode} during startup; "
                     f"log {self.log_path}:\n{self._log_tail()}"
                 )
             try:
@@ -335,7 +315,7 @@ class SeaweedServer:
             time.sleep(0.1)
 
     def _stop_process(self) -> None:
-        self._state.stop_process()
+        self._process.stop()
 
     def _log_tail(self) -> str:
         try:
@@ -381,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.bucket:
             print(f"# bucket: s3://{name}")
         print("# Ctrl-C to stop.", flush=True)
-        status = server._state.proc.wait()
+        status = server._process.proc.wait()
         print(f"error: weed exited unexpectedly with status {status}; its log ends:\n"
               f"{server._log_tail()}", file=sys.stderr)
         return 1

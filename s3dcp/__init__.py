@@ -24,8 +24,7 @@ from importlib import import_module
 from .config import S3Config
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _error_names
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {
     "save": ".api",

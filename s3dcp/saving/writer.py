@@ -29,7 +29,8 @@ from torch.futures import Future as TorchFuture
 
 from ..format import integrity, layout
 from ..lifecycle.incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
-from ..s3.client import S3Client, abort_and_wait
+from ..s3.client import S3Client
+from ..s3.request import abort_and_wait
 from ..config import S3Config
 from ..errors import (
     CheckpointExistsError,

@@ -4,10 +4,13 @@
     caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
     head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
 
-Owns :class:`S3Client` (what each operation sends and how its response becomes a value) and the
-values it returns (:class:`ObjectInfo`, :class:`UploadInfo`, :class:`PutResult`). It must not
-manage a request once submitted (deadlines, aborts, slots: :mod:`s3dcp.s3.request`) nor own
-native CRT clients or credentials (:mod:`s3dcp.s3.native`, :mod:`s3dcp.s3.crt`).
+Owns :class:`S3Client`: every operation's surface, what each single request sends (addressing,
+headers, checksums) and how its answer becomes a value (:class:`PutResult`; :class:`ObjectInfo`
+and :class:`UploadInfo` are defined with the listings and exported here). Flows of several
+requests live beside it and send through :meth:`S3Client._default`: paginated listings
+(:mod:`s3dcp.s3.listing`) and server-side copy (:mod:`s3dcp.s3.copies`). It must not manage a
+request once submitted (deadlines, aborts, slots: :mod:`s3dcp.s3.request`) nor own native CRT
+clients or credentials (:mod:`s3dcp.s3.native`, :mod:`s3dcp.s3.crt`).
 
 Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, by
 :func:`s3dcp.s3.responses.translate_error`, from HTTP status and S3 error code (never message
@@ -35,9 +38,12 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from ..config import S3Config
 from ..errors import IntegrityError, NoSuchKeyError, S3Error
+from . import listing
+from .copies import copy_object
+from .listing import ObjectInfo, UploadInfo
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
-from .responses import children, parse_http_date, parse_iso, text, xml_result
+from .responses import children, parse_http_date, text, xml_result
 from .streams import BufferStream, chain, finalizer, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult"]
@@ -45,23 +51,6 @@ __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult"]
 log = logging.getLogger("s3dcp")
 
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    etag: str | None = None
-    last_modified: float | None = None  # seconds since the epoch
-
-
-@dataclass(frozen=True)
-class UploadInfo:
-    """An unfinished multipart upload."""
-
-    key: str
-    upload_id: str
-    initiated: float | None = None  # seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -256,7 +245,7 @@ class S3Client:
              page_size: int = 1000) -> "Future[tuple[list[ObjectInfo], list[str]]]":
         """All objects under ``prefix`` (every page), and the common prefixes when a
         ``delimiter`` is given."""
-        return self._paginate(bucket, prefix, delimiter, page_size)
+        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._owner_headers())
 
     def delete(self, bucket: str, keys: Iterable[str]) -> "Future[None]":
         """Delete ``keys`` in batches of 1,000 (DeleteObjects). Missing keys are not errors."""
@@ -267,58 +256,12 @@ class S3Client:
 
     def list_uploads(self, bucket: str, prefix: str = "") -> "Future[list[UploadInfo]]":
         """Unfinished multipart uploads under ``prefix`` (every page)."""
-        uploads: list[UploadInfo] = []
-        outer: Future = Future()
-
-        def page(key_marker: str, upload_marker: str) -> None:
-            query = {"uploads": "", "prefix": prefix}
-            if key_marker:
-                query["key-marker"] = key_marker
-            if upload_marker:
-                query["upload-id-marker"] = upload_marker
-            f = self._default("ListMultipartUploads", "GET", bucket, "", query=query,
-                              result=xml_result, extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: chain(f, outer, handle))
-
-        def handle(root) -> None:
-            for u in children(root, "Upload"):
-                uploads.append(UploadInfo(key=text(u, "Key"), upload_id=text(u, "UploadId"),
-                                          initiated=parse_iso(text(u, "Initiated"))))
-            if text(root, "IsTruncated") == "true":
-                page(text(root, "NextKeyMarker"), text(root, "NextUploadIdMarker"))
-            else:
-                outer.set_result(uploads)
-
-        page("", "")
-        return outer
+        return listing.list_uploads(self._default, bucket, prefix, self._owner_headers())
 
     def upload_activity(self, bucket: str, key: str, upload_id: str) -> "Future[float | None]":
         """When an unfinished multipart upload last received a part (seconds since the epoch;
         None when it has no parts yet), from ListParts, every page."""
-        newest: list[float | None] = [None]
-        outer: Future = Future()
-
-        def page(marker: str) -> None:
-            query = {"uploadId": upload_id}
-            if marker:
-                query["part-number-marker"] = marker
-            f = self._default("ListParts", "GET", bucket, key, query=query, result=xml_result,
-                              extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: chain(f, outer, handle))
-
-        def handle(root) -> None:
-            for part in children(root, "Part"):
-                stamp = parse_iso(text(part, "LastModified"))
-                if stamp is not None and (newest[0] is None or stamp > newest[0]):
-                    newest[0] = stamp
-            marker = text(root, "NextPartNumberMarker")
-            if text(root, "IsTruncated") == "true" and marker:
-                page(marker)
-            else:
-                outer.set_result(newest[0])
-
-        page("")
-        return outer
+        return listing.upload_activity(self._default, bucket, key, upload_id, self._owner_headers())
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":
         """Abort a multipart upload; an upload that is already gone is not an error."""
@@ -343,56 +286,10 @@ class S3Client:
         to ``multipart_threshold_bytes`` (S3's limit is 5 GiB), above it a multipart upload of
         ``UploadPartCopy`` ranges of ``part_size_bytes`` (more when 10,000 parts would not
         do), aborted if any part fails. Resolves to ``size``."""
-        source = quote(f"{bucket}/{source_key}", safe="/-_.~")
-        copy_headers = [("x-amz-copy-source", source), *self._sse_headers(), *self._owner_headers()]
-        outer: Future = Future()
-
-        def check(status, headers, body):  # CopyObject and UploadPartCopy may fail with a 200
-            root = xml_result(status, headers, body)
-            if root.tag.rsplit("}", 1)[-1] == "Error":
-                raise S3Error(f"copy of s3://{bucket}/{source_key} failed: {text(root, 'Message')}",
-                              operation="CopyObject", bucket=bucket, key=key, code=text(root, "Code"))
-            return root
-
-        if size <= multipart_threshold_bytes:
-            f = self._default("CopyObject", "PUT", bucket, key, result=check, body=b"",
-                              extra_headers=copy_headers)
-            f.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
-            return outer
-
-        part = max(self.config.part_size_bytes, -(-size // 10_000))
-        ranges = [(lo, min(size, lo + part)) for lo in range(0, size, part)]
-
-        def created(root) -> None:
-            upload_id = text(root, "UploadId")
-            parts = [self._default("UploadPartCopy", "PUT", bucket, key, result=check, body=b"",
-                                   query={"partNumber": str(n + 1), "uploadId": upload_id},
-                                   extra_headers=[*copy_headers[:1],
-                                                  ("x-amz-copy-source-range", f"bytes={lo}-{hi - 1}"),
-                                                  *self._owner_headers()])
-                     for n, (lo, hi) in enumerate(ranges)]
-            gather(parts, lambda roots: roots).add_done_callback(lambda g: copied(g, upload_id))
-
-        def copied(g: Future, upload_id: str) -> None:
-            if g.exception() is not None:
-                self.abort_upload(bucket, key, upload_id).add_done_callback(
-                    lambda _: outer.set_exception(g.exception()))
-                return
-            root = ET.Element("CompleteMultipartUpload")
-            for n, part_root in enumerate(g.result()):
-                p = ET.SubElement(root, "Part")
-                ET.SubElement(p, "PartNumber").text = str(n + 1)
-                ET.SubElement(p, "ETag").text = text(part_root, "ETag")
-            body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
-            done = self._default("CompleteMultipartUpload", "POST", bucket, key, query={"uploadId": upload_id},
-                                 result=check, body=body,
-                                 extra_headers=[("Content-Type", "application/xml"), *self._owner_headers()])
-            done.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
-
-        start = self._default("CreateMultipartUpload", "POST", bucket, key, query={"uploads": ""},
-                              result=xml_result, extra_headers=[*self._sse_headers(), *self._owner_headers()])
-        start.add_done_callback(lambda f: chain(f, outer, created))
-        return outer
+        return copy_object(self._default, self.abort_upload, bucket, source_key, key, size,
+                           part_size_bytes=self.config.part_size_bytes,
+                           multipart_threshold_bytes=multipart_threshold_bytes,
+                           sse_headers=self._sse_headers(), owner_headers=self._owner_headers())
 
     def close(self) -> None:
         """Stop using the shared native client. It shuts down once no S3Client uses it and its
@@ -461,36 +358,6 @@ class S3Client:
                 on_headers=on_headers, on_body=collect, on_done=on_done),
             result=value,
         )
-
-    def _paginate(self, bucket, prefix, delimiter, page_size) -> Future:
-        objects: list[ObjectInfo] = []
-        prefixes: list[str] = []
-        outer: Future = Future()
-
-        def page(token: str | None) -> None:
-            query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size)}
-            if delimiter:
-                query["delimiter"] = delimiter
-            if token:
-                query["continuation-token"] = token
-            f = self._default("ListObjectsV2", "GET", bucket, "", query=query, result=xml_result,
-                              extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: chain(f, outer, handle))
-
-        def handle(root) -> None:
-            for c in children(root, "Contents"):
-                objects.append(ObjectInfo(key=text(c, "Key"), size=int(text(c, "Size") or 0),
-                                          etag=text(c, "ETag"), last_modified=parse_iso(text(c, "LastModified"))))
-            for p in children(root, "CommonPrefixes"):
-                prefixes.append(text(p, "Prefix"))
-            token = text(root, "NextContinuationToken")
-            if text(root, "IsTruncated") == "true" and token:
-                page(token)
-            else:
-                outer.set_result((objects, prefixes))
-
-        page(None)
-        return outer
 
     def _delete_batch(self, bucket: str, keys: list[str]) -> Future:
         root = ET.Element("Delete")

@@ -12,13 +12,25 @@ requests (:mod:`s3dcp.s3.client`) nor decide when a request gets a slot (the adm
 from __future__ import annotations
 
 from concurrent.futures import Future, wait
-from typing import Iterable
+from typing import Any, Iterable, Protocol
 
 from ..errors import RequestAbortedError, S3ConnectionError, S3DCPError
 from .responses import translate_error
 from .streams import deadlines
 
 __all__ = ["RequestFuture", "abort_all", "abort_and_wait"]
+
+
+class Slots(Protocol):
+    """What a call needs of the native client it runs on (:class:`s3dcp.s3.native._NativeClient`)."""
+
+    crt: Any  # the awscrt S3Client that makes the request
+
+    def unqueue(self, call: "_Call") -> bool:
+        """Take a call that has not started out of the queue; False if it is not there."""
+
+    def finished(self) -> None:
+        """A started call ended: its slot goes to the next one."""
 
 
 class RequestFuture(Future):
@@ -77,10 +89,10 @@ class _Call:
         self._timed_out = False
         self._aborted = False
         self._finished = False
-        self._native: _NativeClient | None = None
-        self._waits_in: _NativeClient | None = None  # the native client whose queue it may wait in
+        self._native: Slots | None = None
+        self._waits_in: Slots | None = None  # the native client whose queue it may wait in
 
-    def start(self, native: "_NativeClient") -> bool:
+    def start(self, native: Slots) -> bool:
         """Make the CRT request; False if that failed or the call was aborted while it waited
         (the call is then over, its future failed)."""
         self._native = native

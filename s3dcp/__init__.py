@@ -48,7 +48,7 @@ def close(wait_s: float = 0.0) -> None:
     when their last request ends) and idle staging memory. Safe to call any time; anything used
     afterwards is made again on demand. With ``wait_s``, wait up to that long for the CRT's
     threads and sockets to be gone (e.g. before forking workers)."""
-    from .s3.client import close_native_clients
+    from .s3.native import close_native_clients
     from .saving.staging import release_staging_memory
 
     close_native_clients(wait_s=wait_s)

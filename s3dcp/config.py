@@ -66,7 +66,7 @@ class S3Config:
     # Integrity.
     checksum: str | None = "crc32c"  # item checksums in the metadata, and on the wire when compat="s3"
 
-    # What the store supports: None detects it from the endpoint (see COMPAT_MODES).
+    # What the store supports: None is S3DCP_COMPAT, else detected from the endpoint (COMPAT_MODES).
     compat: str | None = None
 
     # Reliability.
@@ -129,7 +129,7 @@ class S3Config:
         style = self.addressing_style or s3_section.get("addressing_style") or "auto"
         return dataclasses.replace(
             self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style,
-            compat=self.compat or detect_compat(endpoint),
+            compat=self.compat or _compat_from_env(env) or detect_compat(endpoint),
         )
 
     @property
@@ -176,6 +176,14 @@ def normalize_endpoint(endpoint: str) -> str:
     if parts.path not in ("", "/"):
         raise ConfigError(f"endpoint_url={endpoint!r} must not have a path; put the bucket in the s3:// URI")
     return endpoint
+
+
+def _compat_from_env(env) -> str | None:
+    """``S3DCP_COMPAT``, for tools that build their config themselves (the ``s3dcp`` command)."""
+    value = (env.get("S3DCP_COMPAT") or "").strip() or None
+    if value is not None and value not in COMPAT_MODES:
+        raise ConfigError(f"S3DCP_COMPAT={value!r} must be one of {COMPAT_MODES}")
+    return value
 
 
 def detect_compat(endpoint_url: str) -> str:

@@ -124,7 +124,8 @@ def test_compat_is_validated_and_named_in_the_error():
     ("http://127.0.0.1:9000", "s3"),
     ("https://minio.internal:9000", "s3"),  # a MinIO or Ceph host cannot be told by name
 ])
-def test_compat_is_detected_from_the_endpoint_name_only(endpoint, expected):
+def test_compat_is_detected_from_the_endpoint_name_only(endpoint, expected, monkeypatch):
+    monkeypatch.delenv("S3DCP_COMPAT", raising=False)  # S3Client resolves from os.environ
     # resolved() and S3Client() send nothing: the client is made lazily, on the first request
     config = S3Config(endpoint_url=endpoint, access_key_id="GOOG1E", secret_access_key="x")
     assert config.compat is None
@@ -138,6 +139,16 @@ def test_an_explicit_compat_beats_detection():
     assert S3Config(endpoint_url=gcs, compat="s3").resolved({}).compat == "s3"
     assert S3Config(endpoint_url=gcs, compat="basic").resolved({}).compat == "basic"
     assert S3Config(endpoint_url="http://127.0.0.1:9000", compat="gcs").resolved({}).compat == "gcs"
+
+
+def test_compat_from_the_environment_sits_between_the_field_and_detection():
+    gcs = "https://storage.googleapis.com"
+    assert S3Config(endpoint_url="http://127.0.0.1:9000").resolved({"S3DCP_COMPAT": "basic"}).compat == "basic"
+    assert S3Config(endpoint_url=gcs).resolved({"S3DCP_COMPAT": "s3"}).compat == "s3"
+    assert S3Config(endpoint_url=gcs, compat="gcs").resolved({"S3DCP_COMPAT": "basic"}).compat == "gcs"
+    assert S3Config(endpoint_url=gcs).resolved({"S3DCP_COMPAT": ""}).compat == "gcs"
+    with pytest.raises(ConfigError, match=r"S3DCP_COMPAT='minio' must be one of"):
+        S3Config(endpoint_url=gcs).resolved({"S3DCP_COMPAT": "minio"})
 
 
 # ---------------------------------------------------------------------------- save and load

@@ -38,7 +38,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from ..config import S3Config
 from ..errors import IntegrityError, NoSuchKeyError, S3Error
-from . import listing
+from . import compat, listing
 from .copies import copy_object
 from .listing import ObjectInfo, UploadInfo
 from .native import _acquire_native, _NativeClient, _NativeUse
@@ -109,18 +109,25 @@ class S3Client:
         into a staging area) as ``key``. Multipart above the threshold, with the configured
         checksum on every part. ``single_request=True`` forces one PUT whatever the size (up
         to S3's 5 GiB), which makes the write atomic: used for the commit marker.
-        ``if_none_match=True`` (implies ``single_request``) fails with
-        :class:`PreconditionFailedError` if the key already exists."""
+        ``if_none_match=True`` (implies ``single_request``) makes the write create-only: it
+        fails with :class:`PreconditionFailedError` if the key already exists, by the store's
+        own precondition (``If-None-Match: *``; GCS: ``x-goog-if-generation-match: 0``) or, with
+        ``compat="basic"``, by :func:`s3dcp.s3.compat.checked_put`."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
 
         buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        create_only = compat.create_only_headers(self.config.compat) if if_none_match else ()
+        if create_only is None:
+            body = b"".join(memoryview(b).cast("B") for b in buffers)
+            return compat.checked_put(
+                lambda: self.head(bucket, key),
+                lambda: self.put(bucket, key, body, single_request=True, content_type=content_type),
+                lambda: self.get(bucket, key), body, operation="PutObject", bucket=bucket, key=key)
         stream = BufferStream(buffers)
         single_request = single_request or if_none_match
         headers = [("Host", self._host_for(bucket)), ("Content-Length", str(stream.size)),
-                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
-        if if_none_match:
-            headers.append(("If-None-Match", "*"))
+                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers(), *create_only]
         etag: list[str | None] = [None]
 
         def on_headers(status_code, headers, **_):
@@ -396,6 +403,8 @@ class S3Client:
     def _put_checksum(self):
         from awscrt.s3 import S3ChecksumAlgorithm, S3ChecksumConfig, S3ChecksumLocation
 
+        if not compat.wire_checksums(self.config.compat):
+            return None  # the item checksums in the metadata still verify every load
         algorithm = {"crc32c": S3ChecksumAlgorithm.CRC32C, "crc64nvme": S3ChecksumAlgorithm.CRC64NVME}.get(
             self.config.checksum or "")
         if algorithm is None:

@@ -70,7 +70,8 @@ def copy_object(send: Callable[..., Future], abort_upload: Callable[[str, str, s
                     body=body, extra_headers=[("Content-Type", "application/xml"), *owner_headers])
         done.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
 
+    # body=b"": sends Content-Length: 0, which GCS requires on this POST (HTTP 411 without it)
     start = send("CreateMultipartUpload", "POST", bucket, key, query={"uploads": ""}, result=xml_result,
-                 extra_headers=[*sse_headers, *owner_headers])
+                 body=b"", extra_headers=[*sse_headers, *owner_headers])
     start.add_done_callback(lambda f: chain(f, outer, created))
     return outer

@@ -23,7 +23,7 @@ from s3dcp.config import S3Config
 from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket, read  # noqa: F401
 
 PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
-         "docs/troubleshooting.md"]
+         "docs/troubleshooting.md", "docs/errors.md"]
 
 
 def test_every_s3config_field_is_in_the_configuration_table():
@@ -66,6 +66,7 @@ RUN_BY = {
     "docs/interop.md": ["bash", "python", "python", "python", "bash"],  # the torchsnapshot, safetensors, export tests
     "docs/aws.md": [],
     "docs/troubleshooting.md": [],
+    "docs/errors.md": [],
 }
 
 

@@ -23,7 +23,8 @@ from s3dcp.config import S3Config
 from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket, read  # noqa: F401
 
 PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
-         "docs/troubleshooting.md", "docs/errors.md"]
+         "docs/troubleshooting.md", "docs/errors.md",
+         "docs/benchmarks.md"]
 
 
 def test_every_s3config_field_is_in_the_configuration_table():
@@ -67,6 +68,7 @@ RUN_BY = {
     "docs/aws.md": [],
     "docs/troubleshooting.md": [],
     "docs/errors.md": [],
+    "docs/benchmarks.md": [],
 }
 
 

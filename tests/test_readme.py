@@ -74,6 +74,8 @@ def test_try_it_locally_runs_as_written(s3_server, boto3_client, tmp_path):
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=180)
+        again = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], capture_output=True, text=True,
+                               env=env, cwd=tmp_path, timeout=180)  # the server still runs: as the README says
     finally:
         stand_in.kill()
         stand_in.wait()
@@ -81,6 +83,7 @@ def test_try_it_locally_runs_as_written(s3_server, boto3_client, tmp_path):
     assert f"pid {stand_in.pid}" in done.stderr and "created now: s3://demo" in done.stderr, done.stderr
     (shown,) = _blocks("Try it locally", "text")  # what the README says `s3dcp ls` prints: exactly that, but the age
     assert _ageless(done.stdout) == _ageless(shown), (shown, done.stdout)
+    assert again.returncode != 0 and "CheckpointExistsError" in again.stderr, again.stdout + again.stderr
     out = {"w": torch.zeros(3)}
     s3dcp.load(out, "s3://demo/run1/step-1", config=s3_server.s3_config())
     assert torch.equal(out["w"], torch.ones(3))

@@ -42,8 +42,14 @@ s3dcp_env() {
         echo "# installing $TORCH_SPEC${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}, then s3dcp[$extras] (editable) into $venv" >&2
         rm -f "$stamp"
         # torch first, on its own, so that its index (when given) serves only torch; then the
-        # package with the same torch requirement, so that pip keeps that build.
-        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+        # package with the same torch requirement, so that pip keeps that build. A torch
+        # requirement or index other than the stamp's replaces the installed torch (pip would
+        # keep a build that satisfies the version, e.g. the CUDA one when the CPU one is asked).
+        local force=()
+        if [ -n "$have" ] && [ "${have#* }" != "${want#* }" ]; then
+            force=(--force-reinstall --no-deps)
+        fi
+        "$venv/bin/python" -m pip install -q ${force[@]+"${force[@]}"} "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
         "$venv/bin/python" -m pip install -q "$TORCH_SPEC" -e "$root[$extras]"
         printf '%s\n%s\n' "$want" "$extras" >"$stamp"
     fi

@@ -265,11 +265,11 @@ def titan_job(s3_server, tmp_path_factory):
 
 
 def test_saves_resume_bitwise_keep_two_committed_and_reference_unchanged_items(titan_job):
-    r0, r1 = titan_job
-    assert r0["losses"] == r1["losses"] and len(r0["losses"]) == STEPS  # FSDP: the same mean loss on both
+    r0, r1 = titan_job  # each rank compared its resumed state with the saved one, bitwise
+    assert len(r0["losses"]) == len(r1["losses"]) == STEPS and r0["losses"] != r1["losses"]  # its own batches
     assert r0["kept"] == [4, 6]  # keep_latest_k=2 of the committed 2, 4, 6
-    # the unchanged buffer (and the layers' shards are new) -> each rank references its part of it
-    assert all(r["inherited_bytes"] >= 8 * 8 * 4 // WORLD for r in titan_job), [r["inherited_bytes"] for r in titan_job]
+    # the unchanged buffer (replicated: DCP gives it to one rank) is a reference to step 4, not uploaded
+    assert sum(r["inherited_bytes"] for r in titan_job) >= 8 * 8 * 4, [r["inherited_bytes"] for r in titan_job]
 
 
 def test_last_step_is_model_only_in_export_dtype_and_counts_for_retention(titan_job):
@@ -298,6 +298,8 @@ def test_example_is_killed_and_resumes_with_identical_losses(tmp_path):
                              capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     second = _losses(tmp_path / "second.jsonl")
-    assert second[0]["resumed_from"] == 4  # step 4 was committed before the kill at step 5
-    assert {r["step"]: r["loss"] for r in second if r["step"] <= 5} == {5: first[5]}  # bit for bit
+    start = second[0]["resumed_from"]
+    assert start in (2, 4), start  # step 4 may still have been uploading when the job was killed
+    assert [r["step"] for r in second] == list(range(start + 1, 7))
+    assert {r["step"]: r["loss"] for r in second if r["step"] <= 5} == {s: first[s] for s in range(start + 1, 6)}
     assert "s3dcp: checkpoint step 6 committed" in resumed.stdout + resumed.stderr

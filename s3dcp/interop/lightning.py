@@ -42,7 +42,7 @@ from ..errors import ConfigError, unwrap_error
 from ..lifecycle.manager import delete_checkpoint
 from ..loading.reader import S3StorageReader
 from ..s3.client import S3Client
-from ..saving.writer import S3StorageWriter
+from ..saving.writer import S3StorageWriter, SaveStats
 from ..uri import is_s3_uri, parse_s3_uri
 from . import lightning_fs
 
@@ -85,7 +85,15 @@ class S3CheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._in_flight: list[concurrent.futures.Future] = []
         self._committed: dict[str, str] = {}  # parent prefix -> newest checkpoint committed there (incremental)
+        self._deletions: list[concurrent.futures.Future] = []  # removals waiting for a save to commit
+        self.last_writer: S3StorageWriter | None = None
         lightning_fs.register(self.config)
+
+    @property
+    def last_stats(self) -> SaveStats | None:
+        """The figures of the last save (bytes uploaded, inherited, stage and upload seconds);
+        complete once it has committed."""
+        return None if self.last_writer is None else self.last_writer.last_stats
 
     @property
     def client(self) -> S3Client:
@@ -104,6 +112,7 @@ class S3CheckpointIO(CheckpointIO):
         base = self._base_for(uri) if self.incremental else None
         writer = S3StorageWriter(uri, config=self.config, client=self.client, overwrite=True,
                                  incremental_from=base, item_checksum="crc64nvme" if self.incremental else None)
+        self.last_writer = writer
         try:
             if not self.async_save:
                 dcp.save(tensors, storage_writer=writer, no_dist=True)
@@ -173,21 +182,26 @@ class S3CheckpointIO(CheckpointIO):
         them failed, ``path`` is kept (it may be the newest good checkpoint left)."""
         uri = _s3_path(path)
         with self._lock:
-            pending = list(self._in_flight)
-        if not pending:
+            gate = self._in_flight[-1] if self._in_flight else None
+        if gate is None:
             self._delete(uri)
             return
-        gate = pending[-1]
+        deleted: concurrent.futures.Future = concurrent.futures.Future()
+        deleted.set_running_or_notify_cancel()
 
         def after(f: concurrent.futures.Future) -> None:
-            if f.exception() is not None:
-                log.warning("kept %s: the newer checkpoint saved before its removal failed", uri)
-                return
             try:
-                self._delete(uri)
+                if f.exception() is not None:
+                    log.warning("kept %s: the newer checkpoint saved before its removal failed", uri)
+                else:
+                    self._delete(uri)
             except Exception:  # noqa: BLE001 - a leftover for `s3dcp gc`, never a failed training step
                 log.warning("could not delete %s", uri, exc_info=True)
+            finally:
+                deleted.set_result(None)
 
+        with self._lock:
+            self._deletions.append(deleted)
         gate.add_done_callback(after)
 
     def _delete(self, uri: str) -> None:
@@ -199,10 +213,14 @@ class S3CheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
-        """Wait for the saves in flight; raise the first error among them (once)."""
+        """Wait for the saves in flight and the removals behind them; raise the first error
+        among the saves (once)."""
         with self._lock:
             pending, self._in_flight = self._in_flight, []
         concurrent.futures.wait(pending)
+        with self._lock:
+            deletions, self._deletions = self._deletions, []
+        concurrent.futures.wait(deletions)
         errors = [f.exception() for f in pending if f.exception() is not None]
         if errors:
             raise errors[0]

@@ -110,8 +110,9 @@ def fit(args, root: str, max_steps: int, ckpt_path: str | None):
         stalls = ", ".join(f"{s * 1e3:.1f}" for s in meter.stalls_s)
         print(f"# fit to step {trainer.global_step}: {len(meter.stalls_s)} checkpoint saves, stall per save (ms): "
               f"{stalls}", flush=True)
-        print(f"# best {os.path.basename(checkpoint.best_model_path)}, last {os.path.basename(checkpoint.last_model_path)}, "
-              f"top-k {sorted(os.path.basename(p) for p in checkpoint.best_k_models)}", flush=True)
+        names = sorted(os.path.basename(p) for p in checkpoint.best_k_models)
+        best, last = os.path.basename(checkpoint.best_model_path), os.path.basename(checkpoint.last_model_path)
+        print(f"# best {best}, last {last}, top-k {names}", flush=True)
     return trainer
 
 

@@ -1,8 +1,8 @@
 """torchtitan's checkpoint manager saving to S3 through s3dcp: a few steps of a small model, then a resume.
 
-    torchrun --standalone --nproc-per-node 2 examples/torchtitan_s3.py                      # trains, saves, resumes
-    torchrun --standalone --nproc-per-node 2 examples/torchtitan_s3.py --crash-at-step 5    # dies at step 5
-    torchrun --standalone --nproc-per-node 2 examples/torchtitan_s3.py --steps 6            # resumes from the last commit
+    torchrun --standalone --nproc-per-node 2 examples/torchtitan_s3.py                    # trains, saves, resumes
+    torchrun --standalone --nproc-per-node 2 examples/torchtitan_s3.py --crash-at-step 5  # dies at step 5
+    torchrun --standalone --nproc-per-node 2 examples/torchtitan_s3.py --steps 6          # resumes from the commit
 
 The training pieces are torchtitan's own (``OptimizersContainer``, ``LRSchedulersContainer``,
 ``ParallelAwareDataloader``, FSDP2 on a small model) and so is the checkpoint manager: the one

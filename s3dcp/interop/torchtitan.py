@@ -38,7 +38,6 @@ What changes with an ``s3://`` folder:
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from concurrent.futures import Future
@@ -68,8 +67,6 @@ if TYPE_CHECKING:
     from ..saving.writer import S3StorageWriter
 
 __all__ = ["S3CheckpointManager"]
-
-log = logging.getLogger("s3dcp")
 
 _STEP_NAME = "step-{step}"  # torchtitan's _create_checkpoint_id
 

@@ -167,8 +167,7 @@ class S3CheckpointIO(CheckpointIO):
                      for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
             if _REST not in state:
                 raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
-            dcp.load(state, storage_reader=S3StorageReader(uri, config=self.config, client=self.client),
-                     no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         rest = torch.load(io.BytesIO(state.pop(_REST).numpy().tobytes()), weights_only=weights_only)

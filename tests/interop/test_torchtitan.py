@@ -219,6 +219,8 @@ def _worker(rank: int, world: int, bucket: str, cfg) -> dict:
     m4 = _manager(pinned, cfg, fourth, steps4, async_mode="async_with_pinned_mem")
     assert m4.load(step=1) is True
     _assert_same(after_one, _snapshot(fourth, steps4), "load_step=1")
+    with pytest.raises(FileNotFoundError, match="step-7"):  # s3dcp's CheckpointNotFoundError, as torchtitan's
+        m4.load(step=7)
     m4.close()
 
     # 5. a new run's folder is empty: initial_load_path (s3://) gives the model only

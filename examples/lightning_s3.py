@@ -98,7 +98,7 @@ def fit(args, root: str, max_steps: int, ckpt_path: str | None):
         io, checkpoint = None, pl.callbacks.ModelCheckpoint(**callback_args)
         plugins = []
     else:
-        io = S3CheckpointIO(async_save=args.async_save, incremental=True)
+        io = S3CheckpointIO(async_save=args.async_save, incremental=args.incremental)
         checkpoint = S3ModelCheckpoint(**callback_args)
         plugins = [io]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, plugins=plugins,
@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=2, help="checkpoint every N training steps (default 2)")
     parser.add_argument("--width", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--sync", dest="async_save", action="store_false", help="synchronous saves")
+    parser.add_argument("--no-incremental", dest="incremental", action="store_false",
+                        help="upload every tensor of every save (default: unchanged ones are references)")
     parser.add_argument("--baseline", metavar="DIR", help="Lightning's default CheckpointIO to this local directory")
     args = parser.parse_args(argv)
 

@@ -121,6 +121,26 @@ def test_the_file_system_view_shows_committed_checkpoints_only(s3_config, uri, b
     assert callback._find_last_checkpoints(trainer=None) == {f"s3dcp://{bucket}/ckpt/last.ckpt"}
 
 
+def test_fit_resumed_from_an_s3_path_ends_bitwise_where_an_uninterrupted_fit_ends(s3_config, uri):
+    import pytorch_lightning as pl
+
+    def fit(max_epochs: int, ckpt_path=None, callbacks=(), seed: int = 0):
+        torch.manual_seed(seed)
+        model = _Regressor()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
+                             plugins=[S3CheckpointIO(config=s3_config, async_save=True)], default_root_dir=uri,
+                             callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model.state_dict()
+
+    whole = fit(2)
+    fit(1, callbacks=[S3ModelCheckpoint(config=s3_config, save_top_k=-1, every_n_epochs=1)])
+    # another init: only the checkpoint (weights, Adam's moments, the loop's position) can make them meet
+    resumed = fit(2, ckpt_path=f"{uri}/checkpoints/epoch=0-step=4.ckpt", seed=7)
+    _assert_tree_equal(resumed, whole)
+
+
 def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_server, tmp_path):
     bucket = "lightning-example"
     s3_server.create_bucket(bucket)
@@ -139,6 +159,28 @@ def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_ser
 
 
 # ---------------------------------------------------------------------- helpers
+def _Regressor():
+    import pytorch_lightning as pl
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2].sin()), batch_size=8)
+
+    return Regressor()
+
+
 def _key(uri: str) -> tuple[str, str]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     return bucket, key

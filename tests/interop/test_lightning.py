@@ -15,13 +15,11 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("pytorch_lightning", reason="the [lightning] extra is not installed")
+from s3dcp.interop.lightning import S3CheckpointIO, S3ModelCheckpoint
+from s3dcp.interop.lightning_fs import CheckpointFileSystem
 
-from s3dcp.interop.lightning import S3CheckpointIO, S3ModelCheckpoint  # noqa: E402
-from s3dcp.interop.lightning_fs import CheckpointFileSystem  # noqa: E402
-
-from test_examples import EXAMPLES, _env  # noqa: E402
-from test_multiprocess import _assert_tree_equal  # noqa: E402
+from test_examples import EXAMPLES, _env
+from test_multiprocess import _assert_tree_equal
 
 
 def lightning_checkpoint(seed: int = 0) -> dict:
@@ -141,6 +139,7 @@ def test_fit_resumed_from_an_s3_path_ends_bitwise_where_an_uninterrupted_fit_end
     _assert_tree_equal(resumed, whole)
 
 
+@pytest.mark.multiproc
 def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_server, tmp_path):
     bucket = "lightning-example"
     s3_server.create_bucket(bucket)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..config import S3Config
-from ..errors import ConfigError, unwrap_error
+from ..errors import ConfigError, MetadataFormatError, unwrap_error
 from ..lifecycle.manager import delete_checkpoint
 from ..loading.reader import S3StorageReader
 from ..s3.client import S3Client
@@ -160,11 +160,7 @@ class S3CheckpointIO(CheckpointIO):
         uri = _s3_path(path)
         reader = S3StorageReader(uri, config=self.config, client=self.client)
         try:
-            metadata = reader.read_metadata()
-            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-            state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
-                     for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+            state = _destinations(reader.read_metadata(), uri)
             if _REST not in state:
                 raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
             dcp.load(state, storage_reader=reader, no_dist=True)
@@ -314,6 +310,26 @@ def _join(rest: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return obj
 
     return walk(rest)
+
+
+def _destinations(metadata: Any, uri: str) -> dict[str, torch.Tensor]:
+    """An empty tensor for each tensor the (untrusted) metadata declares, allocated only once its
+    size agrees with the bytes its items say are stored."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored: dict[str, int] = {}
+    for index, location in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + location.length
+    state = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
+        if nbytes != stored.get(fqn, 0):
+            raise MetadataFormatError(f"{uri}: item {fqn!r} declares {tuple(md.size)} {md.properties.dtype} ({nbytes} bytes) "
+                              f"but its stored chunks hold {stored.get(fqn, 0)} bytes; refusing to load it")
+        state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+    return state
 
 
 def _pickled(rest: Any) -> torch.Tensor:

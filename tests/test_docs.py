@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import sys
+import tomllib
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket
 
 PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
          "docs/troubleshooting.md", "docs/errors.md",
-         "docs/benchmarks.md"]
+         "docs/benchmarks.md", "docs/trainers.md", "docs/compatibility.md"]
 
 
 def test_every_s3config_field_is_in_the_configuration_table():
@@ -69,6 +70,8 @@ RUN_BY = {
     "docs/troubleshooting.md": [],
     "docs/errors.md": [],
     "docs/benchmarks.md": [],
+    "docs/trainers.md": ["", "python", "python"],                # the trainers' tests
+    "docs/compatibility.md": ["python"],                          # test_the_compat_settings
 }
 
 
@@ -222,3 +225,65 @@ def test_the_export_commands(aws_env, s3_server, tmp_path, monkeypatch, capsys):
     out = {"model.w": torch.zeros(8, 4)}
     dcp.load(out, storage_reader=s3dcp.S3SafetensorsReader(f"s3://{bucket}/hf/step-1000/"))
     assert torch.equal(out["model.w"], model["w"])
+
+
+# ------------------------------------------------------------------ docs/trainers.md
+def test_the_trainer_extras_exist():
+    lang, install = all_blocks("docs/trainers.md")[0]
+    named = re.findall(r"pip install 's3dcp\[(\w+)\]'", install)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert lang == "" and named == ["torchtitan", "lightning"] and all(extras[name] for name in named)
+
+
+def test_the_torchtitan_config(aws_env, s3_server):
+    (snippet,) = blocks("torchtitan", "python", "docs/trainers.md")
+    bucket = fresh_bucket(s3_server)
+    found: dict = {}
+    exec(in_bucket(snippet, bucket), found)  # noqa: S102 - the page's own code
+    config = found["checkpoint"]
+    assert (config.folder, config.async_mode, config.keep_latest_k, config.incremental) == \
+        (f"s3://{bucket}/run", "async", 3, True)
+
+
+def test_the_lightning_snippet_saves_every_100_steps_and_resumes_from_last(aws_env, s3_server, boto3_client):
+    import pytorch_lightning as pl
+
+    (snippet,) = blocks("Lightning", "python", "docs/trainers.md")
+    bucket = fresh_bucket(s3_server)
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            x = torch.randn(50, 4, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2]), batch_size=1)
+
+    first: dict = {"model": Model()}
+    exec(in_bucket(snippet, bucket), first)  # noqa: S102 - 3 epochs of 50 steps: saved at step 100
+    assert first["trainer"].global_step == 150
+    keys = [o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]]
+    committed = {key.split("/")[-2] for key in keys if key.endswith("/.metadata")}
+    assert "last.ckpt" in committed and any("step=100" in name for name in committed), committed
+    again: dict = {"model": Model()}
+    exec(in_bucket(snippet, bucket), again)  # noqa: S102 - resumes from last.ckpt (step 100, an epoch's end)
+    assert again["trainer"].global_step == 150
+    assert torch.equal(again["model"].net.weight, first["model"].net.weight)
+
+
+# ------------------------------------------------------------------ docs/compatibility.md
+def test_the_compat_settings():
+    (snippet,) = blocks("The setting", "python", "docs/compatibility.md")
+    made: list = []
+    exec(snippet, {"S3Config": lambda **kw: made.append(S3Config(endpoint_url="http://127.0.0.1:9", **kw))})  # noqa: S102
+    assert [c.compat for c in made] == ["s3", "s3", "gcs", "basic"]  # None: detected (a loopback host is S3)

@@ -14,10 +14,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ..errors import MetadataFormatError
+
 __all__ = [
     "METADATA_NAME", "PENDING_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
     "parse_object_name", "is_data_object", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
-    "coalesce", "Piece", "box_pieces",
+    "coalesce", "Piece", "box_pieces", "MAX_BYTES_ITEM_BYTES", "check_location", "check_box", "check_in_object",
 ]
 
 # The names of a checkpoint directory's objects, defined here and nowhere else:
@@ -42,6 +44,61 @@ class ItemLocation:
     shape: tuple[int, ...] | None = None  # tensor items: the stored chunk's shape (C-contiguous raw bytes)
     block_size: int = 0  # > 0 when the item also has per-block checksums (large items)
     block_checksums: tuple[str, ...] = ()  # checksum of each block_size slice, the last one shorter
+
+
+# Non-tensor items are the planner's BytesIO values (small pickles: ints, strings, optimizer
+# hyper-parameters) read whole into memory; larger is a damaged or crafted length.
+MAX_BYTES_ITEM_BYTES = 1 << 32
+
+
+# ---------------------------------------------------------------------------- what a location may say
+def check_location(loc: ItemLocation, element_size: int | None, where: str) -> None:
+    """Refuse a location whose numbers cannot describe stored bytes, before anything is
+    allocated or fetched for it: a negative offset or length, a tensor item whose length is not
+    ``element_size`` × the elements of its shape (``element_size``: of ``loc.dtype``; None for a
+    non-tensor item), a non-tensor item over :data:`MAX_BYTES_ITEM_BYTES`, per-block checksums
+    that do not cover the item block by block. ``where`` names the item in the error."""
+    for name in ("offset", "length", "block_size"):
+        value = getattr(loc, name)
+        if type(value) is not int or value < 0:
+            raise MetadataFormatError(f"{where}: {name} {value!r} is not a non-negative int (damaged or crafted metadata)")
+    if element_size is None:
+        if loc.length > MAX_BYTES_ITEM_BYTES:
+            raise MetadataFormatError(
+                f"{where}: length {loc.length} of a non-tensor item is over the {MAX_BYTES_ITEM_BYTES}-byte bound "
+                "(damaged or crafted metadata)")
+    else:
+        shape = loc.shape
+        if shape is None or any(type(n) is not int or n < 0 for n in shape):
+            raise MetadataFormatError(f"{where}: tensor item with shape {shape!r} (damaged or crafted metadata)")
+        expected = element_size * _prod(shape)
+        if loc.length != expected:
+            raise MetadataFormatError(
+                f"{where}: length {loc.length} is not the {expected} bytes of its {loc.dtype}{list(shape)} chunk "
+                f"({element_size}-byte elements; damaged or crafted metadata)")
+    if loc.block_size or loc.block_checksums:
+        blocks = -(-loc.length // loc.block_size) if loc.block_size else None
+        if blocks != len(loc.block_checksums) or loc.checksum is None:
+            raise MetadataFormatError(
+                f"{where}: {len(loc.block_checksums)} block checksum(s) for block_size {loc.block_size} over "
+                f"length {loc.length} (damaged or crafted metadata)")
+
+
+def check_box(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], where: str) -> None:
+    """Refuse a read of the sub-box ``offsets``/``lengths`` that is not inside a stored item of ``shape``."""
+    if len(offsets) != len(shape) or len(lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        raise MetadataFormatError(
+            f"{where}: the box at {tuple(offsets)} of {tuple(lengths)} elements is not inside the stored "
+            f"chunk of shape {tuple(shape)} (damaged or crafted metadata)")
+
+
+def check_in_object(loc: ItemLocation, object_bytes: int, where: str) -> None:
+    """Refuse an item that ends past the end of its object of ``object_bytes`` bytes."""
+    if loc.offset + loc.length > object_bytes:
+        raise MetadataFormatError(
+            f"{where}: bytes {loc.offset}-{loc.offset + loc.length} are past the end of {loc.object_name} "
+            f"({object_bytes} bytes; damaged or crafted metadata, or the object was replaced)")
 
 
 # ---------------------------------------------------------------------------- save side

@@ -21,8 +21,14 @@ _READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one bloc
 
 # ---------------------------------------------------------------------- verify
 def cmd_verify(args) -> int:
+    """Read every item the metadata declares and check it against its checksum. OK only when
+    every declared item was read whole and matched; an item with an impossible location, no
+    checksum (nothing to check it against), a short or failed read, or a mismatch makes the
+    exit status 1 and is named."""
     from collections import deque
 
+    from ..errors import MetadataFormatError
+    from ..format.metadata import str_to_dtype
     from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
@@ -30,11 +36,19 @@ def cmd_verify(args) -> int:
     md = S3StorageReader(str(uri), client=client).fetch_metadata()
     checks: list[_Verify] = []
     bad: list[dict[str, Any]] = []
-    unchecked = 0
+    skipped: list[dict[str, Any]] = []
+    declared_bytes = 0
     segments: dict[str, list[layout.Segment]] = {}
     for index, loc in md.storage_data.items():
+        declared_bytes += max(0, loc.length) if type(loc.length) is int else 0
+        try:
+            size = None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize
+            layout.check_location(loc, size, f"item {index.fqn!r}{_chunk(index.offset)}")
+        except MetadataFormatError as e:
+            bad.append(_bad(uri, index, loc, f"invalid location: {e}"))
+            continue
         if loc.checksum is None:
-            unchecked += 1
+            skipped.append(_bad(uri, index, loc, "no checksum recorded: its bytes cannot be checked"))
             continue
         try:
             check = _Verify(index, integrity.ItemCheck(loc))
@@ -68,23 +82,36 @@ def cmd_verify(args) -> int:
                 finish_oldest()
         while window:
             finish_oldest()
+    verified = [c for c in checks if c.error is None and c.item.whole and c.item.ok]
+    for c in checks:
+        if c.error is None and not c.item.whole:  # never fed in full: not verified, whatever ok says
+            c.error = f"only {c.item.fed_bytes} of its {c.item.location.length} bytes were read"
     bad += [_bad(uri, c.index, c.item.location, c.error or c.item.got, c.item.bad_blocks)
             for c in checks if c.error or not c.item.ok]
-    nbytes = sum(c.item.location.length for c in checks)
+    nbytes = sum(c.item.location.length for c in verified)
+    ok = not bad and not skipped and len(verified) == len(md.storage_data)
     if args.json:
-        print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
-                     "unchecked_items": unchecked, "bytes": nbytes, "bad": bad})
+        print_json({"uri": str(uri), "ok": ok, "items": len(md.storage_data), "checked_items": len(checks),
+                     "verified_items": len(verified), "unchecked_items": len(skipped), "bytes": nbytes,
+                     "declared_bytes": declared_bytes, "bad": bad, "unchecked": skipped})
     else:
         for b in bad:
             where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
             print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
                   f"expected {b['expected']}, got {b['got']}{where}")
-        if not bad:
-            note = f", {unchecked} without checksums (not checked)" if unchecked else ""
-            print(f"OK: {len(checks)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
-                  f"{len({c.item.location.object_name for c in checks})} object(s) of {uri} verified{note}")
-    if bad:
-        print(f"s3dcp: error: {len(bad)} bad item(s) in {uri}; restore from another checkpoint", file=sys.stderr)
+        for b in skipped:
+            print(f"NOT CHECKED {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                  f"{b['got']}")
+        if ok:
+            print(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
+                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified")
+    if not ok:
+        parts = [f"{len(bad)} bad item(s)"] if bad else []
+        if skipped:
+            parts.append(f"{len(skipped)} item(s) without a checksum, not checked")
+        print(f"s3dcp: error: {', '.join(parts) or 'not every item was verified'} in {uri}: "
+              f"{len(verified)} of {len(md.storage_data)} item(s), {nbytes} of {declared_bytes} bytes verified"
+              + ("; restore from another checkpoint" if bad else ""), file=sys.stderr)
         return 1
     return 0
 

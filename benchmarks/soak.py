@@ -643,7 +643,8 @@ def main(argv=None) -> int:
         cycles = run_soak(target.config, base_uri, settings, progress=progress)
         wall_s = time.perf_counter() - started
         from s3dcp.s3.client import S3Client
-        from s3dcp.lifecycle.manager import delete_checkpoint, scan_directories
+        from s3dcp.lifecycle.directories import scan_directories
+        from s3dcp.lifecycle.manager import delete_checkpoint
         from s3dcp.uri import parse_s3_uri
 
         client = S3Client(target.config)  # leave the bucket as we found it

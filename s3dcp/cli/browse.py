@@ -18,8 +18,8 @@ __all__ = ["cmd_ls", "cmd_inspect"]
 
 # ---------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
-    from ..lifecycle.incremental import held_for_references
-    from ..lifecycle.manager import scan_directories
+    from ..lifecycle.deletion import held_for_references
+    from ..lifecycle.directories import scan_directories
 
     base = parse_s3_uri(args.uri)
     now = time.time()
@@ -77,7 +77,7 @@ def cmd_ls(args) -> int:
 def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..lifecycle.incremental import sources
+    from ..format.references import sources
     from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of
     from ..loading.reader import S3StorageReader
 

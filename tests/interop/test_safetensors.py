@@ -116,6 +116,46 @@ def test_check_shard_set():
                          "model-00003-of-00002.safetensors"], where="p")
 
 
+def test_a_shard_count_from_a_file_name_costs_nothing_to_check():
+    """N comes from a name anyone can upload: the missing shards are counted, never listed."""
+    import tracemalloc
+
+    from s3dcp.format.safetensors import check_shard_set
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(IncompleteCheckpointError, match=r"3999999 of 4000000 shard file\(s\) missing "
+                                                            r"\(model-0000002-of-4000000.safetensors, .* and 3999994 more\)"):
+            check_shard_set(["model-0000001-of-4000000.safetensors"], where="p")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # was ~400 MiB: every missing name built first
+    with pytest.raises(IncompleteCheckpointError, match=r"99999999998 of 99999999999 shard"):
+        check_shard_set(["model-00000000001-of-99999999999.safetensors"], where="p")  # was: hours
+
+
+def test_parse_header_refuses_odd_shapes_and_overlapping_tensors(tmp_path):
+    save_file({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path / "x.safetensors")
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+
+    def edited(change) -> bytes:
+        doc = json.loads(raw[8:8 + n])
+        change(doc)
+        text = json.dumps(doc).encode()
+        return struct.pack("<Q", len(text)) + text
+
+    with pytest.raises(MetadataFormatError, match=r"'a' has shape \[-2, -2\]"):  # -2 x -2 = 4 elements: the byte count alone passes
+        parse_header(edited(lambda d: d["a"].update(shape=[-2, -2])), source="x")
+    with pytest.raises(MetadataFormatError, match="'a' has shape '4'"):
+        parse_header(edited(lambda d: d["a"].update(shape="4")), source="x")
+    with pytest.raises(MetadataFormatError, match="overlap"):
+        parse_header(edited(lambda d: d["b"].update(data_offsets=d["a"]["data_offsets"])), source="x")
+    with pytest.raises(MetadataFormatError, match="not JSON"):
+        parse_header(struct.pack("<Q", 200_000) + b"[" * 200_000, source="x")
+
+
 # ------------------------------------------------------------------------------ reader
 def test_reader_loads_index_and_shards_bitwise_with_dtype_conversion(bucket, s3_config, boto3_client, tmp_path):
     model = upload_hf_model(boto3_client, bucket, "models/tiny", tmp_path)

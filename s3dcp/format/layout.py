@@ -20,6 +20,7 @@ __all__ = [
     "METADATA_NAME", "PENDING_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
     "parse_object_name", "is_data_object", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
     "coalesce", "Piece", "box_pieces", "MAX_BYTES_ITEM_BYTES", "check_location", "check_box", "check_in_object",
+    "MAX_TILING_CELLS", "check_tiling",
 ]
 
 # The names of a checkpoint directory's objects, defined here and nowhere else:
@@ -99,6 +100,51 @@ def check_in_object(loc: ItemLocation, object_bytes: int, where: str) -> None:
         raise MetadataFormatError(
             f"{where}: bytes {loc.offset}-{loc.offset + loc.length} are past the end of {loc.object_name} "
             f"({object_bytes} bytes; damaged or crafted metadata, or the object was replaced)")
+
+
+# A tensor's chunk boundaries cut it into a grid of cells; a regular sharding has one cell per
+# chunk. More cells than this is not a layout any planner makes.
+MAX_TILING_CELLS = 1 << 22
+
+
+def check_tiling(shape: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]], where: str) -> None:
+    """Refuse chunks (``(offsets, sizes)`` boxes) that do not tile a tensor of ``shape`` exactly:
+    a chunk outside the tensor, two chunks that overlap, or a hole no chunk covers — which an
+    export would otherwise write as whatever its buffer held.
+
+    Work is bounded by the grid the chunk boundaries make (one cell per chunk for a regular
+    sharding), never by the elements; a grid over :data:`MAX_TILING_CELLS` cells is refused."""
+    shape = tuple(shape)
+    for offsets, sizes in chunks:
+        check_box(shape, offsets, sizes, where)
+    if _prod(shape) == 0:
+        return
+    chunks = [(tuple(o), tuple(n)) for o, n in chunks if _prod(n)]
+    bounds = [sorted({0, d} | {o[i] for o, _ in chunks} | {o[i] + n[i] for o, n in chunks})
+              for i, d in enumerate(shape)]
+    cells = _prod(len(b) - 1 for b in bounds)
+    if cells > MAX_TILING_CELLS:
+        raise MetadataFormatError(f"{where}: its {len(chunks)} chunks cut it into {cells} pieces, over the "
+                                  f"{MAX_TILING_CELLS} checked (damaged or crafted metadata)")
+    at = [{v: k for k, v in enumerate(b)} for b in bounds]
+    steps = [_prod(len(b) - 1 for b in bounds[i + 1:]) for i in range(len(shape))]
+    covered = bytearray(cells)
+    for offsets, sizes in chunks:
+        ranges = [range(at[i][o], at[i][o + n]) for i, (o, n) in enumerate(zip(offsets, sizes))]
+        for cell in itertools.product(*ranges):
+            k = sum(c * s for c, s in zip(cell, steps))
+            if covered[k]:
+                raise MetadataFormatError(f"{where}: the chunk at {offsets} overlaps another chunk "
+                                          "(damaged or crafted metadata)")
+            covered[k] = 1
+    if 0 in covered:
+        k = covered.index(0)
+        corner = []
+        for b, s in zip(bounds, steps):
+            corner.append(b[k // s])
+            k %= s
+        raise MetadataFormatError(f"{where}: no chunk holds the elements at {tuple(corner)} "
+                                  "(a hole; damaged or crafted metadata)")
 
 
 # ---------------------------------------------------------------------------- save side

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from s3dcp import S3StorageWriter, cli
+from s3dcp import S3StorageReader, S3StorageWriter, cli
 from s3dcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -462,6 +462,41 @@ def test_an_export_that_cannot_remove_its_shards_says_what_is_left(s3_server, bu
     assert _keys(boto3_client, bucket, "hf/") == [f"hf/model-0000{i}-of-00003.safetensors" for i in (1, 2)]
     with pytest.raises(IncompleteCheckpointError, match=r"hf/ is incomplete.*model-00003-of-00003.safetensors"):
         S3SafetensorsReader(f"s3://{bucket}/hf", config=cfg).fetch_metadata()
+
+
+@pytest.mark.parametrize("second", [(4,), (2,)], ids=["tiled", "overlap-and-hole"])
+def test_export_refuses_chunks_that_do_not_tile_their_tensor(bucket, s3_config, tmp_path, second):
+    """Two chunks of 4 elements each always add up to the 8 of the tensor; only at (0,) and (4,)
+    do they tile it. At (0,) and (2,) they overlap and leave [6, 8) to nobody: refused, not
+    exported as whatever the buffer held."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from s3dcp.format.layout import ItemLocation
+    from s3dcp.format.metadata import encode_metadata
+    from s3dcp.s3.client import S3Client
+
+    uri = f"s3://{bucket}/run/step-1"
+    dcp.save({"w": torch.arange(8, dtype=torch.float32)}, storage_writer=S3StorageWriter(uri, config=s3_config))
+    client = S3Client(s3_config)
+    saved = S3StorageReader(uri, config=s3_config).fetch_metadata()
+    (whole,) = saved.storage_data.values()
+    chunks = [((0,), (4,)), (second, (4,))]
+    md = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size([8]),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in chunks])},
+        storage_data={MetadataIndex("w", torch.Size(o)): ItemLocation(
+            whole.object_name, whole.offset + 16 * i, 16, None, "float32", (4,)) for i, (o, _) in enumerate(chunks)})
+    client.put(bucket, "run/step-1/.metadata", encode_metadata(md)).result()
+    out = tmp_path / "hf"
+    if second == (4,):
+        export_safetensors(uri, str(out), config=s3_config)
+        assert torch.equal(load_file(out / "model-00001-of-00001.safetensors")["w"], torch.arange(8, dtype=torch.float32))
+        return
+    with pytest.raises(MetadataFormatError, match=r"'w'.*(overlap|no chunk holds)"):
+        export_safetensors(uri, str(out), config=s3_config)
+    assert not out.exists() or sorted(os.listdir(out)) == []
 
 
 def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_path):

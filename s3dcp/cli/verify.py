@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from ..errors import S3DCPError, UnsafePickleError, root_error
+from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
 from ..uri import S3Uri, object_key, parse_s3_uri
 from .common import UsageError, s3_client
@@ -27,7 +27,6 @@ def cmd_verify(args) -> int:
     exit status 1 and is named."""
     from collections import deque
 
-    from ..errors import MetadataFormatError
     from ..format.metadata import str_to_dtype
     from ..loading.reader import S3StorageReader
 
@@ -162,8 +161,10 @@ def cmd_download(args) -> int:
     out = args.to_torch_save
     if os.path.exists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
-    reader = S3StorageReader(str(uri), client=s3_client(args), allow_pickle=args.allow_pickle)
-    reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    client = s3_client(args)
+    reader = S3StorageReader(str(uri), client=client, allow_pickle=args.allow_pickle)
+    md = reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    _check_declared_sizes(client, uri, md)
     state_dict: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():
@@ -187,3 +188,42 @@ def cmd_download(args) -> int:
     else:
         print(f"wrote {out}: {len(state_dict)} top-level key(s), {format_size(nbytes)} from {uri}")
     return 0
+
+
+def _check_declared_sizes(client, uri: S3Uri, md) -> None:
+    """Before the planner allocates every tensor at the size the metadata declares: each
+    tensor's chunks tile it exactly, each chunk's stored length is its bytes, and each item lies
+    inside its object (one LIST of the checkpoint, a HEAD for objects elsewhere). So what is
+    allocated is at most what the objects hold."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
+    sizes = {o.key: o.size for o in objects}
+    for fqn, meta in md.state_dict_metadata.items():
+        where = f"{uri}: tensor {fqn!r} of shape {list(meta.size)}" if isinstance(meta, TensorStorageMetadata) \
+            else f"{uri}: item {fqn!r}"
+        if isinstance(meta, TensorStorageMetadata):
+            layout.check_tiling(tuple(meta.size), [(c.offsets, c.sizes) for c in meta.chunks], where)
+            keys = [(MetadataIndex(fqn, c.offsets), c.sizes) for c in meta.chunks]
+        else:
+            keys = [(MetadataIndex(fqn), None)]
+        for index, chunk_sizes in keys:
+            loc = md.storage_data.get(index)
+            if loc is None:
+                continue  # the reader names a missing location when it gets there
+            if chunk_sizes is not None:
+                expected = meta.properties.dtype.itemsize * _prod(chunk_sizes)
+                if loc.length != expected:
+                    raise MetadataFormatError(f"{where}: the chunk at {tuple(index.offset)} is stored in "
+                                              f"{loc.length} bytes, not its {expected}")
+            key = object_key(uri, loc.object_name)
+            if key not in sizes:
+                sizes[key] = client.head(uri.bucket, key).result().size
+            layout.check_in_object(loc, sizes[key], where)
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

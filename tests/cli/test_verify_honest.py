@@ -79,3 +79,30 @@ def test_verify_fails_for_items_without_a_checksum(capsys, uri, s3_server):
     code, out, _ = _run(capsys, "verify", "--json", uri)
     report = json.loads(out)
     assert code == 1 and report["ok"] is False and report["unchecked_items"] == 3 and report["verified_items"] == 0
+
+
+# ------------------------------------------------------------------------------ download
+def _edit_size(uri, cfg, fqn, size):
+    """Save, then set tensor ``fqn``'s declared global size (a 1-D one) in ``sdm.size``."""
+    dcp.save(_state(), storage_writer=S3StorageWriter(uri, config=cfg), no_dist=True)
+    client = S3Client(cfg)
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    raw = client.get(bucket, f"{prefix}/{METADATA_NAME}").result()
+    entry = header(raw)["fqns"].index(fqn)
+    at = sum(column(raw, "sdm.size.len")[:entry])
+    edited = edit_column(raw, "sdm.size", lambda vs: [size if i == at else v for i, v in enumerate(vs)])
+    client.put(bucket, f"{prefix}/{METADATA_NAME}", edited).result()
+
+
+def test_download_refuses_a_declared_size_its_chunks_do_not_hold(capsys, uri, s3_config, tmp_path):
+    _edit_size(uri, s3_config, "w", 2**40)  # 4 TiB of float32, allocated whole by the planner before
+    code, out, err = _run(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
+    assert code == 1 and "internal error" not in err
+    assert "'w' of shape [1099511627776]" in err and "no chunk holds the elements at (16,)" in err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_download_refuses_an_item_past_the_end_of_its_object(capsys, uri, s3_config, tmp_path):
+    _edit(uri, s3_config, "step", "sd.length", 3 << 30)
+    code, out, err = _run(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
+    assert code == 1 and "'step'" in err and "past the end of" in err and "internal error" not in err

@@ -201,6 +201,8 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
             if loc is None:
                 raise MetadataFormatError(f"{src}: the metadata has no stored location for {fqn!r} "
                                           f"chunk at {tuple(chunk.offsets)}")
+            layout.check_location(loc, meta.properties.dtype.itemsize,
+                                  f"{src}: item {fqn!r} (chunk at {tuple(chunk.offsets)})")
             chunks.append((tuple(chunk.offsets), tuple(chunk.sizes), loc))
         shape = tuple(meta.size)
         layout.check_tiling(shape, [(o, s) for o, s, _ in chunks], f"{src}: tensor {fqn!r} of shape {list(shape)}")

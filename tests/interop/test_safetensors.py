@@ -499,6 +499,22 @@ def test_export_refuses_chunks_that_do_not_tile_their_tensor(bucket, s3_config, 
     assert not out.exists() or sorted(os.listdir(out)) == []
 
 
+def test_export_refuses_a_negative_offset_as_a_format_error(bucket, s3_config, tmp_path):
+    from metadata_edit import column, edit_column, header
+
+    from s3dcp.s3.client import S3Client
+
+    uri = f"s3://{bucket}/run/step-1"
+    dcp.save({"w": torch.arange(8, dtype=torch.float32)}, storage_writer=S3StorageWriter(uri, config=s3_config))
+    client = S3Client(s3_config)
+    raw = client.get(bucket, "run/step-1/.metadata").result()
+    row = column(raw, "sd.fqn").index(header(raw)["fqns"].index("w"))
+    edited = edit_column(raw, "sd.offset", lambda vs: [-8 if i == row else v for i, v in enumerate(vs)])
+    client.put(bucket, "run/step-1/.metadata", edited).result()
+    with pytest.raises(MetadataFormatError, match=r"'w'.*offset -8 is not a non-negative int"):
+        export_safetensors(uri, str(tmp_path / "hf"), config=s3_config)
+
+
 def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_path):
     uri = f"s3://{bucket}/run/step-4"
     dcp.save(training_state(), storage_writer=S3StorageWriter(uri, config=s3_config))

@@ -99,7 +99,7 @@ def check_in_object(loc: ItemLocation, object_bytes: int, where: str) -> None:
     if loc.offset + loc.length > object_bytes:
         raise MetadataFormatError(
             f"{where}: bytes {loc.offset}-{loc.offset + loc.length} are past the end of {loc.object_name} "
-            f"({object_bytes} bytes; damaged or crafted metadata, or the object was replaced)")
+            f"({object_bytes} bytes): the object was truncated or replaced, or the metadata is damaged or crafted")
 
 
 # A tensor's chunk boundaries cut it into a grid of cells; a regular sharding has one cell per

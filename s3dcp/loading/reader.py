@@ -340,7 +340,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
 
     def _read_error(self, run: list[Segment], error: BaseException) -> BaseException:
         """A GET that found its object shorter than the metadata says (a short body, or 416):
-        the first item past the object's end, as a format error naming it; else ``error``."""
+        an IntegrityError naming the first item past the object's end; else ``error``."""
         if not isinstance(error, IntegrityError) and getattr(error, "status", None) != 416:
             return error
         reads = [seg.tag if isinstance(seg.tag, _Read) else seg.tag[0] for seg in run]
@@ -349,9 +349,10 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             size = self.client.head(self._uri.bucket, key).result().size
             for read in reads:
                 layout.check_in_object(read.location, size, self._where(read.item))
-        except MetadataFormatError as e:
-            e.__cause__ = error
-            return e
+        except MetadataFormatError as e:  # which of the object and the metadata is wrong, no one can tell
+            named = IntegrityError(str(e))
+            named.__cause__ = error
+            return named
         except S3DCPError:
             pass
         return error

@@ -10,7 +10,7 @@ import torch
 
 import s3dcp
 from s3dcp import S3StorageWriter
-from s3dcp.errors import MetadataFormatError
+from s3dcp.errors import IntegrityError, MetadataFormatError
 from s3dcp.format.layout import MAX_BYTES_ITEM_BYTES, METADATA_NAME
 from s3dcp.s3.client import S3Client
 
@@ -63,10 +63,13 @@ def test_a_negative_offset_is_a_format_error_not_a_crt_error(uri, s3_config):
         s3dcp.load(_blank(), uri, config=s3_config)
 
 
-def test_an_item_past_the_end_of_its_object_is_a_format_error(uri, s3_config):
-    _put_edited(uri, s3_config, _state(), "w", "sd.offset", lambda old: old + 1_000_000)
-    with pytest.raises(MetadataFormatError, match=r"'w'.*past the end of"):
-        s3dcp.load(_blank(), uri, config=s3_config)
+@pytest.mark.parametrize("start", [1_000, 1_000_000], ids=["short-read", "range-past-the-end"])
+def test_an_item_past_the_end_of_its_object_is_named(uri, s3_config, start):
+    """A GET past the end is the object's or the metadata's fault (no one can tell which): an
+    IntegrityError naming the item, never a CRT or HTTP error about a range."""
+    _put_edited(uri, s3_config, {"w": torch.arange(16, dtype=torch.float32)}, "w", "sd.offset", lambda old: start)
+    with pytest.raises(IntegrityError, match=r"'w'.*past the end of"):
+        s3dcp.load({"w": torch.zeros(16)}, uri, config=s3_config)
 
 
 def test_a_bytes_item_over_the_bound_is_refused_before_any_allocation(uri, s3_config):

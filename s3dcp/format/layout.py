@@ -62,7 +62,8 @@ def check_location(loc: ItemLocation, element_size: int | None, where: str) -> N
     for name in ("offset", "length", "block_size"):
         value = getattr(loc, name)
         if type(value) is not int or value < 0:
-            raise MetadataFormatError(f"{where}: {name} {value!r} is not a non-negative int (damaged or crafted metadata)")
+            raise MetadataFormatError(
+                f"{where}: {name} {value!r} is not a non-negative int (damaged or crafted metadata)")
     if element_size is None:
         if loc.length > MAX_BYTES_ITEM_BYTES:
             raise MetadataFormatError(

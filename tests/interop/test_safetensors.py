@@ -124,8 +124,9 @@ def test_a_shard_count_from_a_file_name_costs_nothing_to_check():
 
     tracemalloc.start()
     try:
-        with pytest.raises(IncompleteCheckpointError, match=r"3999999 of 4000000 shard file\(s\) missing "
-                                                            r"\(model-0000002-of-4000000.safetensors, .* and 3999994 more\)"):
+        missing = (r"3999999 of 4000000 shard file\(s\) missing "
+                   r"\(model-0000002-of-4000000.safetensors, .* and 3999994 more\)")
+        with pytest.raises(IncompleteCheckpointError, match=missing):
             check_shard_set(["model-0000001-of-4000000.safetensors"], where="p")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -146,7 +147,8 @@ def test_parse_header_refuses_odd_shapes_and_overlapping_tensors(tmp_path):
         text = json.dumps(doc).encode()
         return struct.pack("<Q", len(text)) + text
 
-    with pytest.raises(MetadataFormatError, match=r"'a' has shape \[-2, -2\]"):  # -2 x -2 = 4 elements: the byte count alone passes
+    # -2 x -2 = 4 elements: the byte count alone passes
+    with pytest.raises(MetadataFormatError, match=r"'a' has shape \[-2, -2\]"):
         parse_header(edited(lambda d: d["a"].update(shape=[-2, -2])), source="x")
     with pytest.raises(MetadataFormatError, match="'a' has shape '4'"):
         parse_header(edited(lambda d: d["a"].update(shape="4")), source="x")

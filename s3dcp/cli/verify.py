@@ -44,15 +44,15 @@ def cmd_verify(args) -> int:
             size = None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize
             layout.check_location(loc, size, f"item {index.fqn!r}{_chunk(index.offset)}")
         except MetadataFormatError as e:
-            bad.append(_bad(uri, index, loc, f"invalid location: {e}"))
+            bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
             continue
         if loc.checksum is None:
-            skipped.append(_bad(uri, index, loc, "no checksum recorded: its bytes cannot be checked"))
+            skipped.append(_bad(uri, index, loc, None, reason="no checksum recorded: its bytes cannot be checked"))
             continue
         try:
             check = _Verify(index, integrity.ItemCheck(loc))
         except ValueError as e:
-            bad.append(_bad(uri, index, loc, str(e)))
+            bad.append(_bad(uri, index, loc, None, reason=str(e)))
             continue
         checks.append(check)
         step = check.item.piece_bytes  # pieces line up with the block checksums
@@ -96,11 +96,14 @@ def cmd_verify(args) -> int:
     else:
         for b in bad:
             where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
-            print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
-                  f"expected {b['expected']}, got {b['got']}{where}")
+            if b["reason"]:
+                print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']}: {b['reason']}")
+            else:
+                print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                      f"expected {b['expected']}, got {b['got']}{where}")
         for b in skipped:
             print(f"NOT CHECKED {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
-                  f"{b['got']}")
+                  f"{b['reason']}")
         if ok:
             print(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
                   f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified")
@@ -136,11 +139,13 @@ def _check_run(future, buf: memoryview, start: int, run: list) -> None:
             seg.tag.item.feed(buf[seg.offset - start:seg.end - start])
 
 
-def _bad(uri: S3Uri, index, loc, got: str, bad_blocks: Sequence[int] = ()) -> dict[str, Any]:
+def _bad(uri: S3Uri, index, loc, got: str | None, bad_blocks: Sequence[int] = (), *,
+         reason: str | None = None) -> dict[str, Any]:
+    """One item verify could not pass: its checksum ``got``, or the ``reason`` it was not checked."""
     return {"object": f"s3://{uri.bucket}/{object_key(uri, loc.object_name)}", "fqn": index.fqn,
             "offset": None if index.offset is None else list(index.offset),
             "start": loc.offset, "end": loc.offset + loc.length, "expected": loc.checksum, "got": got,
-            "bad_blocks": list(bad_blocks)}
+            "bad_blocks": list(bad_blocks), "reason": reason}
 
 
 def _chunk(offset) -> str:

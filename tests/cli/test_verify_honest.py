@@ -106,3 +106,20 @@ def test_download_refuses_an_item_past_the_end_of_its_object(capsys, uri, s3_con
     _edit(uri, s3_config, "step", "sd.length", 3 << 30)
     code, out, err = _run(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
     assert code == 1 and "'step'" in err and "past the end of" in err and "internal error" not in err
+
+
+# ------------------------------------------------------------------------------ inspect
+def test_inspect_names_items_whose_locations_cannot_be_right(capsys, uri, s3_config):
+    _edit(uri, s3_config, "w", "sd.length", -64)
+    code, out, err = _run(capsys, "inspect", uri)
+    assert code == 1 and "INVALID items: 1" in out and "length -64 is not a non-negative int" in out
+    assert "will not load" in err
+    code, out, _ = _run(capsys, "inspect", "--json", uri)
+    report = json.loads(out)
+    assert code == 1 and [i["fqn"] for i in report["invalid_items"]] == ["w"]
+
+
+def test_inspect_of_a_healthy_checkpoint_lists_no_invalid_items(capsys, uri, s3_config):
+    dcp.save(_state(), storage_writer=S3StorageWriter(uri, config=s3_config), no_dist=True)
+    code, out, _ = _run(capsys, "inspect", "--json", uri)
+    assert code == 0 and json.loads(out)["invalid_items"] == []

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..format import integrity, layout
 from .base import BaseIndex
-from ..s3.client import S3Client, abort_and_wait
+from ..s3.client import S3Client
+from ..s3.request import abort_and_wait
 from ..config import S3Config
 from ..errors import S3DCPError
 from ..format.layout import ItemLocation

@@ -79,6 +79,7 @@ from .common import (
     _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _check_version, _decode_storage_meta, _encode_storage_meta, _get, _int,
     _list, _opt, _reject_constant, _str, _to_name, _type_name, dtype_to_str,
 )
+from .budget import DecodeBudget
 from .chunks import Chunks
 from .storage import LazyStorageData, Rows
 from .tree import decode_tree, encode_tree
@@ -327,7 +328,8 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     if zlib.crc32(view[:-_TRAILER.size]) != crc:
         raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
                                   "(truncated or damaged object)")
-    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size])
+    budget = DecodeBudget(len(view))
+    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size], budget)
     fqns = _get(header, "fqns", "metadata", _list)
     for i, f in enumerate(fqns):
         _str(f, f"metadata.fqns[{i}]")
@@ -336,10 +338,10 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     n_sdm = _get(header, "state_dict_entries", "metadata", _int)
     if not 0 <= n_sdm <= len(fqns):
         raise MetadataFormatError(f"metadata.state_dict_entries: {n_sdm} is not in 0..{len(fqns)}")
-    chunks = Chunks(header, cols, fqns[:n_sdm])
+    chunks = Chunks(header, cols, fqns[:n_sdm], budget)
     storage = _get(header, "storage_data", "metadata")
     storage_meta = _get(header, "storage_meta", "metadata")
-    rows = None if storage is None else Rows(storage, cols, fqns, chunks)
+    rows = None if storage is None else Rows(storage, cols, fqns, chunks, budget)
     return Metadata(
         state_dict_metadata=chunks.state_dict_metadata,
         planner_data=decode_tree(_get(header, "planner_data", "metadata"), "planner_data"),

@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 
+from s3dcp.format.metadata.budget import DecodeBudget
 from s3dcp.format.metadata.columns import ColumnReader
 
 __all__ = ["column", "edit_column", "header", "with_crc"]
@@ -34,7 +35,7 @@ def header(raw: bytes) -> dict:
 def column(raw: bytes, name: str) -> list[int]:
     """The values of column ``name``."""
     _, head, body = _split(raw)
-    return ColumnReader(head["columns"], memoryview(body)).ints(name).tolist()
+    return ColumnReader(head["columns"], memoryview(body), DecodeBudget(len(raw))).ints(name).tolist()
 
 
 def with_crc(without_trailer: bytes) -> bytes:

@@ -30,12 +30,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from . import bounce
+from . import bounce, exchange
+from .cooperative import DEFAULT_WINDOW_BYTES, RankSchedule, schedule_plans
+from .exchange import LoadStats
 from ..format import integrity, layout
 from ..s3.client import S3Client, abort_all, abort_and_wait
 from ..config import S3Config
 from ..errors import (
     CheckpointNotFoundError,
+    ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
     MetadataFormatError,
@@ -108,6 +111,10 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         pool: the :class:`s3dcp.memory.pool.HostBufferPool` the bounce window comes from (items that
             cannot land in their destination directly); default: a process-wide pool of its
             own, pinned when CUDA is available (``s3dcp.loading.bounce.read_pool()``).
+        cooperative: each distinct stored byte range is read from S3 by one rank and sent to the
+            others that need it over ``process_group`` (default: the default group; it must be
+            the group given to ``dcp.load``), in rounds of at most ``exchange_window_bytes`` per
+            rank (see docs/restore.md). ``last_stats`` has the figures of every load.
     """
 
     def __init__(
@@ -119,13 +126,22 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         verify: bool = True,
         allow_pickle: bool = False,
         pool: HostBufferPool | None = None,
+        cooperative: bool = False,
+        process_group: Any = None,
+        exchange_window_bytes: int = DEFAULT_WINDOW_BYTES,
     ) -> None:
         super().__init__()
         self._init_path(path, config, client)
         self.verify = verify
         self.allow_pickle = allow_pickle
         self._bounce_pool = pool
+        self.cooperative = cooperative
+        self.process_group = process_group
+        if not (isinstance(exchange_window_bytes, int) and exchange_window_bytes >= 1 << 20):
+            raise ConfigError(f"exchange_window_bytes={exchange_window_bytes!r} must be an int >= 1 MiB")
+        self.exchange_window_bytes = exchange_window_bytes
         self._storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self.last_stats: LoadStats | None = None  # the figures of the last read_data (exchange.LoadStats)
         self.last_read_s = 0.0
         self.last_read_bytes = 0
 
@@ -203,13 +219,31 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         self._storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return exchange.with_peer_info(plan, self.process_group) if self.cooperative else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if not self.cooperative:
+            return plans
+        slot_bytes, _ = self._window_shape()
+        return schedule_plans(plans, self._location, verify=self.verify, slot_bytes=slot_bytes,
+                              gap_bytes=self.config.coalesce_gap_bytes, window_bytes=self.exchange_window_bytes)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        start = time.perf_counter()
+        if isinstance(plan.storage_data, RankSchedule):  # the coordinator planned a cooperative load
+            device, _ = exchange.exchange_device(self.process_group)
+            self.last_stats = exchange.run(self, plan, planner, plan.storage_data, self.process_group, device)
+        else:
+            start = time.perf_counter()
+            fetched = self._read_plain(plan, planner)
+            seconds = time.perf_counter() - start
+            self.last_stats = LoadStats("plain", fetched, fetched, 0, fetched, 0, seconds, seconds)
+        self.last_read_s, self.last_read_bytes = self.last_stats.seconds, self.last_stats.s3_bytes
+        fut: TorchFuture = TorchFuture()
+        fut.set_result(None)
+        return fut
+
+    def _read_plain(self, plan: LoadPlan, planner: LoadPlanner) -> int:
+        """Every byte of ``plan`` from S3 by this rank; the bytes fetched."""
         uri = self._require_uri()
         slot_bytes, slots = self._window_shape()
         reads = [self._plan_read(item, planner, slot_bytes) for item in plan.items]
@@ -238,12 +272,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             slot_bytes = max(max(seg.end for seg in run) - run[0].offset for _, run in bounce_runs)
             slots = min(slots, len(bounce_runs))
         self._fetch(uri, direct_runs, bounce_runs, slot_bytes, slots, planner)
-        self.last_read_s = time.perf_counter() - start
-        self.last_read_bytes = sum(max(seg.end for seg in run) - run[0].offset
-                                   for _, run in direct_runs + bounce_runs)
-        fut: TorchFuture = TorchFuture()
-        fut.set_result(None)
-        return fut
+        return sum(max(seg.end for seg in run) - run[0].offset for _, run in direct_runs + bounce_runs)
 
     def _window_shape(self) -> tuple[int, int]:
         """(slot bytes, slots) of the bounce window: ``download_part_size_bytes ×
@@ -368,9 +397,9 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             gap_bytes=self.config.coalesce_gap_bytes, max_bytes=slot_bytes, flat=dest.is_contiguous())
         return _Read(item, loc, 0, 0, None, dest=dest, pieces=pieces, left=len(pieces))
 
-    def _finish_read(self, read: _Read, planner: LoadPlanner) -> None:
+    def _finish_read(self, read: _Read, planner: LoadPlanner, verify: bool = True) -> None:
         """A direct read's bytes are all there: verify, hand to the planner."""
-        if self.verify:
+        if self.verify and verify:
             self._verify(read, read.start, read.sink)
         item = read.item
         if item.type == LoadItemType.BYTE_IO:
@@ -381,11 +410,11 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         planner.commit_tensor(item, read.dest)
 
     def _finish_piece(self, read: _Read, piece: Piece, fetched: torch.Tensor, copier, tokens: list,
-                      planner: LoadPlanner) -> None:
+                      planner: LoadPlanner, verify: bool = True) -> None:
         """One piece of a bounced read is in ``fetched`` (a slot's uint8 view): verify its
         blocks, start the copy into its part of the destination, and commit the item once its
         last piece is copied. The copy's token goes into ``tokens`` (the slot's)."""
-        if self.verify:
+        if self.verify and verify:
             self._verify(read, piece.start, byte_view(fetched))
         dtype = str_to_dtype(read.location.dtype)
         size = dtype.itemsize

@@ -1,0 +1,312 @@
+"""Cooperative reads, the run: a rank's :class:`~s3dcp.loading.cooperative.RankSchedule`, round by round.
+
+    this rank's ReadItems ──the plain path's plan (reader._plan_read)──► targets: the byte range
+      of a direct read (lands in the destination) or of one bounce piece (copied out of a buffer)
+    per round:
+      owned chunks ──ranged GETs (neighbours coalesced)──► landing buffers, each chunk verified
+      all ranks: every rank's failure flag (all_reduce) ── any set: every rank stops and raises
+      isend each owned chunk to its receivers, irecv each chunk this rank needs (one batch)
+      each chunk ──copied into the targets it overlaps──► a target complete: verified bytes
+        committed as the plain path commits them (no second checksum: the reader verified)
+    all ranks: flags and figures (all_gather) ── the slowest rank's seconds, bytes from S3/peers
+
+A chunk that lies inside one direct target lands in the destination itself (a DDP restore
+needs no buffer at all); any other lands in a buffer of its own, freed at the end of its round,
+so a rank holds at most the schedule's window beyond its state (plus the bounce pieces being
+filled). Every local error is held until the next collective, so all ranks leave at the same
+round: one rank's failure is an error on every rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import bounce
+from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name
+from ..errors import MetadataFormatError, PeerReadError
+from ..format import layout
+from ..format.layout import Segment
+from ..format.tensors import byte_view
+from ..s3.client import abort_and_wait
+from ..uri import object_key
+
+__all__ = ["LoadStats", "exchange_device", "with_peer_info", "run"]
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """Figures of one load, on every rank (``S3StorageReader.last_stats``).
+
+    ``unique_bytes``: distinct stored bytes the job needed; ``s3_bytes``/``peer_bytes``: what
+    this rank read from S3 / received from other ranks; ``job_s3_bytes``/``job_peer_bytes``:
+    the same summed over the ranks; ``seconds``: this rank's read; ``slowest_rank_s``: the
+    slowest rank's. Without cooperation (``mode="plain"``) there is no exchange of figures:
+    the job fields are this rank's own. ``rounds``: exchange rounds (0: nothing was shared)."""
+
+    mode: str
+    unique_bytes: int
+    s3_bytes: int
+    peer_bytes: int
+    job_s3_bytes: int
+    job_peer_bytes: int
+    seconds: float
+    slowest_rank_s: float
+    rounds: int = 0
+    ranks: int = 1
+
+
+def exchange_device(group) -> tuple[torch.device | None, str]:
+    """Where the exchange's tensors live for ``group``'s backend: (CPU for gloo; the current
+    CUDA device for NCCL alone), or (None, why not)."""
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception as e:  # noqa: BLE001 - not a usable group: no exchange
+        return None, f"no process group ({e})"
+    if "gloo" in backend or backend in ("mpi", "ucc"):
+        return torch.device("cpu"), ""
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), ""
+    return None, f"backend {backend!r} carries neither CPU (gloo) nor CUDA (nccl) tensors here"
+
+
+def with_peer_info(plan, group):
+    """Every rank's step before the coordinator plans: this rank's node, and whether its group
+    can carry the exchange, in the local plan's ``storage_data`` (left alone when a planner
+    already uses it, or without torch.distributed: the load is then plain)."""
+    if plan.storage_data is not None or not (dist.is_available() and dist.is_initialized()):
+        return plan
+    _, why = exchange_device(group)
+    return replace(plan, storage_data=PeerInfo(node_name(), why))
+
+
+class _Target:
+    """One range this rank fetches: a direct read (``piece is None``, lands in ``buf``, the
+    destination's bytes) or one bounce piece (``buf`` made when its first bytes arrive)."""
+
+    __slots__ = ("read", "piece", "start", "end", "left", "buf")
+
+    def __init__(self, read, piece, start: int, end: int, buf: torch.Tensor | None) -> None:
+        self.read, self.piece, self.start, self.end, self.buf = read, piece, start, end, buf
+        self.left = end - start
+
+
+def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.device) -> LoadStats:
+    """Carry out ``schedule`` for this rank (see the module docstring); raise this rank's error,
+    or :class:`PeerReadError` when only others failed. ``reader`` is the S3StorageReader."""
+    start_s = time.perf_counter()
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    error: BaseException | None = None
+    broken = False  # the group failed under us: no more collectives
+    s3_bytes = peer_bytes = 0
+    failed: list[int] = []
+    copier = bounce.DeviceCopier()
+    by_round: list[list[Chunk]] = [[] for _ in range(schedule.rounds)]
+    targets: dict[Any, list[_Target]] = {}
+    reads: dict[Any, Any] = {}
+    try:
+        if me != schedule.rank:
+            raise RuntimeError(f"cooperative load: this is rank {me} of the reader's process group but got rank "
+                               f"{schedule.rank}'s plan; pass the process group given to dcp.load to the reader")
+        if schedule.rounds == 0:  # nothing shared: this rank's own bytes, as a plain load reads them
+            s3_bytes = reader._read_plain(plan, planner)
+        else:
+            targets, reads = _targets(reader, plan, planner)
+            _check_covered(targets, schedule.chunks, reader)
+            for c in schedule.chunks:
+                by_round[c.round].append(c)
+    except BaseException as e:  # noqa: BLE001 - raised after the others hear of it
+        error = e
+
+    for chunks in by_round:
+        landed: dict[int, torch.Tensor] = {}
+        if error is None:
+            try:
+                for c in chunks:
+                    landed[c.cid] = _landing(c, targets.get(c.key, ()))
+                s3_bytes += _get_owned(reader, [c for c in chunks if c.owner == me], landed, reads)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        flags = torch.zeros(world, dtype=torch.int32, device=device)
+        flags[me] = error is not None
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        except BaseException as e:  # noqa: BLE001 - a peer is gone
+            error, broken = error or e, True
+            break
+        failed = [r for r in range(world) if flags[r]]
+        if failed:
+            break
+        try:
+            peer_bytes += _swap(chunks, landed, me, group, device)
+        except BaseException as e:  # noqa: BLE001
+            error, broken = e, True
+            break
+        try:
+            for c in chunks:
+                _deliver(reader, planner, c, landed.pop(c.cid), targets.get(c.key, ()), copier)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    try:
+        copier.close()
+    except BaseException as e:  # noqa: BLE001
+        error = error or e
+    seconds = time.perf_counter() - start_s
+    figures = [[float(error is not None), float(s3_bytes), float(peer_bytes), seconds]]
+    if not broken:
+        mine = torch.tensor(figures[0], dtype=torch.float64, device=device)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        try:
+            dist.all_gather(every, mine, group=group)
+            figures = [t.tolist() for t in every]
+        except BaseException as e:  # noqa: BLE001
+            error = error or e
+    if error is not None:
+        raise error
+    failed = sorted(set(failed) | {r for r, f in enumerate(figures) if f[0]}) if len(figures) == world else failed
+    if failed:
+        raise PeerReadError(f"cooperative load: rank(s) {failed} failed (see their errors); rank {me} stopped too",
+                            failed)
+    return LoadStats("cooperative", schedule.unique_bytes, s3_bytes, peer_bytes,
+                     int(sum(f[1] for f in figures)), int(sum(f[2] for f in figures)), seconds,
+                     max(f[3] for f in figures), schedule.rounds, world)
+
+
+def _targets(reader, plan, planner) -> tuple[dict, dict]:
+    """This rank's reads as the plain path plans them, as targets per stored item (sorted by
+    start), and one read per stored item (for its location and its name in errors)."""
+    slot_bytes, _ = reader._window_shape()
+    targets: dict[Any, list[_Target]] = {}
+    reads: dict[Any, Any] = {}
+    for item in plan.items:
+        read = reader._plan_read(item, planner, slot_bytes)
+        key = item_key(read.location)
+        reads.setdefault(key, read)
+        if read.pieces is None:
+            if read.dest is not None:
+                flat = read.dest.reshape(-1).view(torch.uint8)
+                buf = flat[:read.end - read.start]
+            else:
+                buf = torch.frombuffer(read.bounce, dtype=torch.uint8) if read.end > read.start else \
+                    torch.empty(0, dtype=torch.uint8)
+            targets.setdefault(key, []).append(_Target(read, None, read.start, read.end, buf))
+            if read.end == read.start:  # an empty item: nothing will arrive for it
+                reader._finish_read(read, planner, verify=False)
+        elif not read.pieces:
+            planner.commit_tensor(read.item, read.dest)
+        for piece in read.pieces or ():
+            targets.setdefault(key, []).append(_Target(read, piece, piece.start, piece.end, None))
+    for ts in targets.values():
+        ts.sort(key=lambda t: t.start)
+    return targets, reads
+
+
+def _check_covered(targets: dict, chunks, reader) -> None:
+    """Every byte this rank fetches must come in one of its chunks (a plan made with other
+    settings than this rank's would leave holes: refuse it before any byte moves)."""
+    have: dict[Any, list[tuple[int, int]]] = {}
+    for c in chunks:
+        have.setdefault(c.key, []).append((c.start, c.end))
+    for key, ts in targets.items():
+        spans = sorted(have.get(key, ()))
+        for t in ts:
+            got = sum(max(0, min(hi, t.end) - max(lo, t.start)) for lo, hi in spans)
+            if got != t.end - t.start:
+                raise MetadataFormatError(
+                    f"{reader._uri}: the cooperative plan covers {got} of the {t.end - t.start} bytes this rank reads "
+                    f"of {t.read.item.storage_index.fqn!r}; the ranks' readers must share verify= and S3Config")
+
+
+def _landing(c: Chunk, ts) -> torch.Tensor:
+    """Where chunk ``c`` lands on this rank: inside a direct target that holds all of it (the
+    destination itself), else a buffer of its own."""
+    for t in ts:
+        if t.piece is None and t.start <= c.start and c.end <= t.end and t.end > t.start:
+            return t.buf[c.start - t.start:c.end - t.start]
+    return torch.empty(c.length, dtype=torch.uint8)
+
+
+def _get_owned(reader, owned: list[Chunk], landed: dict, reads: dict) -> int:
+    """GET this rank's chunks of a round into their landing places (neighbours in one object
+    coalesced into one GET), verify each; the bytes read."""
+    if not owned:
+        return 0
+    uri = reader._require_uri()
+    by_object: dict[str, list[Segment]] = {}
+    for c in owned:
+        by_object.setdefault(c.key[0], []).append(Segment(c.key[1] + c.start, c.length, c))
+    runs = [(name, run) for name, segs in by_object.items()
+            for run in layout.coalesce(segs, reader.config.coalesce_gap_bytes, 1 << 30)]
+    futures = []
+    try:
+        for name, run in runs:
+            sinks = [(seg.offset, byte_view(landed[seg.tag.cid])) for seg in run if seg.length]
+            futures.append(reader.client.get_scatter(uri.bucket, object_key(uri, name), run[0].offset,
+                                                     max(seg.end for seg in run), sinks))
+        total = 0
+        for f in futures:
+            total += f.result()
+    except BaseException:
+        abort_and_wait(futures)
+        raise
+    if reader.verify:
+        for c in owned:
+            reader._verify(reads[c.key], c.start, byte_view(landed[c.cid]) if c.length else memoryview(b""))
+    return sum(c.length for c in owned)
+
+
+def _swap(chunks: list[Chunk], landed: dict, me: int, group, device: torch.device) -> int:
+    """Send each owned chunk to its receivers and receive each chunk this rank needs, all in one
+    batch (the same order on both ends: the schedule's); the bytes received."""
+    ops = []
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device buffer, landing) for NCCL receives
+    received = 0
+    for c in chunks:
+        if not c.length:
+            continue
+        buf = landed[c.cid]
+        if c.owner == me:
+            wire = buf if device.type == "cpu" else buf.to(device)
+            for r in c.receivers:
+                ops.append(dist.P2POp(dist.isend, wire, group=group, group_peer=r, tag=c.cid))
+        elif me in c.receivers:
+            wire = buf if device.type == "cpu" else torch.empty(c.length, dtype=torch.uint8, device=device)
+            if wire is not buf:
+                staged.append((wire, buf))
+            ops.append(dist.P2POp(dist.irecv, wire, group=group, group_peer=c.owner, tag=c.cid))
+            received += c.length
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for wire, buf in staged:
+        buf.copy_(wire)
+    return received
+
+
+def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier) -> None:
+    """Copy chunk ``c`` (in ``buf``) into every target it overlaps; finish each target that is
+    now complete as the plain path finishes it, without verifying again."""
+    for t in ts:
+        lo, hi = max(t.start, c.start), min(t.end, c.end)
+        if hi <= lo:
+            continue
+        if t.buf is None:
+            t.buf = torch.empty(t.end - t.start, dtype=torch.uint8)
+        dest = t.buf[lo - t.start:hi - t.start]
+        if dest.data_ptr() != buf.data_ptr() + (lo - c.start):  # not landed there already
+            dest.copy_(buf[lo - c.start:hi - c.start])
+        t.left -= hi - lo
+        if t.left == 0:
+            if t.piece is None:
+                reader._finish_read(t.read, planner, verify=False)
+            else:
+                tokens: list = []
+                reader._finish_piece(t.read, t.piece, t.buf, copier, tokens, planner, verify=False)
+                for token in tokens:
+                    copier.wait(token)
+                t.buf = None

@@ -1,0 +1,116 @@
+"""The cooperative read plan (pure): every needed byte has exactly one reader, every rank gets
+every byte it needs, rounds stay within the window, owners are balanced over nodes and ranks."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from s3dcp.loading.cooperative import _cut, _merge, cover, plan
+from s3dcp.format.layout import ItemLocation
+
+MiB = 1 << 20
+
+
+def _check(needs, steps, nodes, window):
+    schedules = plan(needs, steps, nodes, window_bytes=window)
+    world = len(needs)
+    assert [s.rank for s in schedules] == list(range(world))
+    rounds = {s.rounds for s in schedules}
+    assert len(rounds) == 1
+    chunks = {c.cid: c for s in schedules for c in s.chunks}
+    union = {key: _merge(r for need in needs for r in need.get(key, ())) for key in {k for n in needs for k in n}}
+    assert schedules[0].unique_bytes == sum(hi - lo for rs in union.values() for lo, hi in rs)
+    if rounds == {0}:  # nothing shared: no rank needs a byte another rank needs
+        for key, rs in union.items():
+            assert sum(hi - lo for lo, hi in rs) == sum(hi - lo for n in needs for lo, hi in _merge(n.get(key, ())))
+        return schedules
+    # chunks of one item are disjoint and together are exactly the union of the needs
+    for key, rs in union.items():
+        spans = sorted((c.start, c.end) for c in chunks.values() if c.key == key)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert _merge(spans) == rs
+        step = steps.get(key, 1)
+        for c in chunks.values():  # cut only on the item's block boundaries
+            if c.key == key and step > 1:
+                assert c.start % step == 0 or (c.start, c.end) == (rs[0][0], c.end) or c.start in {lo for lo, _ in rs}
+    for s in schedules:
+        assert list(s.chunks) == sorted(s.chunks, key=lambda c: (c.round, c.cid))
+        for c in s.chunks:
+            assert s.rank == c.owner or s.rank in c.receivers
+    for c in chunks.values():
+        needers = {r for r, need in enumerate(needs)
+                   if any(lo < c.end and c.start < hi for lo, hi in need.get(c.key, ()))}
+        assert c.owner in needers and set(c.receivers) == needers - {c.owner}
+        # a receiver needs the whole chunk (nothing is sent that is not used)
+        for r in needers:
+            got = sum(max(0, min(hi, c.end) - max(lo, c.start)) for lo, hi in _merge(needs[r][c.key]))
+            assert got == c.length
+    # the window: per round, the bytes a rank owns or receives (a lone chunk may exceed it)
+    for s in schedules:
+        for rnd in range(s.rounds):
+            mine = [c for c in s.chunks if c.round == rnd]
+            assert sum(c.length for c in mine) <= window or len(mine) == 1
+    return schedules
+
+
+ranges = st.lists(st.tuples(st.integers(0, 64), st.integers(1, 16)), max_size=4).map(
+    lambda xs: [(a * 4096, (a + n) * 4096) for a, n in xs])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c"]), ranges, max_size=3), min_size=2, max_size=6),
+       st.sampled_from([1, 4096, 0]), st.integers(1, 3))
+def test_every_needed_byte_has_one_reader_and_reaches_every_rank_that_needs_it(needs, step, n_nodes):
+    needs = [{(k, 0, 1 << 30): v for k, v in n.items()} for n in needs]
+    steps = {key: step for n in needs for key in n}
+    nodes = [f"n{r % n_nodes}" for r in range(len(needs))]
+    _check(needs, steps, nodes, window=MiB)
+
+
+def test_ddp_spreads_the_reads_evenly_over_nodes_and_ranks_within_the_window():
+    keys = [(f"obj{i}", 0, 64 * MiB) for i in range(8)]
+    needs = [{k: [(0, 64 * MiB)] for k in keys} for _ in range(8)]
+    nodes = ["a"] * 4 + ["b"] * 4  # ranks 0-3 on one node, 4-7 on the other
+    schedules = _check(needs, {k: 16 * MiB for k in keys}, nodes, window=64 * MiB)
+    owned = [sum(c.length for c in s.chunks if c.owner == s.rank) for s in schedules]
+    assert owned == [64 * MiB] * 8  # 512 MiB read once, an eighth per rank
+    assert schedules[0].unique_bytes == 512 * MiB and schedules[0].rounds == 8
+    for rnd in range(8):  # every round has work on both nodes
+        owners = {c.owner for c in schedules[0].chunks if c.round == rnd}
+        assert {nodes[o] for o in owners} == {"a", "b"}
+
+
+def test_replicas_of_a_sharded_state_read_each_shard_once():
+    # HSDP: 2 replica groups × 4 shards; shard s needed by ranks s and s + 4
+    needs = [{(f"shard{r % 4}", 0, 32 * MiB): [(0, 32 * MiB)]} for r in range(8)]
+    schedules = _check(needs, {}, ["a"] * 4 + ["b"] * 4, window=256 * MiB)
+    owned = [sum(c.length for c in s.chunks if c.owner == s.rank) for s in schedules]
+    assert sum(owned) == 128 * MiB and max(owned) <= 16 * MiB + 2 * MiB
+
+
+def test_nothing_shared_means_no_rounds():
+    needs = [{("x", 0, 100): [(0, 50)]}, {("x", 0, 100): [(50, 100)]}]
+    assert [s.rounds for s in _check(needs, {}, ["a", "b"], window=MiB)] == [0, 0]
+
+
+def test_an_item_with_one_checksum_is_never_cut():
+    needs = [{("x", 0, 40 * MiB): [(0, 40 * MiB)]}] * 3
+    schedules = _check(needs, {("x", 0, 40 * MiB): 0}, ["a", "b", "c"], window=8 * MiB)
+    assert [(c.start, c.end) for c in schedules[0].chunks] == [(0, 40 * MiB)]
+
+
+def test_cut_respects_blocks():
+    assert _cut(0, 100, 10, 35) == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    assert _cut(5, 100, 0, 10) == [(5, 100)]
+    assert _cut(0, 10, 1, 4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_cover_is_what_the_plain_path_fetches():
+    loc = ItemLocation("o", 0, 64 * MiB, "crc32c:00000000", "float32", (4096, 4096), 16 * MiB, ("x",) * 4)
+    # rows 1000..1999: bytes 1000*16 KiB .. 2000*16 KiB, widened to the 16 MiB blocks
+    assert cover(loc, (1000, 0), (1000, 4096), checked=True, gap_bytes=MiB, slot_bytes=8 * MiB,
+                 itemsize=4) == [(0, 32 * MiB)]
+    assert cover(loc, (1000, 0), (1000, 4096), checked=False, gap_bytes=MiB, slot_bytes=8 * MiB,
+                 itemsize=4) == [(1000 * 16384, 2000 * 16384)]
+    assert cover(loc, None, None, checked=True, gap_bytes=0, slot_bytes=MiB, itemsize=1) == [(0, 64 * MiB)]

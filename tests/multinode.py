@@ -93,7 +93,7 @@ def run_two_nodes(script: str | os.PathLike, args: list[str], *, outdir: str | o
     return results
 
 
-def _tails(logs: list[Path], lines: int = 60) -> str:
+def _tails(logs: list[Path], lines: int = 150) -> str:
     out = []
     for log in logs:
         try:

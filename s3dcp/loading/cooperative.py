@@ -8,10 +8,13 @@ as the plain read path widens them). :func:`plan` then
     every rank's covers ──sweep per stored item──► elementary ranges, each with the set of ranks
       that need it; neighbours with the same set merged, cut on block boundaries (a chunk is
       verified alone) into chunks ≤ window / world, and into as many as ranks need the range
-    each chunk ──► one owner among the ranks that need it: the least loaded node (its NIC),
-      then the least loaded rank there, by bytes; a chunk one rank needs stays with it
-    chunks in object order ──► rounds: no rank owns or receives more than window_bytes in
-      one round (the exchange's memory bound beyond the state itself)
+    chunks in object order ──► rounds: no rank owns or receives more than window_bytes / 2 in
+      one round; two rounds are in memory at a time (one exchanged while the next is read),
+      so the window bounds the exchange's memory beyond the state itself
+    each chunk of a round ──► one owner among the ranks that need it: the previous chunk's
+      owner while within its fair share of the round (neighbours in one GET), else the least
+      loaded node (its NIC), then the least loaded rank there, by bytes; a chunk one rank
+      needs stays with it
 
 and gives each rank its :class:`RankSchedule`: the chunks it owns or receives, round by round.
 :mod:`s3dcp.loading.exchange` runs it. A job where no byte is needed by two ranks gets
@@ -134,30 +137,55 @@ def plan(needs: Sequence[Mapping[ItemKey, list[tuple[int, int]]]], steps: Mappin
     if not any(len(ranks) > 1 for *_, ranks in pieces):
         return [RankSchedule(r, 0, (), unique, window_bytes) for r in range(world)]
 
-    # Owners: chunks one rank needs are that rank's; the shared ones go to the least loaded
-    # node among their readers, then to its least loaded rank.
-    # Largest first, so the small ones even out what the large ones leave.
-    rank_load = [0] * world
-    node_load: dict[str, int] = {}
-    owners: list[int] = [-1] * len(pieces)
-    for i in sorted(range(len(pieces)), key=lambda i: (len(pieces[i][3]) > 1, pieces[i][1] - pieces[i][2])):
-        _, lo, hi, ranks = pieces[i]
-        owner = min(ranks, key=lambda r: (node_load.get(nodes[r], 0), rank_load[r], r))
-        rank_load[owner] += hi - lo
-        node_load[nodes[owner]] = node_load.get(nodes[owner], 0) + hi - lo
-        owners[i] = owner
-
-    # Rounds: in object order, a new one when a rank taking part would pass the window.
-    chunks: list[Chunk] = []
+    # Rounds: in object order, a new one when a rank taking part would pass half the window
+    # (the next round is read while one is exchanged: two in memory at a time).
+    rounds: list[int] = []
     used = [0] * world
     rnd = 0
-    for cid, ((key, lo, hi, ranks), owner) in enumerate(zip(pieces, owners)):
-        if any(used[r] and used[r] + hi - lo > window_bytes for r in ranks):
+    for _, lo, hi, ranks in pieces:
+        if any(used[r] and used[r] + hi - lo > window_bytes // 2 for r in ranks):
             rnd += 1
             used = [0] * world
         for r in ranks:
             used[r] += hi - lo
-        chunks.append(Chunk(cid, key, lo, hi, owner, tuple(r for r in ranks if r != owner), rnd))
+        rounds.append(rnd)
+
+    # Owners: chunks one rank needs are that rank's. The shared ones of a round go, in object
+    # order, to the owner of the chunk just before them in the object while it stays within
+    # its fair share of the round (so one GET reads a run of neighbours), else to the least
+    # loaded node among their readers (by bytes, over the whole load), then to its least
+    # loaded rank.
+    rank_load = [0] * world
+    node_load: dict[str, int] = {}
+    chunks: list[Chunk] = []
+    first = 0
+    while first < len(pieces):
+        last_i = first
+        while last_i + 1 < len(pieces) and rounds[last_i + 1] == rounds[first]:
+            last_i += 1
+        share = [0.0] * world  # each shared chunk of the round split evenly among its readers
+        for _, lo, hi, ranks in pieces[first:last_i + 1]:
+            for r in ranks:
+                share[r] += (hi - lo) / len(ranks)
+        in_round = [0] * world
+        last: dict[str, tuple[int, int]] = {}  # object -> (end of its last chunk, that chunk's owner)
+        for i in range(first, last_i + 1):
+            key, lo, hi, ranks = pieces[i]
+            size = hi - lo
+            end, prev = last.get(key[0], (-1, -1))
+            if len(ranks) == 1:
+                owner = ranks[0]
+            elif end == key[1] + lo and prev in ranks and in_round[prev] + size / 2 <= share[prev]:
+                owner = prev
+            else:
+                owner = min(ranks, key=lambda r: (node_load.get(nodes[r], 0), rank_load[r], r))
+            rank_load[owner] += size
+            in_round[owner] += size
+            node_load[nodes[owner]] = node_load.get(nodes[owner], 0) + size
+            last[key[0]] = (key[1] + hi, owner)
+            chunks.append(Chunk(i, key, lo, hi, owner, tuple(r for r in ranks if r != owner), rounds[i]))
+        first = last_i + 1
+
     mine: list[list[Chunk]] = [[] for _ in range(world)]
     for c in chunks:
         mine[c.owner].append(c)

@@ -5,15 +5,16 @@
     per round:
       owned chunks ──ranged GETs (neighbours coalesced)──► landing buffers, each chunk verified
       all ranks: every rank's failure flag (all_reduce) ── any set: every rank stops and raises
+      the next round's GETs issued, to run while this one is exchanged:
       isend each owned chunk to its receivers, irecv each chunk this rank needs (one batch)
       each chunk ──copied into the targets it overlaps──► a target complete: verified bytes
         committed as the plain path commits them (no second checksum: the reader verified)
     all ranks: flags and figures (all_gather) ── the slowest rank's seconds, bytes from S3/peers
 
 A chunk that lies inside one direct target lands in the destination itself (a DDP restore
-needs no buffer at all); any other lands in a buffer of its own, freed at the end of its round,
-so a rank holds at most the schedule's window beyond its state (plus the bounce pieces being
-filled). Every local error is held until the next collective, so all ranks leave at the same
+needs no buffer at all); any other lands in a buffer of its own, freed at the end of its round.
+Rounds are half the window, and two are in memory at a time (one exchanged, the next read), so
+a rank holds at most the window beyond its state (plus the bounce pieces being filled). Every local error is held until the next collective, so all ranks leave at the same
 round: one rank's failure is an error on every rank, never a hang.
 """
 
@@ -58,6 +59,8 @@ class LoadStats:
     slowest_rank_s: float
     rounds: int = 0
     ranks: int = 1
+    get_s: float = 0.0  # this rank's seconds in its GETs (cooperative: the rounds' GET phases)
+    exchange_s: float = 0.0  # this rank's seconds sending and receiving (waiting for peers included)
 
 
 def exchange_device(group) -> tuple[torch.device | None, str]:
@@ -104,6 +107,7 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
     error: BaseException | None = None
     broken = False  # the group failed under us: no more collectives
     s3_bytes = peer_bytes = 0
+    get_s = exchange_s = 0.0
     failed: list[int] = []
     copier = bounce.DeviceCopier()
     by_round: list[list[Chunk]] = [[] for _ in range(schedule.rounds)]
@@ -123,35 +127,51 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
     except BaseException as e:  # noqa: BLE001 - raised after the others hear of it
         error = e
 
-    for chunks in by_round:
-        landed: dict[int, torch.Tensor] = {}
-        if error is None:
+    ahead = None  # the next round's GETs, issued while this round is exchanged
+    try:
+        if error is None and schedule.rounds:
+            ahead = _start_gets(reader, by_round[0], me, targets)
+        for k, chunks in enumerate(by_round):
+            current, ahead = ahead, None
+            if error is None and current is not None:
+                t = time.perf_counter()
+                try:
+                    s3_bytes += _finish_gets(reader, current, reads)
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+                get_s += time.perf_counter() - t
+            t = time.perf_counter()
+            flags = torch.zeros(world, dtype=torch.int32, device=device)
+            flags[me] = error is not None
+            try:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            except BaseException as e:  # noqa: BLE001 - a peer is gone
+                error, broken = error or e, True
+                break
+            failed = [r for r, f in enumerate(flags.tolist()) if f]
+            if failed:
+                break
+            landed = current[0]
+            if k + 1 < schedule.rounds:
+                try:
+                    ahead = _start_gets(reader, by_round[k + 1], me, targets)
+                except BaseException as e:  # noqa: BLE001 - heard of at the next round's flags
+                    error = e
+            try:
+                peer_bytes += _swap(chunks, landed, me, group, device)
+            except BaseException as e:  # noqa: BLE001
+                error, broken = e, True
+                break
+            finally:
+                exchange_s += time.perf_counter() - t
             try:
                 for c in chunks:
-                    landed[c.cid] = _landing(c, targets.get(c.key, ()))
-                s3_bytes += _get_owned(reader, [c for c in chunks if c.owner == me], landed, reads)
+                    _deliver(reader, planner, c, landed.pop(c.cid), targets.get(c.key, ()), copier)
             except BaseException as e:  # noqa: BLE001
                 error = e
-        flags = torch.zeros(world, dtype=torch.int32, device=device)
-        flags[me] = error is not None
-        try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        except BaseException as e:  # noqa: BLE001 - a peer is gone
-            error, broken = error or e, True
-            break
-        failed = [r for r in range(world) if flags[r]]
-        if failed:
-            break
-        try:
-            peer_bytes += _swap(chunks, landed, me, group, device)
-        except BaseException as e:  # noqa: BLE001
-            error, broken = e, True
-            break
-        try:
-            for c in chunks:
-                _deliver(reader, planner, c, landed.pop(c.cid), targets.get(c.key, ()), copier)
-        except BaseException as e:  # noqa: BLE001
-            error = e
+    finally:
+        if ahead is not None:  # they write into destinations and buffers: end them first
+            abort_and_wait(ahead[1])
     try:
         copier.close()
     except BaseException as e:  # noqa: BLE001
@@ -174,7 +194,7 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
                             failed)
     return LoadStats("cooperative", schedule.unique_bytes, s3_bytes, peer_bytes,
                      int(sum(f[1] for f in figures)), int(sum(f[2] for f in figures)), seconds,
-                     max(f[3] for f in figures), schedule.rounds, world)
+                     max(f[3] for f in figures), schedule.rounds, world, get_s, exchange_s)
 
 
 def _targets(reader, plan, planner) -> tuple[dict, dict]:
@@ -231,32 +251,43 @@ def _landing(c: Chunk, ts) -> torch.Tensor:
     return torch.empty(c.length, dtype=torch.uint8)
 
 
-def _get_owned(reader, owned: list[Chunk], landed: dict, reads: dict) -> int:
-    """GET this rank's chunks of a round into their landing places (neighbours in one object
-    coalesced into one GET), verify each; the bytes read."""
-    if not owned:
-        return 0
+def _start_gets(reader, chunks: list[Chunk], me: int, targets: dict) -> tuple[dict, list, list[Chunk]]:
+    """Where each chunk of a round lands, and the GETs of this rank's own chunks, issued
+    (neighbours in one object in one GET): (landing places, futures, owned chunks)."""
+    landed = {c.cid: _landing(c, targets.get(c.key, ())) for c in chunks}
+    owned = [c for c in chunks if c.owner == me and c.length]
     uri = reader._require_uri()
     by_object: dict[str, list[Segment]] = {}
     for c in owned:
         by_object.setdefault(c.key[0], []).append(Segment(c.key[1] + c.start, c.length, c))
-    runs = [(name, run) for name, segs in by_object.items()
-            for run in layout.coalesce(segs, reader.config.coalesce_gap_bytes, 1 << 30)]
-    futures = []
+    # Only neighbours: a hole between two of this rank's chunks may be another rank's chunk,
+    # and no byte is read twice.
+    runs = [(name, run) for name, segs in by_object.items() for run in layout.coalesce(segs, 0, 1 << 30)]
+    futures: list = []
     try:
         for name, run in runs:
-            sinks = [(seg.offset, byte_view(landed[seg.tag.cid])) for seg in run if seg.length]
+            sinks = [(seg.offset, byte_view(landed[seg.tag.cid])) for seg in run]
             futures.append(reader.client.get_scatter(uri.bucket, object_key(uri, name), run[0].offset,
                                                      max(seg.end for seg in run), sinks))
-        total = 0
+    except BaseException:
+        abort_and_wait(futures)
+        raise
+    return landed, futures, owned
+
+
+def _finish_gets(reader, started: tuple, reads: dict) -> int:
+    """Wait for a round's GETs and verify each chunk (the reading rank's duty); the bytes read.
+    On an error the other GETs are aborted and waited for."""
+    landed, futures, owned = started
+    try:
         for f in futures:
-            total += f.result()
+            f.result()
     except BaseException:
         abort_and_wait(futures)
         raise
     if reader.verify:
         for c in owned:
-            reader._verify(reads[c.key], c.start, byte_view(landed[c.cid]) if c.length else memoryview(b""))
+            reader._verify(reads[c.key], c.start, byte_view(landed[c.cid]))
     return sum(c.length for c in owned)
 
 

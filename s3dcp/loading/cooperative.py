@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -61,10 +61,10 @@ class PeerInfo:
     exchange: str  # "" when this rank's process group can carry the exchange, else why not
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """Bytes ``[start, end)`` of one stored item (``key``), read from S3 by ``owner`` and sent,
-    verified, to each of ``receivers`` in round ``round``."""
+    verified, to each of ``receivers`` in round ``round``. (A named tuple: a DDP restore of many
+    small tensors scatters thousands of them to every rank, and tuples pickle fast.)"""
 
     cid: int
     key: ItemKey
@@ -102,6 +102,12 @@ def cover(loc: ItemLocation, offsets: Sequence[int] | None, lengths: Sequence[in
     ``checked``). A non-tensor item (``offsets is None``) is all of its bytes."""
     if offsets is None or loc.shape is None:
         return [(0, loc.length)] if loc.length else []
+    shape = tuple(loc.shape)
+    if tuple(lengths) == shape and not any(offsets):  # the whole item (every DDP read)
+        return [(0, loc.length)] if loc.length else []
+    if not checked and layout.is_contiguous_box(shape, offsets, lengths):  # one run, nothing to widen
+        lo, hi = layout.box_byte_range(shape, itemsize, offsets, lengths)
+        return [(lo, hi)] if hi > lo else []
     block = (loc.block_size or loc.length) if checked else 0
     pieces = layout.box_pieces(tuple(loc.shape), itemsize, tuple(offsets), tuple(lengths), item_bytes=loc.length,
                                block_bytes=block, gap_bytes=gap_bytes, max_bytes=slot_bytes, flat=True)

@@ -1,11 +1,13 @@
 """Cooperative reads on 4 ranks (gloo, two simulated nodes of 2) against the real server: full
 replication (DDP), replicas × shards with resharding and partial overlaps (DTensor), other
 destination dtypes, bytes items, an incremental checkpoint's references, a corrupt object and
-an S3 fault on one rank only — every byte bitwise, every stored byte read from S3 once, every
+an S3 fault on one rank only, a
+failure on one rank after the exchange — every byte bitwise, every stored byte read from S3 once, every
 failure an error on every rank (never a hang), and the group usable afterwards."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from urllib.parse import urlsplit
 
@@ -108,6 +110,8 @@ def _worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
     out["corrupt"] = _outcome(lambda: _load(_blank(expected), f"{uri}/bad", cfg))
     # 5. Every GET of a data object fails on rank 1 only (through the fault proxy).
     out["fault"] = _outcome(lambda: _load(_blank(expected), f"{uri}/ddp", proxied if rank == 1 else cfg))
+    # 6. A failure after the exchange, on one rank: rank 2 refuses a pickled object the others accept.
+    out["pickle"] = _outcome(lambda: _load({"when": None}, f"{uri}/pickled", cfg, allow_pickle=rank != 2))
     # the group is still good: a load after the failures works
     again = _blank(expected)
     out["after"] = _load(again, f"{uri}/ddp", cfg)
@@ -128,6 +132,8 @@ def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_conf
     dcp.save(changed, storage_writer=S3StorageWriter(f"{uri}/inc", config=cfg64, incremental_from=f"{uri}/base"),
              no_dist=True)
     dcp.save(state, storage_writer=S3StorageWriter(f"{uri}/bad", config=s3_config), no_dist=True)
+    dcp.save({"when": datetime.date(2026, 1, 2)}, storage_writer=S3StorageWriter(f"{uri}/pickled", config=s3_config),
+             no_dist=True)
     key = next(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="coop/bad/")["Contents"]
                if o["Key"].endswith(".distcp"))
     body = bytearray(boto3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -158,5 +164,20 @@ def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_conf
         assert out["corrupt"] is not None and out["corrupt"][1:] == ("IntegrityError", [0, 1, 2, 3]), out["corrupt"]
         assert out["fault"] is not None and out["fault"][1:] == ("AccessDeniedError", [0, 1, 2, 3]), out["fault"]
         assert out["fault"][0] == ("AccessDeniedError" if rank == 1 else "PeerReadError")
+        assert out["pickle"] == ("UnsafePickleError" if rank == 2 else "PeerReadError", "UnsafePickleError",
+                                 [0, 1, 2, 3]), out["pickle"]
     owners = [out["corrupt"][0] for out in job.results]
     assert owners.count("IntegrityError") == 1 and owners.count("PeerReadError") == WORLD - 1
+
+
+def test_one_process_reads_plainly_and_reports_its_figures(uri, s3_config):
+    import s3dcp
+
+    state = {"w": torch.arange(1000, dtype=torch.float32), "n": 3}
+    s3dcp.save(state, uri, config=s3_config)
+    dest = {"w": torch.zeros(1000), "n": 0}
+    s3dcp.load(dest, uri, config=s3_config, cooperative=True)
+    assert torch.equal(dest["w"], state["w"]) and dest["n"] == 3
+    stats = s3dcp.last_load_stats()
+    assert stats.mode == "plain" and stats.peer_bytes == 0 and stats.rounds == 0
+    assert stats.s3_bytes == stats.unique_bytes == stats.job_s3_bytes >= 4000

@@ -6,8 +6,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3dcp.loading.cooperative import _cut, _merge, cover, plan
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
 from s3dcp.format.layout import ItemLocation
+from s3dcp.loading.cooperative import PeerInfo, RankSchedule, _cut, _merge, cover, plan, schedule_plans
 
 MiB = 1 << 20
 
@@ -124,3 +128,34 @@ def test_cover_is_what_the_plain_path_fetches():
     assert cover(loc, (1000, 0), (1000, 4096), checked=False, gap_bytes=MiB, slot_bytes=8 * MiB,
                  itemsize=4) == [(1000 * 16384, 2000 * 16384)]
     assert cover(loc, None, None, checked=True, gap_bytes=0, slot_bytes=MiB, itemsize=1) == [(0, 64 * MiB)]
+
+
+def _plans(world: int, info) -> list[LoadPlan]:
+    """Every rank loads the whole of tensor "w" (DDP), with ``info(rank)`` as its storage_data."""
+    index = MetadataIndex("w", torch.Size([0]))
+    item = ReadItem(LoadItemType.TENSOR, index, torch.Size([0]), index, torch.Size([0]), torch.Size([1024]))
+    return [LoadPlan([item], storage_data=info(r)) for r in range(world)]
+
+
+LOC = ItemLocation("o", 0, 4096, "crc32c:00000000", "float32", (1024,))
+
+
+def _schedule(plans):
+    return schedule_plans(plans, lambda item: LOC, verify=True, slot_bytes=MiB, gap_bytes=MiB, window_bytes=MiB)
+
+
+def test_the_coordinator_plans_every_rank_a_schedule():
+    out = _schedule(_plans(4, lambda r: PeerInfo(f"n{r // 2}", "")))
+    assert all(isinstance(p.storage_data, RankSchedule) for p in out)
+    assert [p.storage_data.rank for p in out] == [0, 1, 2, 3] and out[0].storage_data.unique_bytes == 4096
+    assert [len(p.items) for p in out] == [1] * 4
+
+
+def test_a_rank_without_a_backend_for_the_exchange_makes_every_rank_read_plainly():
+    out = _schedule(_plans(4, lambda r: PeerInfo("n", "backend 'nccl' carries ... here" if r == 2 else "")))
+    assert [p.storage_data for p in out] == [None] * 4
+
+
+def test_a_planner_that_uses_storage_data_or_one_rank_means_plain_reads():
+    assert [p.storage_data for p in _schedule(_plans(3, lambda r: {"planner": r}))] == [None] * 3
+    assert [p.storage_data for p in _schedule(_plans(1, lambda r: PeerInfo("n", "")))] == [None]

@@ -6,7 +6,8 @@
       owned chunks ──ranged GETs (neighbours coalesced)──► landing buffers, each chunk verified
       all ranks: every rank's failure flag (all_reduce) ── any set: every rank stops and raises
       the next round's GETs issued, to run while this one is exchanged:
-      isend each owned chunk to its receivers, irecv each chunk this rank needs (one batch)
+      isend each owned chunk to its receivers, irecv each chunk this rank needs (one batch);
+        a chunk every rank needs is broadcast instead
       each chunk ──copied into the targets it overlaps──► a target complete: verified bytes
         committed as the plain path commits them (no second checksum: the reader verified)
     all ranks: flags and figures (all_gather) ── the slowest rank's seconds, bytes from S3/peers
@@ -292,28 +293,36 @@ def _finish_gets(reader, started: tuple, reads: dict) -> int:
 
 
 def _swap(chunks: list[Chunk], landed: dict, me: int, group, device: torch.device) -> int:
-    """Send each owned chunk to its receivers and receive each chunk this rank needs, all in one
-    batch (the same order on both ends: the schedule's); the bytes received."""
-    ops = []
+    """Send each owned chunk to its receivers and receive each chunk this rank needs; the bytes
+    received. A chunk every rank needs is broadcast (a tree or ring: the owner does not send
+    it world − 1 times); any other goes point to point, isend/irecv in one batch. Every rank
+    posts them in the schedule's order, so the two ends of each message, and the collectives,
+    match."""
+    world = dist.get_world_size(group)
+    ops, works = [], []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device buffer, landing) for NCCL receives
     received = 0
     for c in chunks:
-        if not c.length:
+        if not c.length or (c.owner != me and me not in c.receivers):
             continue
         buf = landed[c.cid]
         if c.owner == me:
             wire = buf if device.type == "cpu" else buf.to(device)
-            for r in c.receivers:
-                ops.append(dist.P2POp(dist.isend, wire, group=group, group_peer=r, tag=c.cid))
-        elif me in c.receivers:
+        else:
             wire = buf if device.type == "cpu" else torch.empty(c.length, dtype=torch.uint8, device=device)
             if wire is not buf:
                 staged.append((wire, buf))
-            ops.append(dist.P2POp(dist.irecv, wire, group=group, group_peer=c.owner, tag=c.cid))
             received += c.length
+        if world > 2 and len(c.receivers) == world - 1:
+            works.append(dist.broadcast(wire, group=group, group_src=c.owner, async_op=True))
+        elif c.owner == me:
+            ops.extend(dist.P2POp(dist.isend, wire, group=group, group_peer=r, tag=c.cid) for r in c.receivers)
+        else:
+            ops.append(dist.P2POp(dist.irecv, wire, group=group, group_peer=c.owner, tag=c.cid))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works.extend(dist.batch_isend_irecv(ops))
+    for work in works:
+        work.wait()
     for wire, buf in staged:
         buf.copy_(wire)
     return received

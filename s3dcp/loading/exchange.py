@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 
 from . import bounce
-from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name
-from ..errors import MetadataFormatError, PeerReadError
+from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name, schedule_plans
+from ..errors import ConfigError, MetadataFormatError, PeerReadError
 from ..format import layout
 from ..format.layout import Segment
 from ..format.tensors import byte_view
 from ..s3.client import abort_and_wait
 from ..uri import object_key
 
-__all__ = ["LoadStats", "exchange_device", "with_peer_info", "run"]
+__all__ = ["LoadStats", "exchange_device", "check_window", "with_peer_info", "global_plans", "read", "run"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,31 @@ def exchange_device(group) -> tuple[torch.device | None, str]:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device()), ""
     return None, f"backend {backend!r} carries neither CPU (gloo) nor CUDA (nccl) tensors here"
+
+
+def check_window(window_bytes: int) -> int:
+    if not (isinstance(window_bytes, int) and window_bytes >= 1 << 20):
+        raise ConfigError(f"exchange_window_bytes={window_bytes!r} must be an int >= 1 MiB")
+    return window_bytes
+
+
+def global_plans(reader, plans: list) -> list:
+    """The coordinator's step: every rank's schedule, planned with the reader's settings."""
+    slot_bytes, _ = reader._window_shape()
+    return schedule_plans(plans, reader._location, verify=reader.verify, slot_bytes=slot_bytes,
+                          gap_bytes=reader.config.coalesce_gap_bytes, window_bytes=reader.exchange_window_bytes)
+
+
+def read(reader, plan, planner) -> LoadStats:
+    """``read_data``'s work on every rank: the schedule the coordinator put in the plan, or a
+    plain read (no cooperation planned) timed alone."""
+    if isinstance(plan.storage_data, RankSchedule):
+        device, _ = exchange_device(reader.process_group)
+        return run(reader, plan, planner, plan.storage_data, reader.process_group, device)
+    start = time.perf_counter()
+    fetched = reader._read_plain(plan, planner)
+    seconds = time.perf_counter() - start
+    return LoadStats("plain", fetched, fetched, 0, fetched, 0, seconds, seconds)
 
 
 def with_peer_info(plan, group):

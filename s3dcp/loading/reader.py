@@ -31,14 +31,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from . import bounce, exchange
-from .cooperative import DEFAULT_WINDOW_BYTES, RankSchedule, schedule_plans
+from .cooperative import DEFAULT_WINDOW_BYTES
 from .exchange import LoadStats
 from ..format import integrity, layout
 from ..s3.client import S3Client, abort_all, abort_and_wait
 from ..config import S3Config
 from ..errors import (
     CheckpointNotFoundError,
-    ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
     MetadataFormatError,
@@ -137,9 +136,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         self._bounce_pool = pool
         self.cooperative = cooperative
         self.process_group = process_group
-        if not (isinstance(exchange_window_bytes, int) and exchange_window_bytes >= 1 << 20):
-            raise ConfigError(f"exchange_window_bytes={exchange_window_bytes!r} must be an int >= 1 MiB")
-        self.exchange_window_bytes = exchange_window_bytes
+        self.exchange_window_bytes = exchange.check_window(exchange_window_bytes)
         self._storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.last_stats: LoadStats | None = None  # the figures of the last read_data (exchange.LoadStats)
         self.last_read_s = 0.0
@@ -222,21 +219,10 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         return exchange.with_peer_info(plan, self.process_group) if self.cooperative else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if not self.cooperative:
-            return plans
-        slot_bytes, _ = self._window_shape()
-        return schedule_plans(plans, self._location, verify=self.verify, slot_bytes=slot_bytes,
-                              gap_bytes=self.config.coalesce_gap_bytes, window_bytes=self.exchange_window_bytes)
+        return exchange.global_plans(self, plans) if self.cooperative else plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        if isinstance(plan.storage_data, RankSchedule):  # the coordinator planned a cooperative load
-            device, _ = exchange.exchange_device(self.process_group)
-            self.last_stats = exchange.run(self, plan, planner, plan.storage_data, self.process_group, device)
-        else:
-            start = time.perf_counter()
-            fetched = self._read_plain(plan, planner)
-            seconds = time.perf_counter() - start
-            self.last_stats = LoadStats("plain", fetched, fetched, 0, fetched, 0, seconds, seconds)
+        self.last_stats = exchange.read(self, plan, planner)  # cooperative when the coordinator planned it
         self.last_read_s, self.last_read_bytes = self.last_stats.seconds, self.last_stats.s3_bytes
         fut: TorchFuture = TorchFuture()
         fut.set_result(None)

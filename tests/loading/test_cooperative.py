@@ -28,10 +28,10 @@ WORLD = 4
 MiB = 1 << 20
 
 
-def replicated_state(seed: int) -> dict:
+def replicated_state(seed: int, big_mib: int = 40) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        "big": torch.randn(10 * MiB, generator=g),  # 40 MiB: three checksum blocks, cut between them
+        "big": torch.randn(big_mib * MiB // 4, generator=g),  # 40 MiB: three checksum blocks, cut between them
         "w": torch.randn(300, 70, generator=g).to(torch.bfloat16),
         "rows": torch.randn(1000, 64, generator=g),
         "step": 7,
@@ -99,23 +99,24 @@ def _worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
         _assert_bitwise(dest["v"].full_tensor(), vec, f"{name} v")
 
     # 3. An incremental checkpoint: the unchanged items are references into the base.
-    inc = _blank(expected)
+    small = replicated_state(1, big_mib=4)
+    inc = _blank(small)
     out["incremental"] = _load(inc, f"{uri}/inc", cfg)
-    changed = replicated_state(1)
+    changed = replicated_state(1, big_mib=4)
     changed["w"] = changed["w"] + 1
     for k in ("big", "w", "rows"):
         _assert_bitwise(inc[k], changed[k], f"incremental {k}")
 
     # 4. A corrupt object: the rank that reads it finds it, every rank fails.
-    out["corrupt"] = _outcome(lambda: _load(_blank(expected), f"{uri}/bad", cfg))
+    out["corrupt"] = _outcome(lambda: _load(_blank(small), f"{uri}/bad", cfg))
     # 5. Every GET of a data object fails on rank 1 only (through the fault proxy).
     out["fault"] = _outcome(lambda: _load(_blank(expected), f"{uri}/ddp", proxied if rank == 1 else cfg))
     # 6. A failure after the exchange, on one rank: rank 2 refuses a pickled object the others accept.
     out["pickle"] = _outcome(lambda: _load({"when": None}, f"{uri}/pickled", cfg, allow_pickle=rank != 2))
     # the group is still good: a load after the failures works
-    again = _blank(expected)
-    out["after"] = _load(again, f"{uri}/ddp", cfg)
-    _assert_bitwise(again["big"], expected["big"], "after")
+    again = _blank(small)
+    out["after"] = _load(again, f"{uri}/inc", cfg)
+    _assert_bitwise(again["big"], small["big"], "after")
     return out
 
 
@@ -125,13 +126,14 @@ def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_conf
     uri = f"s3://{bucket}/coop"
     state = replicated_state(1)
     dcp.save(state, storage_writer=S3StorageWriter(f"{uri}/ddp", config=s3_config), no_dist=True)
+    small = replicated_state(1, big_mib=4)
     cfg64 = s3_config.replace(checksum="crc64nvme")
-    dcp.save(state, storage_writer=S3StorageWriter(f"{uri}/base", config=cfg64), no_dist=True)
-    changed = replicated_state(1)
+    dcp.save(small, storage_writer=S3StorageWriter(f"{uri}/base", config=cfg64), no_dist=True)
+    changed = replicated_state(1, big_mib=4)
     changed["w"] = changed["w"] + 1
     dcp.save(changed, storage_writer=S3StorageWriter(f"{uri}/inc", config=cfg64, incremental_from=f"{uri}/base"),
              no_dist=True)
-    dcp.save(state, storage_writer=S3StorageWriter(f"{uri}/bad", config=s3_config), no_dist=True)
+    dcp.save(small, storage_writer=S3StorageWriter(f"{uri}/bad", config=s3_config), no_dist=True)
     dcp.save({"when": datetime.date(2026, 1, 2)}, storage_writer=S3StorageWriter(f"{uri}/pickled", config=s3_config),
              no_dist=True)
     key = next(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="coop/bad/")["Contents"]

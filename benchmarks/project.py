@@ -119,6 +119,8 @@ def measured_restore(results_dir: str) -> dict:
         out["exchange_gbps"] = x["peer_mib"] * 2**20 / ranks / x["wall_s"] / GB
     if ("R=4", "coop") in rows:
         out["r4_wall_ratio"] = rows[("R=4", "coop")].get("wall_vs_plain")
+    out["s3_x"] = {layout: (rows[(layout, "plain")]["s3_x"], rows[(layout, "coop")]["s3_x"])
+                   for layout, mode in rows if mode == "coop" and (layout, "plain") in rows}
     return out
 
 
@@ -167,8 +169,9 @@ def print_restore(a: argparse.Namespace, sources: dict) -> list[dict]:
               f"{r['coop_bound']:>12}  {r['speedup']:>6.1f}x")
     m = measured_restore(a.results)
     if m:
-        print(f"  measured on this machine ({m['source']}): S3 bytes 1.00x the unique bytes with cooperative "
-              f"reads for every R (plain: R x); wall at R=4 {m.get('r4_wall_ratio') or float('nan'):.2f}x plain; "
+        ratios = ", ".join(f"{k} {p:.2f}x/{c:.2f}x" for k, (p, c) in m["s3_x"].items())
+        print(f"  measured on this machine ({m['source']}): S3 bytes / unique bytes, plain/cooperative: {ratios}; "
+              f"wall at R=4 {m.get('r4_wall_ratio') or float('nan'):.2f}x plain; "
               f"per process {m.get('get_gbps', 0):.3f} GB/s from S3 and {m.get('exchange_gbps', 0):.3f} GB/s from "
               "peers (2 shared cores for 8 ranks and the server: not a cluster's rates)")
     return rows

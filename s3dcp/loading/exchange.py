@@ -159,10 +159,13 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
             ahead = _start_gets(reader, by_round[0], me, targets)
         for k, chunks in enumerate(by_round):
             current, ahead = ahead, None
-            if error is None and current is not None:
+            if current is not None and error is not None:  # failed since they were issued
+                abort_and_wait(current[1])
+            elif current is not None:
                 t = time.perf_counter()
                 try:
                     s3_bytes += _finish_gets(reader, current, reads)
+                    wires = _wires(chunks, current[0], me, device)  # all this rank's allocations, before the flags
                 except BaseException as e:  # noqa: BLE001
                     error = e
                 get_s += time.perf_counter() - t
@@ -184,7 +187,7 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
                 except BaseException as e:  # noqa: BLE001 - heard of at the next round's flags
                     error = e
             try:
-                peer_bytes += _swap(chunks, landed, me, group, device)
+                peer_bytes += _swap(chunks, wires, me, group)
             except BaseException as e:  # noqa: BLE001
                 error, broken = e, True
                 break
@@ -317,7 +320,25 @@ def _finish_gets(reader, started: tuple, reads: dict) -> int:
     return sum(c.length for c in owned)
 
 
-def _swap(chunks: list[Chunk], landed: dict, me: int, group, device: torch.device) -> int:
+def _wires(chunks: list[Chunk], landed: dict, me: int, device: torch.device) -> dict:
+    """What each chunk of a round this rank sends or receives travels in: its landing place on
+    CPU (gloo), a device copy for NCCL; {cid: (wire, landing)}. Made before the round's flags,
+    so nothing is left to fail locally once the messages are posted."""
+    wires = {}
+    for c in chunks:
+        if not c.length or (c.owner != me and me not in c.receivers):
+            continue
+        buf = landed[c.cid]
+        if device.type == "cpu":
+            wires[c.cid] = (buf, buf)
+        elif c.owner == me:
+            wires[c.cid] = (buf.to(device), buf)
+        else:
+            wires[c.cid] = (torch.empty(c.length, dtype=torch.uint8, device=device), buf)
+    return wires
+
+
+def _swap(chunks: list[Chunk], wires: dict, me: int, group) -> int:
     """Send each owned chunk to its receivers and receive each chunk this rank needs; the bytes
     received. A chunk every rank needs is broadcast (a tree or ring: the owner does not send
     it world − 1 times); any other goes point to point, isend/irecv in one batch. Every rank
@@ -325,18 +346,12 @@ def _swap(chunks: list[Chunk], landed: dict, me: int, group, device: torch.devic
     match."""
     world = dist.get_world_size(group)
     ops, works = [], []
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device buffer, landing) for NCCL receives
     received = 0
     for c in chunks:
-        if not c.length or (c.owner != me and me not in c.receivers):
+        if c.cid not in wires:
             continue
-        buf = landed[c.cid]
-        if c.owner == me:
-            wire = buf if device.type == "cpu" else buf.to(device)
-        else:
-            wire = buf if device.type == "cpu" else torch.empty(c.length, dtype=torch.uint8, device=device)
-            if wire is not buf:
-                staged.append((wire, buf))
+        wire, _ = wires[c.cid]
+        if c.owner != me:
             received += c.length
         if world > 2 and len(c.receivers) == world - 1:
             works.append(dist.broadcast(wire, group=group, group_src=c.owner, async_op=True))
@@ -348,8 +363,9 @@ def _swap(chunks: list[Chunk], landed: dict, me: int, group, device: torch.devic
         works.extend(dist.batch_isend_irecv(ops))
     for work in works:
         work.wait()
-    for wire, buf in staged:
-        buf.copy_(wire)
+    for c in chunks:  # NCCL: from the device buffers into the landing places
+        if c.cid in wires and c.owner != me and wires[c.cid][0] is not wires[c.cid][1]:
+            wires[c.cid][1].copy_(wires[c.cid][0])
     return received
 
 

@@ -93,9 +93,11 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     0. ``reset(checkpoint_id)`` — all ranks, only when ``checkpoint_id=`` is passed to load
     1. ``read_metadata()`` — all ranks; refuses an incomplete checkpoint (no metadata object)
     2. ``set_up_storage_reader(metadata, is_coordinator)`` — all ranks
-    3. ``prepare_local_plan`` — all ranks; 4. ``prepare_global_plan`` — coordinator
+    3. ``prepare_local_plan`` — all ranks; 4. ``prepare_global_plan`` — coordinator (cooperative:
+       one reading rank per distinct stored range, :mod:`s3dcp.loading.cooperative`)
     5. ``read_data(plan, planner)`` — all ranks: parallel ranged GETs straight into the
        destination tensors where possible, every item verified against its checksum
+       (cooperative: GETs of this rank's ranges, then the exchange, :mod:`s3dcp.loading.exchange`)
 
     Args:
         path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.load``.

@@ -98,6 +98,12 @@ def _worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
         _assert_bitwise(dest["m"].full_tensor(), full, f"{name} m")
         _assert_bitwise(dest["v"].full_tensor(), vec, f"{name} v")
 
+    # 2b. Partial overlaps inside checksum blocks: "big" (40 MiB, blocks of 16) as 4 row shards
+    # of 10 MiB: ranks 0-1 share block 0, ranks 1-3 block 1; each block read once, verified.
+    rows = {"big": distribute_tensor(torch.zeros_like(expected["big"]), mesh, [Shard(0)])}
+    out["blocks"] = _load(rows, f"{uri}/ddp", cfg)
+    _assert_bitwise(rows["big"].full_tensor(), expected["big"], "big in row shards")
+
     # 3. An incremental checkpoint: the unchanged items are references into the base.
     small = replicated_state(1, big_mib=4)
     inc = _blank(small)
@@ -163,6 +169,8 @@ def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_conf
         for name in ("hsdp", "cols", "incremental", "after"):
             assert out[name].job_s3_bytes == out[name].unique_bytes, (name, out[name])
         assert out["hsdp"].job_peer_bytes > 0 and out["incremental"].rounds > 0
+        blocks = out["blocks"]  # the whole item once; peers get the shared blocks: 16 MiB to rank 1, 2 x 16 of block 1
+        assert blocks.unique_bytes == blocks.job_s3_bytes == 40 * MiB and blocks.job_peer_bytes == 48 * MiB, blocks
         assert out["corrupt"] is not None and out["corrupt"][1:] == ("IntegrityError", [0, 1, 2, 3]), out["corrupt"]
         assert out["fault"] is not None and out["fault"][1:] == ("AccessDeniedError", [0, 1, 2, 3]), out["fault"]
         assert out["fault"][0] == ("AccessDeniedError" if rank == 1 else "PeerReadError")

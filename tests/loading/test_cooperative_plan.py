@@ -159,3 +159,22 @@ def test_a_rank_without_a_backend_for_the_exchange_makes_every_rank_read_plainly
 def test_a_planner_that_uses_storage_data_or_one_rank_means_plain_reads():
     assert [p.storage_data for p in _schedule(_plans(3, lambda r: {"planner": r}))] == [None] * 3
     assert [p.storage_data for p in _schedule(_plans(1, lambda r: PeerInfo("n", "")))] == [None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=3), st.data(), st.booleans(), st.sampled_from([0, 64]))
+def test_cover_takes_the_shortcuts_only_where_box_pieces_agree(shape, data, checked, block):
+    from s3dcp.format.layout import box_pieces
+
+    offsets = [data.draw(st.integers(0, n - 1)) for n in shape]
+    lengths = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets)]
+    length = 4
+    for n in shape:
+        length *= n
+    loc = ItemLocation("o", 0, length, "crc32c:0", "float32", tuple(shape), block if block < length else 0)
+    gap, slot = data.draw(st.sampled_from([0, 8])), 64
+    step = (loc.block_size or loc.length) if checked else 0
+    pieces = box_pieces(tuple(shape), 4, tuple(offsets), tuple(lengths), item_bytes=length, block_bytes=step,
+                        gap_bytes=gap, max_bytes=slot, flat=True)
+    assert cover(loc, offsets, lengths, checked=checked, gap_bytes=gap, slot_bytes=slot, itemsize=4) == \
+        _merge((p.start, p.end) for p in pieces)

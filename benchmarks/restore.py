@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import statistics
 import sys
 import tempfile
@@ -170,8 +169,8 @@ def main() -> None:
         uri = target.uri(f"restore-bench/{target.run_id}")
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="s3dcp-restore-") as tmp:
-            ranks = run_two_nodes(__file__, ["--job", uri, str(args.state_mib), str(args.repeats), str(args.window_mib)],
-                                  outdir=tmp, nproc_per_node=4, env=env, timeout_s=1800)
+            job_args = ["--job", uri, str(args.state_mib), str(args.repeats), str(args.window_mib)]
+            ranks = run_two_nodes(__file__, job_args, outdir=tmp, nproc_per_node=4, env=env, timeout_s=1800)
         elapsed = time.perf_counter() - t0
 
     unique = ranks[0]["unique"]
@@ -206,12 +205,13 @@ def main() -> None:
         if layout == "R=4":
             verdicts.append(("R=4: wall <= 0.7x plain", coop["wall_vs_plain"] <= 0.7, f"{coop['wall_vs_plain']:.2f}x"))
     print_table(rows, [("layout", "layout"), ("mode", "mode"), ("s3_mib", "S3 MiB (s3dcp)", ".1f"),
-                       ("counted_s3_mib", "(same run)", ".1f"), ("proxy_mib", "S3 MiB (proxy)", ".1f"), ("s3_x", "x unique", ".2f"), ("gets", "GETs"),
+                       ("counted_s3_mib", "(same run)", ".1f"), ("proxy_mib", "S3 MiB (proxy)", ".1f"),
+                       ("s3_x", "x unique", ".2f"), ("gets", "GETs"),
                        ("peer_mib", "peer MiB", ".1f"), ("rounds", "rounds"), ("wall_s", "wall s", ".2f"),
                        ("wall_vs_plain", "wall/plain", ".2f"), ("rss_extra_mib", "peak RSS+ MiB", ".1f"),
                        ("rss_vs_plain_mib", "RSS vs plain", "+.1f")],
-                title=f"restore on 8 ranks as 2 nodes x 4: {unique / MiB:.0f} MiB unique, window {args.window_mib} MiB, "
-                      f"{args.repeats} repeat(s), {elapsed:.0f} s in all")
+                title=f"restore on 8 ranks as 2 nodes x 4: {unique / MiB:.0f} MiB unique, window "
+                      f"{args.window_mib} MiB, {args.repeats} repeat(s), {elapsed:.0f} s in all")
     for what, ok, value in verdicts:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {value}")
     path = write_json(results_path(args, "restore"), {"environment": environment_info(), "target": target.describe(),

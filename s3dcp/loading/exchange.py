@@ -15,8 +15,9 @@
 A chunk that lies inside one direct target lands in the destination itself (a DDP restore
 needs no buffer at all); any other lands in a buffer of its own, freed at the end of its round.
 Rounds are half the window, and two are in memory at a time (one exchanged, the next read), so
-a rank holds at most the window beyond its state (plus the bounce pieces being filled). Every local error is held until the next collective, so all ranks leave at the same
-round: one rank's failure is an error on every rank, never a hang.
+a rank holds at most the window beyond its state (plus the bounce pieces being filled). Every
+local error is held until the next collective, so all ranks leave at the same round: one
+rank's failure is an error on every rank, never a hang.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ def full_state() -> dict:
 
 
 def _sharded(state: dict, mesh, placements) -> dict:
-    return {"m": distribute_tensor(state["m"], mesh, placements), "emb": distribute_tensor(state["emb"], mesh, placements),
-            "rep": state["rep"].clone(), "step": 0}
+    return {"m": distribute_tensor(state["m"], mesh, placements),
+            "emb": distribute_tensor(state["emb"], mesh, placements), "rep": state["rep"].clone(), "step": 0}
 
 
 def _restore(uri: str, mesh, placements, cooperative: bool, group=None) -> dict:

@@ -6,8 +6,8 @@ through a c10d rendezvous on loopback, so ranks see ``GROUP_RANK`` 0 and 1 and `
       ├─ torchrun (node 0, hosts the rendezvous store)  ─┐
       └─ torchrun (node 1)                               ├─ script on 2 × N ranks (gloo)
     each rank writes outdir/rank<RANK>.json; the call returns them in rank order, or fails
-    with every node's log tail. Both agents run in their own session and are killed (their
-    whole process group) at the deadline, so a hung collective fails instead of hanging.
+    with every node's log tail. At the deadline (or when one node failed and the other does not
+    follow) both agents and their ranks are ended, so a hung collective fails instead of hanging.
 
 Used by the tests (small states) and by ``benchmarks/restore.py``. A job script reads
 :func:`job_env` for where it runs and calls :func:`write_result` once per rank.
@@ -25,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 __all__ = ["run_two_nodes", "job_env", "write_result", "NodesFailed"]
 
@@ -74,13 +76,7 @@ def run_two_nodes(script: str | os.PathLike, args: list[str], *, outdir: str | o
                 break
             time.sleep(0.1)
     finally:
-        for p in procs:  # the agent's session holds its ranks too
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait(10)
+        _stop(procs)
     codes = [p.returncode for p in procs]
     if codes != [0, 0]:
         raise NodesFailed(f"two-node job failed (exit codes {codes})\n" + _tails(logs))
@@ -91,6 +87,34 @@ def run_two_nodes(script: str | os.PathLike, args: list[str], *, outdir: str | o
             raise NodesFailed(f"rank {rank} wrote no result\n" + _tails(logs))
         results.append(json.loads(path.read_text()))
     return results
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """End the agents still running and their ranks (torchrun starts each rank in a session of
+    its own, so they are found as the agent's descendants, by pid): SIGTERM first, so the agent
+    stops its ranks itself, then SIGKILL for whatever is left."""
+    alive = [p for p in procs if p.poll() is None]
+    if not alive:
+        return
+    ranks = []
+    for p in alive:
+        try:
+            ranks += psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        p.send_signal(signal.SIGTERM)
+    _, left = psutil.wait_procs(ranks, timeout=10)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for p in alive:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
 
 
 def _tails(logs: list[Path], lines: int = 150) -> str:

@@ -1,6 +1,6 @@
 """Restore at scale: plain DCP reads against cooperative reads, 8 ranks as two simulated nodes.
 
-    python benchmarks/restore.py                        # 128 MiB state, 2 repeats: ~3 min on 2 cores
+    python benchmarks/restore.py                        # 128 MiB state, 64 MiB window: ~3 min on 2 cores
     python benchmarks/restore.py --state-mib 256 --window-mib 32 --repeats 3
 
 One server, one job (``tests/multinode.py``: torchrun --nnodes 2 --nproc-per-node 4, twice, on
@@ -158,7 +158,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-mib", type=int, default=128, help="state size (MiB, default 128)")
-    p.add_argument("--window-mib", type=int, default=32, help="exchange window per rank (MiB, default 32)")
+    p.add_argument("--window-mib", type=int, default=64, help="exchange window per rank (MiB, default 64)")
     add_common_args(p, repeats=2)
     args = p.parse_args()
 

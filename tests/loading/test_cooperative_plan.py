@@ -63,7 +63,7 @@ ranges = st.lists(st.tuples(st.integers(0, 64), st.integers(1, 16)), max_size=4)
     lambda xs: [(a * 4096, (a + n) * 4096) for a, n in xs])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.dictionaries(st.sampled_from(["a", "b", "c"]), ranges, max_size=3), min_size=2, max_size=6),
        st.sampled_from([1, 4096, 0]), st.integers(1, 3))
 def test_every_needed_byte_has_one_reader_and_reaches_every_rank_that_needs_it(needs, step, n_nodes):
@@ -161,7 +161,7 @@ def test_a_planner_that_uses_storage_data_or_one_rank_means_plain_reads():
     assert [p.storage_data for p in _schedule(_plans(1, lambda r: PeerInfo("n", "")))] == [None]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 7), min_size=1, max_size=3), st.data(), st.booleans(), st.sampled_from([0, 64]))
 def test_cover_takes_the_shortcuts_only_where_box_pieces_agree(shape, data, checked, block):
     from s3dcp.format.layout import box_pieces

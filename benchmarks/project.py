@@ -15,6 +15,15 @@ Measured inputs (stall overhead and per-process upload rate) come from this mach
 benchmark results; bandwidths of the target cluster are assumptions, printed next to the
 result. Where the projected upload outlasts the checkpoint interval, back-pressure would add
 the difference to the stall, and the projection says so.
+
+Restore (the time until training resumes), for R data-parallel replicas of the state
+(``--replicas``; each rank needs R x checkpoint / ranks), plain against cooperative reads:
+
+    plain        S3 bytes = R x checkpoint; per node R x checkpoint / nodes through its NIC
+    cooperative  S3 bytes = checkpoint (each byte once); per node checkpoint / nodes through its
+                 NIC, and (R-1)/R of what its ranks need from peers over the interconnect,
+                 overlapped with the reads (rounds are pipelined): time = the slower of the two
+    GETs         S3 bytes / download part size; each phase also needs GETs / (5,500/s x prefixes)
 """
 
 from __future__ import annotations
@@ -92,6 +101,82 @@ def project(a: argparse.Namespace) -> dict:
     }
 
 
+def measured_restore(results_dir: str) -> dict:
+    """Per-process rates from the newest benchmarks/restore.py result, if any: the plain GET
+    rate (R=1: every rank reads its own shard) and the exchange rate (DDP: bytes a rank
+    receives per second of its load), both bounded by this machine's 2 shared cores."""
+    r = newest(os.path.join(results_dir, "restore-*.json"))
+    if not r:
+        return {}
+    rows = {(x["layout"], x["mode"]): x for x in r["rows"]}
+    ranks = len(r["ranks"])
+    out = {"source": r["_path"]}
+    if ("R=1", "plain") in rows:
+        x = rows[("R=1", "plain")]
+        out["get_gbps"] = x["s3_mib"] * 2**20 / ranks / x["wall_s"] / GB
+    if ("DDP", "coop") in rows:
+        x = rows[("DDP", "coop")]
+        out["exchange_gbps"] = x["peer_mib"] * 2**20 / ranks / x["wall_s"] / GB
+    if ("R=4", "coop") in rows:
+        out["r4_wall_ratio"] = rows[("R=4", "coop")].get("wall_vs_plain")
+    out["s3_x"] = {layout: (rows[(layout, "plain")]["s3_x"], rows[(layout, "coop")]["s3_x"])
+                   for layout, mode in rows if mode == "coop" and (layout, "plain") in rows}
+    return out
+
+
+def project_restore(a: argparse.Namespace, replicas: int) -> dict:
+    """Restore time and GETs of the seed's job with ``replicas`` copies of the state, plain and
+    cooperative (see the module docstring)."""
+    unique = a.checkpoint_gb * GB
+    gpus = a.nodes * a.gpus_per_node
+    nic = a.nic_gbps / 8 * GB
+    procs = a.gpus_per_node * a.get_gbps_per_process * GB if a.get_gbps_per_process else float("inf")
+    node_in = min(nic, procs)
+    get_rate = 5500.0 * a.prefixes  # S3 GET/s per prefix
+    part = a.download_part_mib * 2**20
+    out = {"replicas": replicas}
+    for mode, s3_bytes in (("plain", replicas * unique), ("coop", unique)):
+        gets = s3_bytes / part
+        read_s = max(s3_bytes / a.nodes / node_in, gets / get_rate)
+        exchange_s = 0.0
+        if mode == "coop" and replicas > 1:
+            need_node = replicas * unique / gpus * a.gpus_per_node
+            exchange_s = need_node * (replicas - 1) / replicas / (a.interconnect_gbps / 8 * GB)
+        out[f"{mode}_s3_gb"] = s3_bytes / GB
+        out[f"{mode}_gets"] = gets
+        out[f"{mode}_s"] = max(read_s, exchange_s)
+        out[f"{mode}_bound"] = ("interconnect" if exchange_s > read_s else
+                                "GET rate" if gets / get_rate > s3_bytes / a.nodes / node_in else
+                                "NIC" if nic <= procs else "processes")
+    out["speedup"] = out["plain_s"] / out["coop_s"]
+    return out
+
+
+def print_restore(a: argparse.Namespace, sources: dict) -> list[dict]:
+    print("\nRestore (time until training resumes), plain DCP reads vs cooperative reads")
+    rate = f"{a.get_gbps_per_process:g} GB/s per process (given)" if a.get_gbps_per_process else \
+        "the NIC's (no per-process cap given)"
+    print(f"  GET rate {rate}; NIC {a.nic_gbps:g} Gbit/s, "
+          f"interconnect {a.interconnect_gbps:g} Gbit/s per node, download parts {a.download_part_mib:g} MiB, "
+          f"{a.prefixes} prefix(es) at ~5,500 GET/s (assumed)")
+    rows = [project_restore(a, r) for r in sorted({1, 2, 4, 8, 16, a.replicas})]
+    head = f"  {'R':>4}  {'plain: S3 GB':>12}  {'GETs':>9}  {'time s':>7}  {'bound':>8}   " \
+           f"{'coop: S3 GB':>11}  {'GETs':>9}  {'time s':>7}  {'bound':>12}  {'speedup':>7}"
+    print(head)
+    for r in rows:
+        print(f"  {r['replicas']:>4}  {r['plain_s3_gb']:>12.0f}  {r['plain_gets']:>9.0f}  {r['plain_s']:>7.1f}  "
+              f"{r['plain_bound']:>8}   {r['coop_s3_gb']:>11.0f}  {r['coop_gets']:>9.0f}  {r['coop_s']:>7.1f}  "
+              f"{r['coop_bound']:>12}  {r['speedup']:>6.1f}x")
+    m = measured_restore(a.results)
+    if m:
+        ratios = ", ".join(f"{k} {p:.2f}x/{c:.2f}x" for k, (p, c) in m["s3_x"].items())
+        print(f"  measured on this machine ({m['source']}): S3 bytes / unique bytes, plain/cooperative: {ratios}; "
+              f"wall at R=4 {m.get('r4_wall_ratio') or float('nan'):.2f}x plain; "
+              f"per process {m.get('get_gbps', 0):.3f} GB/s from S3 and {m.get('exchange_gbps', 0):.3f} GB/s from "
+              "peers (2 shared cores for 8 ranks and the server: not a cluster's rates)")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default="results", help="where the measured results are (default results/)")
@@ -115,6 +200,14 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-limit", type=float, default=3500.0, help="S3 PUT/s per prefix (default 3,500)")
     p.add_argument("--baseline-stall-s", type=float, default=18 * 60.0, help="the seed's stall (18 min)")
     p.add_argument("--goal-s", type=float, default=10.0, help="stall goal (default 10 s)")
+    p.add_argument("--replicas", type=int, default=16,
+                   help="data-parallel replicas of the state at restore (HSDP replica groups; default 16)")
+    p.add_argument("--interconnect-gbps", type=float, default=400.0,
+                   help="per-node bandwidth of the exchange between ranks, Gbit/s (assumed: NCCL over "
+                        "InfiniBand/RoCE; gloo over the front-end NIC: pass the NIC's)")
+    p.add_argument("--get-gbps-per-process", type=float, default=None,
+                   help="download rate one process reaches, GB/s (default: no cap below the NIC)")
+    p.add_argument("--download-part-mib", type=float, default=8.0, help="S3Config.download_part_size_bytes (MiB)")
     p.add_argument("--json", metavar="PATH", help="write assumptions and projection as JSON")
     a = p.parse_args(argv)
 
@@ -131,6 +224,7 @@ def main(argv=None) -> int:
         if "stall_source" in m:
             sources["overhead_s"] = m["stall_source"]
     r = project(a)
+    restore_measured = measured_restore(a.results)
 
     print("Assumptions and inputs")
     rows = [
@@ -170,9 +264,11 @@ def main(argv=None) -> int:
         need = -(-int(r["put_rate_per_prefix"] * a.prefixes) // int(a.prefix_limit))
         print(f"\n  spread the objects over >= {need} prefixes to stay under S3's per-prefix rate: "
               f"S3Config(key_prefix_spread={need})")
+    restore = print_restore(a, sources)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"assumptions": vars(a), "sources": sources, "projection": r}, f, indent=2)
+            json.dump({"assumptions": vars(a), "sources": sources, "projection": r, "restore": restore,
+                       "restore_measured": restore_measured}, f, indent=2)
     return 0
 
 

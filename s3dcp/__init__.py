@@ -31,6 +31,8 @@ _LAZY = {
     "async_save": ".api",
     "load": ".api",
     "last_save_stats": ".api",
+    "last_load_stats": ".api",
+    "LoadStats": ".loading.exchange",
     "S3StorageWriter": ".saving.writer",
     "S3StorageReader": ".loading.reader",
     "HostBufferPool": ".saving.staging",

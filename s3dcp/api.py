@@ -42,12 +42,22 @@ from .errors import ConfigError, unwrap_error
 from .loading.reader import S3StorageReader
 
 if TYPE_CHECKING:
+    from .loading.exchange import LoadStats
     from .saving.writer import S3StorageWriter, SaveStats
 
-__all__ = ["save", "async_save", "load", "unwrap_error", "last_save_stats", "SaveFuture"]
+__all__ = ["save", "async_save", "load", "unwrap_error", "last_save_stats", "last_load_stats", "SaveFuture"]
 
 _last_stats: list[Any] = [None]  # the SaveStats of the save that ended last in this process
 _last_stats_lock = threading.Lock()
+_last_load: list[Any] = [None]  # the LoadStats of the load that ended last in this process
+
+
+def last_load_stats() -> "LoadStats | None":
+    """The :class:`~s3dcp.loading.exchange.LoadStats` of the :func:`load` that ended last in this
+    process (unique source bytes, bytes from S3 and from peers, the slowest rank's seconds), or
+    None before the first one."""
+    with _last_stats_lock:
+        return _last_load[0]
 
 
 def last_save_stats() -> "SaveStats | None":
@@ -188,8 +198,15 @@ def load(
     allow_pickle: bool = False,
     planner: Any = None,
     process_group: Any = None,
+    cooperative: bool = False,
+    **reader_kwargs: Any,
 ) -> None:
     """``dcp.load`` from ``path`` into ``state_dict`` (in place) through :class:`S3StorageReader`.
+
+    ``cooperative=True``: each stored byte is read from S3 by one rank and sent over
+    ``process_group`` to the others that need it (see docs/restore.md); other keywords
+    (``exchange_window_bytes=``, ``pool=``) go to the reader. The figures are
+    :func:`last_load_stats`.
 
     A missing checkpoint raises :class:`~s3dcp.errors.CheckpointNotFoundError`, one without
     its metadata object :class:`~s3dcp.errors.IncompleteCheckpointError` — and DCP prints no
@@ -197,13 +214,16 @@ def load(
     """
     import torch.distributed.checkpoint as dcp
 
-    reader = S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle)
+    reader = S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle,
+                             cooperative=cooperative, process_group=process_group, **reader_kwargs)
     try:
         with _single_process_is_meant():
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                      no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e)  # chained from DCP's exception
+    with _last_stats_lock:
+        _last_load[0] = reader.last_stats
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ __all__ = [
     "MetadataFormatError",
     "IntegrityError",
     "UnsafePickleError",
+    "PeerReadError",
     "S3Error",
     "AccessDeniedError",
     "NoSuchBucketError",
@@ -86,6 +87,21 @@ class UnsafePickleError(CheckpointError):
     """A non-tensor item would need arbitrary unpickling to load (the reader's ``allow_pickle``)."""
 
 
+class PeerReadError(S3DCPError):
+    """Another rank of a cooperative load (``S3StorageReader(cooperative=True)``) failed, so
+    this rank stopped with it; ``failed_ranks`` lists them, and their own errors say why. A
+    collateral error: :func:`unwrap_error` prefers the failing rank's."""
+
+    collateral = True
+
+    def __init__(self, message: str, failed_ranks: list[int] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = list(failed_ranks)
+
+    def __reduce__(self):  # travels between ranks inside DCP's CheckpointException
+        return type(self), (str(self), self.failed_ranks)
+
+
 def root_error(error: BaseException) -> BaseException:
     """The original error inside DCP's ``CheckpointException`` (which wraps each failed rank's
     error with its traceback); any other error as it is. Prefer :func:`unwrap_error`, which
@@ -125,6 +141,7 @@ def unwrap_error(error: BaseException) -> BaseException:
     if not rank_errors:
         return error
     ours = [e for e in rank_errors.values() if isinstance(e, S3DCPError)]
+    ours = [e for e in ours if not getattr(e, "collateral", False)] or ours
     cause = ours[0] if ours else next(iter(rank_errors.values()))
     try:
         cause.failed_ranks = sorted(rank_errors)

@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from . import bounce
+from . import bounce, exchange
+from .cooperative import DEFAULT_WINDOW_BYTES
+from .exchange import LoadStats
 from ..format import integrity, layout
 from ..s3.client import S3Client
 from ..s3.request import abort_all, abort_and_wait
@@ -94,9 +96,11 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     0. ``reset(checkpoint_id)`` — all ranks, only when ``checkpoint_id=`` is passed to load
     1. ``read_metadata()`` — all ranks; refuses an incomplete checkpoint (no metadata object)
     2. ``set_up_storage_reader(metadata, is_coordinator)`` — all ranks
-    3. ``prepare_local_plan`` — all ranks; 4. ``prepare_global_plan`` — coordinator
+    3. ``prepare_local_plan`` — all ranks; 4. ``prepare_global_plan`` — coordinator (cooperative:
+       one reading rank per distinct stored range, :mod:`s3dcp.loading.cooperative`)
     5. ``read_data(plan, planner)`` — all ranks: parallel ranged GETs straight into the
        destination tensors where possible, every item verified against its checksum
+       (cooperative: GETs of this rank's ranges, then the exchange, :mod:`s3dcp.loading.exchange`)
 
     Args:
         path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.load``.
@@ -111,6 +115,10 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         pool: the :class:`s3dcp.memory.pool.HostBufferPool` the bounce window comes from (items that
             cannot land in their destination directly); default: a process-wide pool of its
             own, pinned when CUDA is available (``s3dcp.loading.bounce.read_pool()``).
+        cooperative: each distinct stored byte range is read from S3 by one rank and sent to the
+            others that need it over ``process_group`` (default: the default group; it must be
+            the group given to ``dcp.load``), in rounds of at most ``exchange_window_bytes`` per
+            rank (see docs/restore.md). ``last_stats`` has the figures of every load.
     """
 
     def __init__(
@@ -122,13 +130,20 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         verify: bool = True,
         allow_pickle: bool = False,
         pool: HostBufferPool | None = None,
+        cooperative: bool = False,
+        process_group: Any = None,
+        exchange_window_bytes: int = DEFAULT_WINDOW_BYTES,
     ) -> None:
         super().__init__()
         self._init_path(path, config, client)
         self.verify = verify
         self.allow_pickle = allow_pickle
         self._bounce_pool = pool
+        self.cooperative = cooperative
+        self.process_group = process_group
+        self.exchange_window_bytes = exchange.check_window(exchange_window_bytes)
         self._storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self.last_stats: LoadStats | None = None  # the figures of the last read_data (exchange.LoadStats)
         self.last_read_s = 0.0
         self.last_read_bytes = 0
 
@@ -206,13 +221,20 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         self._storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return exchange.with_peer_info(plan, self.process_group) if self.cooperative else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return exchange.global_plans(self, plans) if self.cooperative else plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        start = time.perf_counter()
+        self.last_stats = exchange.read(self, plan, planner)  # cooperative when the coordinator planned it
+        self.last_read_s, self.last_read_bytes = self.last_stats.seconds, self.last_stats.s3_bytes
+        fut: TorchFuture = TorchFuture()
+        fut.set_result(None)
+        return fut
+
+    def _read_plain(self, plan: LoadPlan, planner: LoadPlanner) -> int:
+        """Every byte of ``plan`` from S3 by this rank; the bytes fetched."""
         uri = self._require_uri()
         slot_bytes, slots = self._window_shape()
         reads = [self._plan_read(item, planner, slot_bytes) for item in plan.items]
@@ -241,12 +263,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             slot_bytes = max(max(seg.end for seg in run) - run[0].offset for _, run in bounce_runs)
             slots = min(slots, len(bounce_runs))
         self._fetch(uri, direct_runs, bounce_runs, slot_bytes, slots, planner)
-        self.last_read_s = time.perf_counter() - start
-        self.last_read_bytes = sum(max(seg.end for seg in run) - run[0].offset
-                                   for _, run in direct_runs + bounce_runs)
-        fut: TorchFuture = TorchFuture()
-        fut.set_result(None)
-        return fut
+        return sum(max(seg.end for seg in run) - run[0].offset for _, run in direct_runs + bounce_runs)
 
     def _window_shape(self) -> tuple[int, int]:
         """(slot bytes, slots) of the bounce window: ``download_part_size_bytes ×
@@ -400,9 +417,9 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
             gap_bytes=self.config.coalesce_gap_bytes, max_bytes=slot_bytes, flat=dest.is_contiguous())
         return _Read(item, loc, 0, 0, None, dest=dest, pieces=pieces, left=len(pieces))
 
-    def _finish_read(self, read: _Read, planner: LoadPlanner) -> None:
+    def _finish_read(self, read: _Read, planner: LoadPlanner, verify: bool = True) -> None:
         """A direct read's bytes are all there: verify, hand to the planner."""
-        if self.verify:
+        if self.verify and verify:
             self._verify(read, read.start, read.sink)
         item = read.item
         if item.type == LoadItemType.BYTE_IO:
@@ -413,11 +430,11 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         planner.commit_tensor(item, read.dest)
 
     def _finish_piece(self, read: _Read, piece: Piece, fetched: torch.Tensor, copier, tokens: list,
-                      planner: LoadPlanner) -> None:
+                      planner: LoadPlanner, verify: bool = True) -> None:
         """One piece of a bounced read is in ``fetched`` (a slot's uint8 view): verify its
         blocks, start the copy into its part of the destination, and commit the item once its
         last piece is copied. The copy's token goes into ``tokens`` (the slot's)."""
-        if self.verify:
+        if self.verify and verify:
             self._verify(read, piece.start, byte_view(fetched))
         dtype = str_to_dtype(read.location.dtype)
         size = dtype.itemsize

@@ -1,6 +1,6 @@
 """Cooperative reads, the run: a rank's :class:`~s3dcp.loading.cooperative.RankSchedule`, round by round.
 
-    this rank's ReadItems ──the plain path's plan (reader._plan_read)──► targets: the byte range
+    this rank's ReadItems ──the plain path's plan (ItemReads.plan, s3dcp.loading.items)──► targets: the byte range
       of a direct read (lands in the destination) or of one bounce piece (copied out of a buffer)
     per round:
       owned chunks ──ranged GETs (neighbours coalesced)──► landing buffers, each chunk verified
@@ -35,7 +35,7 @@ from ..errors import ConfigError, MetadataFormatError, PeerReadError
 from ..format import layout
 from ..format.layout import Segment
 from ..format.tensors import byte_view
-from ..s3.client import abort_and_wait
+from ..s3.request import abort_and_wait
 from ..uri import object_key
 
 __all__ = ["LoadStats", "exchange_device", "check_window", "with_peer_info", "global_plans", "read", "run"]
@@ -88,7 +88,7 @@ def check_window(window_bytes: int) -> int:
 def global_plans(reader, plans: list) -> list:
     """The coordinator's step: every rank's schedule, planned with the reader's settings."""
     slot_bytes, _ = reader._window_shape()
-    return schedule_plans(plans, reader._location, verify=reader.verify, slot_bytes=slot_bytes,
+    return schedule_plans(plans, reader.items.location, verify=reader.verify, slot_bytes=slot_bytes,
                           gap_bytes=reader.config.coalesce_gap_bytes, window_bytes=reader.exchange_window_bytes)
 
 
@@ -234,7 +234,7 @@ def _targets(reader, plan, planner) -> tuple[dict, dict]:
     targets: dict[Any, list[_Target]] = {}
     reads: dict[Any, Any] = {}
     for item in plan.items:
-        read = reader._plan_read(item, planner, slot_bytes)
+        read = reader.items.plan(item, planner, slot_bytes)
         key = item_key(read.location)
         reads.setdefault(key, read)
         if read.pieces is None:
@@ -246,7 +246,7 @@ def _targets(reader, plan, planner) -> tuple[dict, dict]:
                     torch.empty(0, dtype=torch.uint8)
             targets.setdefault(key, []).append(_Target(read, None, read.start, read.end, buf))
             if read.end == read.start:  # an empty item: nothing will arrive for it
-                reader._finish_read(read, planner, verify=False)
+                reader.items.finish(read, planner, verify=False)
         elif not read.pieces:
             planner.commit_tensor(read.item, read.dest)
         for piece in read.pieces or ():
@@ -317,7 +317,7 @@ def _finish_gets(reader, started: tuple, reads: dict) -> int:
         raise
     if reader.verify:
         for c in owned:
-            reader._verify(reads[c.key], c.start, byte_view(landed[c.cid]))
+            reader.items.verify_bytes(reads[c.key], c.start, byte_view(landed[c.cid]))
     return sum(c.length for c in owned)
 
 
@@ -385,10 +385,10 @@ def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier) -> None:
         t.left -= hi - lo
         if t.left == 0:
             if t.piece is None:
-                reader._finish_read(t.read, planner, verify=False)
+                reader.items.finish(t.read, planner, verify=False)
             else:
                 tokens: list = []
-                reader._finish_piece(t.read, t.piece, t.buf, copier, tokens, planner, verify=False)
+                reader.items.finish_piece(t.read, t.piece, t.buf, copier, tokens, planner, verify=False)
                 for token in tokens:
                     copier.wait(token)
                 t.buf = None

@@ -13,47 +13,42 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import queue
 import random
-import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from . import bounce, exchange
+from .items import ItemReads
 from .cooperative import DEFAULT_WINDOW_BYTES
 from .exchange import LoadStats
-from ..format import integrity, layout
+from ..format import layout
 from ..s3.client import S3Client
 from ..s3.request import abort_all, abort_and_wait
 from ..config import S3Config
 from ..errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
-    IntegrityError,
     MetadataFormatError,
     NoSuchKeyError,
     S3ConnectionError,
-    S3DCPError,
     S3ServerError,
     ThrottlingError,
-    UnsafePickleError,
 )
-from ..format.layout import METADATA_NAME, ItemLocation, Piece, Segment, is_data_object
-from ..format.metadata import decode_metadata, str_to_dtype
+from ..format.layout import METADATA_NAME, ItemLocation, Segment, is_data_object
+from ..format.metadata import decode_metadata
 from ..memory.pool import HostBufferPool
 from ..s3.location import S3CheckpointPath, UnreadableMetadata
-from ..format.tensors import byte_view, has_lazy_bits
+from ..format.tensors import byte_view
 from ..uri import object_key
 
 __all__ = ["S3StorageReader"]
@@ -64,28 +59,6 @@ _MAX_RUN_BYTES = 1 << 30  # one coalesced GET at most; the CRT splits it into pa
 _METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries inside
 _METADATA_BACKOFF_S = 0.2
 _MIN_SLOT_BYTES = 1 << 20
-_HEAD_BYTES_ITEM_ABOVE = 1 << 20  # a non-tensor item larger than this is checked against its object first
-
-
-@dataclass
-class _Read:
-    """One ReadItem's plan: which stored bytes to fetch, where they land, how to check them.
-
-    Direct (``pieces is None``): bytes ``[start, end)`` of the item land in ``sink`` (the
-    destination tensor's memory, or ``bounce``, a bytearray for a non-tensor item). Otherwise
-    each of ``pieces`` is fetched into a bounce slot and copied into its part of ``dest``;
-    the item is committed when the last piece's copy is done."""
-
-    item: ReadItem
-    location: ItemLocation
-    start: int  # byte range fetched, relative to the item (direct reads)
-    end: int
-    sink: memoryview | None  # where the fetched bytes land (direct reads)
-    dest: torch.Tensor | None = None  # tensor items: the planner's destination
-    bounce: Any = None  # non-tensor items: the buffer their bytes land in
-    pieces: list[Piece] | None = None  # bounced reads: the byte ranges of the box, in order
-    left: int = 0  # pieces not yet copied out
-    tokens: list = field(default_factory=list)  # copies of this item still running
 
 
 class S3StorageReader(S3CheckpointPath, StorageReader):
@@ -142,7 +115,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         self.cooperative = cooperative
         self.process_group = process_group
         self.exchange_window_bytes = exchange.check_window(exchange_window_bytes)
-        self._storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self.items: ItemReads | None = None  # how this load reads each item, once the metadata is set up
         self.last_stats: LoadStats | None = None  # the figures of the last read_data (exchange.LoadStats)
         self.last_read_s = 0.0
         self.last_read_bytes = 0
@@ -153,7 +126,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     # ------------------------------------------------------------------ StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._reset_path(checkpoint_id)
-        self._storage_data = {}
+        self.items = None
 
     def read_metadata(self) -> Metadata:
         """DCP's hook, on every rank. Never raises: a failure comes back inside the returned
@@ -218,7 +191,8 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if isinstance(metadata, UnreadableMetadata):
             raise metadata.error
-        self._storage_data = metadata.storage_data
+        self.items = ItemReads(self._require_uri(), metadata.storage_data, self.client, verify=self.verify,
+                               allow_pickle=self.allow_pickle, coalesce_gap_bytes=self.config.coalesce_gap_bytes)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return exchange.with_peer_info(plan, self.process_group) if self.cooperative else plan
@@ -237,7 +211,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         """Every byte of ``plan`` from S3 by this rank; the bytes fetched."""
         uri = self._require_uri()
         slot_bytes, slots = self._window_shape()
-        reads = [self._plan_read(item, planner, slot_bytes) for item in plan.items]
+        reads = [self.items.plan(item, planner, slot_bytes) for item in plan.items]
 
         direct: dict[str, list[Segment]] = {}
         bounced: dict[str, list[Segment]] = {}
@@ -316,14 +290,14 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 try:
                     if error is None:
                         if f.exception() is not None:
-                            raise self._read_error(run, f.exception())
+                            raise self.items.read_error(run, f.exception())
                         if slot is None:
                             for seg in run:
-                                self._finish_read(seg.tag, planner)
+                                self.items.finish(seg.tag, planner)
                         else:
                             for seg in run:
                                 lo = seg.offset - run[0].offset
-                                self._finish_piece(*seg.tag, slot[lo:lo + seg.length], window.copier,
+                                self.items.finish_piece(*seg.tag, slot[lo:lo + seg.length], window.copier,
                                                    tokens, planner)
                 except BaseException as e:  # noqa: BLE001 - raised once the GETs in flight end
                     error = e
@@ -343,146 +317,3 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
     @property
     def _pool(self) -> HostBufferPool:
         return self._bounce_pool if self._bounce_pool is not None else bounce.read_pool()
-
-    # ------------------------------------------------------------------ helpers
-    def _location(self, item: ReadItem) -> ItemLocation:
-        try:
-            return self._storage_data[item.storage_index]
-        except KeyError:
-            raise MetadataFormatError(
-                f"{self._uri}: the metadata has no stored location for {item.storage_index.fqn!r} "
-                f"(chunk at {tuple(item.storage_index.offset or ())})") from None
-
-    def _where(self, item: ReadItem) -> str:
-        return f"{self._uri}: item {item.storage_index.fqn!r} (chunk at {tuple(item.storage_index.offset or ())})"
-
-    def _read_error(self, run: list[Segment], error: BaseException) -> BaseException:
-        """A GET that found its object shorter than the metadata says (a short body, or 416):
-        an IntegrityError naming the first item past the object's end; else ``error``."""
-        if not isinstance(error, IntegrityError) and getattr(error, "status", None) != 416:
-            return error
-        reads = [seg.tag if isinstance(seg.tag, _Read) else seg.tag[0] for seg in run]
-        key = object_key(self._uri, reads[0].location.object_name)
-        try:
-            size = self.client.head(self._uri.bucket, key).result().size
-            for read in reads:
-                layout.check_in_object(read.location, size, self._where(read.item))
-        except MetadataFormatError as e:  # which of the object and the metadata is wrong, no one can tell
-            named = IntegrityError(str(e))
-            named.__cause__ = error
-            return named
-        except S3DCPError:
-            pass
-        return error
-
-    def _plan_read(self, item: ReadItem, planner: LoadPlanner, slot_bytes: int) -> _Read:
-        loc = self._location(item)
-        where = self._where(item)
-        if item.type == LoadItemType.BYTE_IO:
-            layout.check_location(loc, None, where)
-            if loc.length > _HEAD_BYTES_ITEM_ABOVE:  # memory is filled only for bytes the object holds
-                size = self.client.head(self._uri.bucket, object_key(self._uri, loc.object_name)).result().size
-                layout.check_in_object(loc, size, where)
-            buf = bytearray(loc.length)
-            return _Read(item, loc, 0, loc.length, memoryview(buf), bounce=buf)
-
-        dest = planner.resolve_tensor(item).detach()
-        dtype = str_to_dtype(loc.dtype)
-        layout.check_location(loc, dtype.itemsize, where)
-        shape = tuple(loc.shape)
-        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
-        layout.check_box(shape, offsets, lengths, where)
-        if tuple(dest.shape) != lengths:
-            raise MetadataFormatError(
-                f"{self._uri}: {item.dest_index.fqn!r}: destination shape {tuple(dest.shape)} does not match "
-                f"the {lengths} elements planned from the checkpoint")
-        in_place = (dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
-                    and not has_lazy_bits(dest))  # a conj view takes its values through copy_
-        whole = all(o == 0 for o in offsets) and lengths == shape
-        if whole and in_place:
-            return _Read(item, loc, 0, loc.length, byte_view(dest), dest=dest)
-        checked = self.verify and loc.checksum is not None
-        if in_place and not checked and layout.is_contiguous_box(shape, offsets, lengths):
-            # One run of the item's bytes (rows of a Shard(0) load) with nothing to verify: no
-            # block widening needed, so the run lands in the destination too.
-            lo, hi = layout.box_byte_range(shape, dtype.itemsize, offsets, lengths)
-            if hi > lo:
-                return _Read(item, loc, lo, hi, byte_view(dest), dest=dest)
-
-        # Only the box's bytes, in pieces that fit a bounce slot, widened to checksum blocks
-        # (the whole item when it has one checksum) so every fetched byte can be verified.
-        pieces = layout.box_pieces(
-            shape, dtype.itemsize, offsets, lengths, item_bytes=loc.length,
-            block_bytes=(loc.block_size or loc.length) if checked else 0,
-            gap_bytes=self.config.coalesce_gap_bytes, max_bytes=slot_bytes, flat=dest.is_contiguous())
-        return _Read(item, loc, 0, 0, None, dest=dest, pieces=pieces, left=len(pieces))
-
-    def _finish_read(self, read: _Read, planner: LoadPlanner, verify: bool = True) -> None:
-        """A direct read's bytes are all there: verify, hand to the planner."""
-        if self.verify and verify:
-            self._verify(read, read.start, read.sink)
-        item = read.item
-        if item.type == LoadItemType.BYTE_IO:
-            if not self.allow_pickle:
-                self._check_plain_data(read)
-            planner.load_bytes(item, io.BytesIO(read.bounce))
-            return
-        planner.commit_tensor(item, read.dest)
-
-    def _finish_piece(self, read: _Read, piece: Piece, fetched: torch.Tensor, copier, tokens: list,
-                      planner: LoadPlanner, verify: bool = True) -> None:
-        """One piece of a bounced read is in ``fetched`` (a slot's uint8 view): verify its
-        blocks, start the copy into its part of the destination, and commit the item once its
-        last piece is copied. The copy's token goes into ``tokens`` (the slot's)."""
-        if self.verify and verify:
-            self._verify(read, piece.start, byte_view(fetched))
-        dtype = str_to_dtype(read.location.dtype)
-        size = dtype.itemsize
-        if fetched.storage_offset() % size:  # the item starts unaligned in its object
-            fetched = fetched.clone()
-        elems = fetched[:fetched.numel() // size * size].view(dtype)
-        src = elems.as_strided(piece.sizes, piece.strides, elems.storage_offset() + piece.src_offset)
-        target = read.dest.view(-1) if piece.flat else read.dest
-        for i in piece.index:
-            target = target[i]
-        token = copier.copy(target.narrow(0, piece.first, piece.count), src)
-        tokens.append(token)
-        read.tokens.append(token)
-        read.left -= 1
-        if read.left == 0:
-            for t in read.tokens:
-                copier.wait(t)
-            read.tokens = []
-            planner.commit_tensor(read.item, read.dest)
-
-    def _check_plain_data(self, read: _Read) -> None:
-        """Refuse a non-tensor item that is more than plain data before the planner unpickles it."""
-        try:
-            torch.load(io.BytesIO(read.bounce), weights_only=True)
-        except Exception as e:  # noqa: BLE001 - whatever the unpickler refused
-            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # torch colours its message
-            reason = text.splitlines()[0] if text else type(e).__name__
-            raise UnsafePickleError(
-                f"{self._uri}: item {read.item.storage_index.fqn!r} holds pickled Python objects beyond plain "
-                f"data ({reason[:200]}); unpickling it could run code. If you trust this checkpoint, pass "
-                "allow_pickle=True to S3StorageReader") from e
-
-    def _verify(self, read: _Read, start: int, view: memoryview) -> None:
-        """Check bytes ``start..`` of the item (``start`` 0 or on a block boundary)."""
-        loc = read.location
-        if loc.checksum is None:
-            return
-        check = integrity.ItemCheck(loc, start).feed_all(view)
-        if check.ok:
-            return
-        if check.bad_blocks:
-            b = check.bad_blocks[0]
-            lo, hi = b * loc.block_size, min(loc.length, (b + 1) * loc.block_size)
-            where, expected, got = f"bytes {lo}-{hi} of ", loc.block_checksums[b], check.block_got[b]
-        else:
-            where, expected, got = "", loc.checksum, check.got
-        raise IntegrityError(
-            f"checksum mismatch in s3://{self._uri.bucket}/{object_key(self._uri, loc.object_name)} for item "
-            f"{read.item.storage_index.fqn!r} (chunk at {tuple(read.item.storage_index.offset or ())}, "
-            f"{where}object bytes {loc.offset}-{loc.offset + loc.length}): expected {expected}, "
-            f"got {got}. The object was corrupted or overwritten; restore from another checkpoint")

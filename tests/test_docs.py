@@ -25,7 +25,7 @@ from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket
 
 PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
          "docs/troubleshooting.md", "docs/errors.md",
-         "docs/benchmarks.md", "docs/trainers.md", "docs/compatibility.md"]
+         "docs/benchmarks.md", "docs/trainers.md", "docs/compatibility.md", "docs/restore.md"]
 
 
 def test_every_s3config_field_is_in_the_configuration_table():
@@ -72,6 +72,7 @@ RUN_BY = {
     "docs/benchmarks.md": [],
     "docs/trainers.md": ["", "python", "python"],                # the trainers' tests
     "docs/compatibility.md": ["python"],                          # test_the_compat_settings
+    "docs/restore.md": ["python", "text", "text"],                # test_the_cooperative_snippet; a diagram, a table
 }
 
 
@@ -289,3 +290,19 @@ def test_the_compat_settings():
     assert [c.compat for c in made] == [None, "s3", "gcs", "basic"]
     # None is detected when the config is resolved: a loopback host is S3 (unless S3DCP_COMPAT says otherwise)
     assert [c.resolved({}).compat for c in made] == ["s3", "s3", "gcs", "basic"]
+
+
+# ------------------------------------------------------------------ docs/restore.md
+def test_the_cooperative_snippet(aws_env, s3_server):
+    (snippet,) = blocks("Restore at scale", "python", "docs/restore.md")
+    bucket = fresh_bucket(s3_server)
+    saved = {"w": torch.randn(64, 8), "b": torch.arange(8.0)}
+    s3dcp.save(saved, f"s3://{bucket}/run/step-1000")
+    state_dict = {k: torch.zeros_like(v) for k, v in saved.items()}
+    printed: list = []
+    exec(in_bucket(snippet, bucket), {"S3StorageReader": S3StorageReader, "dcp": dcp, "s3dcp": s3dcp,  # noqa: S102
+                                      "state_dict": state_dict, "print": printed.append})
+    assert all(torch.equal(state_dict[k], v) for k, v in saved.items())
+    (stats,) = printed  # one process: plain reads, and the figures say so
+    assert stats.unique_bytes == stats.job_s3_bytes == saved["w"].nbytes + saved["b"].nbytes
+    assert s3dcp.last_load_stats().job_s3_bytes == stats.job_s3_bytes

@@ -370,9 +370,10 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
         again = subprocess.run([*CLI, "server", "--print-env", "--bucket", "more"], capture_output=True, text=True,
                                env=env, timeout=60)
         assert again.returncode == 0 and "created now" not in again.stderr and "s3://more" in again.stderr
+        assert oct((tmp_path / f"server-{proc.pid}.json").stat().st_mode & 0o777) == "0o600"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-        assert not (tmp_path / "server.json").exists()  # it forgot itself
+        assert not (tmp_path / f"server-{proc.pid}.json").exists()  # it forgot itself
     finally:
         if proc.poll() is None:  # a failed assertion: stop it the way that lets it stop its server
             proc.terminate()
@@ -383,25 +384,111 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
                 proc.wait()
 
 
+def _state_files(state_dir) -> list:
+    return sorted(state_dir.glob("server-*.json"))
+
+
 def test_server_print_env_starts_one_in_the_background_and_stop_ends_it(tmp_path):
     env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
     done = subprocess.run(["bash", "-c", 'eval "$("$@" server --print-env --bucket first)" && '
                                          '"$@" mb s3://second && "$@" ls s3://first/ && echo "$AWS_REGION"',
                            "_", *CLI], capture_output=True, text=True, env=env, timeout=120)
-    state = json.loads((tmp_path / "server.json").read_text()) if (tmp_path / "server.json").exists() else None
+    files = _state_files(tmp_path)
+    state = json.loads(files[0].read_text()) if files else None
     try:
         assert done.returncode == 0, done.stderr
         assert "created: s3://second" in done.stdout and done.stdout.rstrip().endswith("us-east-1")
         assert "no checkpoints under s3://first" in done.stderr and "s3dcp server --stop" in done.stderr
-        assert oct((tmp_path / "server.json").stat().st_mode & 0o777) == "0o600"
+        assert len(files) == 1 and oct(files[0].stat().st_mode & 0o777) == "0o600"
     finally:
         stopped = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
     assert state is not None and stopped.returncode == 0 and f"pid {state['pid']}" in stopped.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(state["weed_pid"], 0)
-    assert not (tmp_path / "server.json").exists()
+    assert _state_files(tmp_path) == []
     again = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
     assert again.returncode == 0 and "no s3dcp server is running" in again.stderr
+
+
+def _stop_all(env) -> None:
+    """Stop every server these tests started (by the state files of their own state directory)."""
+    subprocess.run([*CLI, "server", "--stop", "--all"], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_second_server_never_orphans_the_first(tmp_path):
+    """The newcomer's afternoon: a background server, then ``s3dcp server`` in a second terminal;
+    once that one stops, --print-env and --stop name the first again (it used to start a new,
+    empty one, and the first could only be killed by pid)."""
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
+    second = None
+    try:
+        first = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=120)
+        assert first.returncode == 0, first.stderr
+        first_exports = _read_exports(first.stdout.splitlines(keepends=True))
+        first_pid = int(re.search(r"started: pid (\d+)", first.stderr).group(1))
+        second = subprocess.Popen([*CLI, "server"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env)
+        lines: list[str] = []
+        second_exports = _read_exports(second.stdout, lines)
+        assert second_exports and second_exports != first_exports
+        note = next(line for line in lines if "note:" in line)
+        assert f"pid {first_pid}" in note and "--print-env and --stop now name this one" in note, note
+        # both are listed; the newest is the one named
+        listed = subprocess.run([*CLI, "server", "--list", "--json"], capture_output=True, text=True, env=env,
+                                timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert [(s["pid"], s["named"]) for s in json.loads(listed.stdout)] == [(first_pid, False),
+                                                                              (second.pid, True)]
+        table = subprocess.run([*CLI, "server", "--list"], capture_output=True, text=True, env=env, timeout=60)
+        rows = table.stdout.splitlines()[1:]
+        assert len(rows) == 2 and rows[1].startswith("*") and str(second.pid) in rows[1]
+        assert str(first_pid) in rows[0] and not rows[0].startswith("*")
+        named = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=60)
+        assert _read_exports(named.stdout.splitlines(keepends=True)) == second_exports
+        assert f"pid {second.pid}" in named.stderr and "2 servers run" in named.stderr
+        chosen = subprocess.run([*CLI, "server", "--print-env", "--pid", str(first_pid)], capture_output=True,
+                                text=True, env=env, timeout=60)
+        assert _read_exports(chosen.stdout.splitlines(keepends=True)) == first_exports
+        # the second stops (Ctrl-C in its terminal): the first is named again, no new server starts
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=30) == 0
+        again = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=60)
+        assert again.returncode == 0 and f"running: pid {first_pid}" in again.stderr, again.stderr
+        assert _read_exports(again.stdout.splitlines(keepends=True)) == first_exports
+        stopped = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
+        assert stopped.returncode == 0 and f"stopped s3dcp server pid {first_pid}" in stopped.stderr
+        assert _state_files(tmp_path) == []
+        missing = subprocess.run([*CLI, "server", "--stop", "--pid", str(first_pid)], capture_output=True,
+                                 text=True, env=env, timeout=60)
+        assert missing.returncode == 1 and f"no s3dcp server with pid {first_pid}" in missing.stderr
+    finally:
+        if second is not None and second.poll() is None:
+            second.terminate()
+            second.wait(timeout=30)
+        _stop_all(env)
+
+
+def test_print_env_from_a_folder_holding_a_clone_starts_the_installed_package(tmp_path):
+    """A folder named ``s3dcp`` in the current directory (the clone, seen from its parent) does
+    not shadow the package the background server runs."""
+    here = tmp_path / "work"
+    (here / "s3dcp").mkdir(parents=True)
+    (here / "s3dcp" / "__init__.py").write_text("raise ImportError('the s3dcp folder of the current directory')")
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path / "state"))
+    env.pop("PYTHONPATH")  # this checkout comes from the starter's sys.path alone
+    # -P: the starter itself does not see the folder, as the installed `s3dcp` script does not
+    starter = [sys.executable, "-P", "-c", f"import sys; sys.path.insert(0, {ROOT!r}); from s3dcp.cli import main; "
+                                           "sys.exit(main())"]
+    try:
+        done = subprocess.run([*starter, "server", "--print-env", "--dir", "data"], capture_output=True, text=True,
+                              env=env, timeout=120, cwd=here)
+        assert done.returncode == 0, done.stderr + (tmp_path / "state" / "server.log").read_text()
+        assert "AWS_ENDPOINT_URL_S3" in done.stdout
+        (state,) = [json.loads(p.read_text()) for p in _state_files(tmp_path / "state")]
+        assert state["data_dir"] == str(here / "data")  # a relative --dir is the caller's, not the server's
+        assert "started_at" in state  # written by this checkout's server, not the one the venv installed
+    finally:
+        _stop_all(env)
 
 
 def test_server_with_a_kept_data_dir_starts_again_with_its_buckets(tmp_path):

@@ -317,6 +317,18 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
 
 
 # ---------------------------------------------------------------------- destinations
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022  # no /proc (macOS): the usual default
+
+
 class _Destination:
     """A local directory, or an S3 prefix with a local spool directory for the shard files.
 
@@ -357,7 +369,7 @@ class _Destination:
             return
         if not self.overwrite:
             raise CheckpointExistsError(f"{self.where} already holds safetensors files ({', '.join(clash[:3])}"
-                                        f"{', ...' if len(clash) > 3 else ''}); pass overwrite=True (--force)")
+                                        f"{', ...' if len(clash) > 3 else ''}); pass overwrite=True to replace them")
         log.info("export: removing the earlier export at %s (%d file(s))", self.where, len(clash))
         if self.uri is not None:
             if INDEX_NAME in clash:
@@ -374,6 +386,9 @@ class _Destination:
 
     def finish_file(self, name: str, path: str) -> None:
         if self.uri is None:
+            # safetensors creates its file 0600; an export gets the mode of any file the user
+            # creates (0644 under umask 022), as its index does.
+            os.chmod(path, 0o666 & ~_umask())
             os.replace(path, os.path.join(self.dir, name))
             self._written.append(name)
             return
@@ -424,7 +439,7 @@ class _Destination:
             raise IncompleteCheckpointError(
                 f"export to {self.where} failed ({type(error).__name__}: {error}) and the {len(left)} file(s) it "
                 f"had written could not be removed ({why}): {', '.join(left)}. They are an incomplete model "
-                "(no index); delete them, or export again with --force") from error
+                "(no index); delete them, or export again replacing them (overwrite=True; s3dcp export --force)") from error
 
     def close(self) -> None:
         if self.uri is not None:

@@ -264,7 +264,8 @@ def test_rm(capsys, run_dir, bucket, boto3_client):
 def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     before = _keys(boto3_client, bucket)
     code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
-    assert code == 0 and "deleted 0 object(s)" in out and "skipped 1 recent unreferenced" in out
+    assert code == 0 and "deleted 0 object(s)" in out
+    assert "skipped 1 object(s) and 0 upload(s) of saves active in the last 1h" in out
     assert f"skipped: s3://{bucket}/run/step-30/ (1 object(s)): unreferenced data newer than --older-than 1h" in out
     report = json.loads(run(capsys, "gc", "--json", run_dir, "--older-than", "1h")[1])
     assert [(s["prefix"], s["objects"]) for s in report["skipped"]] == [(f"s3://{bucket}/run/step-30/", 1)]
@@ -273,6 +274,7 @@ def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
     assert f"skipped: s3://{bucket}/run/step-40/__0_0.bbbbbbbbbbbb.distcp (upload {upload_id}): its save was active " \
            "less than --older-than 1h ago" in out
+    assert "skipped 1 object(s) and 1 upload(s) of saves active" in out  # the summary counts the lines it lists
     time.sleep(1.1)  # S3 times have one-second resolution
     code, out, _ = run(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
     assert code == 0 and f"would delete: s3://{bucket}/run/step-30/__0_0.aaaaaaaaaaaa.distcp" in out

@@ -340,16 +340,17 @@ def references(client: S3Client, bucket: str, parent: str, *, ignore: frozenset[
     return refs
 
 
-def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]:
+def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> dict[str, set[str]]:
     """The directories of ``by_dir`` (listing prefix -> its objects, as
     :func:`s3dcp.lifecycle.manager.scan_directories` gives) that are deleted checkpoints kept only for
-    their references: no ``.metadata``, and every data object referenced by a committed
-    sibling. ``ls`` and :meth:`CheckpointManager.list` do not show them. Reads references only
-    when there is such a candidate."""
+    their references — no ``.metadata``, and every data object referenced by a committed
+    sibling — each with the sibling directories that reference them. :meth:`CheckpointManager.list`
+    does not show them; ``s3dcp ls`` shows them as kept. Reads references only when there is
+    such a candidate."""
     candidates = {d: objs for d, objs in by_dir.items()
                   if all(o.key.rpartition("/")[2] != METADATA_NAME for o in objs)
                   and any(is_data_object(o.key.rpartition("/")[2]) for o in objs)}
-    held: set[str] = set()
+    held: dict[str, set[str]] = {}
     cache: dict[str, References] = {}
     for directory, objs in candidates.items():
         parent = directory.rstrip("/").rpartition("/")[0]
@@ -359,7 +360,7 @@ def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]
         refs = cache[parent]
         data = [o for o in objs if is_data_object(o.key.rpartition("/")[2])]
         if all(refs.users(o.key) for o in data):
-            held.add(directory)
+            held[directory] = set().union(*(refs.users(o.key) for o in data))
     return held
 
 

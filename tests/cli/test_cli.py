@@ -166,6 +166,79 @@ def test_ls_of_a_bucket_groups_checkpoints_by_run(capsys, bucket, s3_config):
         (f"s3://{bucket}/a", "a/step-1"), (f"s3://{bucket}/a", "a/step-2"), (f"s3://{bucket}/b/x", "b/x/step-5")]
 
 
+def test_ls_shows_what_is_stored_for_a_removed_base_and_who_holds_it(capsys, bucket, s3_config):
+    """After ``rm`` of an incremental checkpoint's base, its kept objects are a row of their own
+    (they used to vanish from ls while still stored, and paid for)."""
+    import s3dcp
+
+    run_uri = f"s3://{bucket}/run"
+    state = {"frozen": torch.arange(300_000, dtype=torch.float32), "head": torch.zeros(4)}
+    s3dcp.save(state, f"{run_uri}/step-1", config=s3_config, item_checksum="crc64nvme")
+    state["head"] += 1
+    s3dcp.save(state, f"{run_uri}/step-2", config=s3_config, incremental_from=f"{run_uri}/step-1")
+    code, out, _ = run(capsys, "rm", "--yes", f"{run_uri}/step-1")
+    assert code == 0 and "that other checkpoints reference" in out
+    code, out, _ = run(capsys, "ls", run_uri)
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if not line.startswith("#")}
+    assert set(rows) == {"step-1", "step-2"}, out
+    assert "kept for step-2" in rows["step-1"] and "1.1 MiB" in rows["step-1"]
+    assert "# step-1: deleted; its 1 object(s) (1.1 MiB) stay while step-2 reference them" in out
+    by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_uri)[1])}
+    assert by_name["step-1"]["state"] == "kept_for_references" and by_name["step-1"]["committed"] is False
+    assert by_name["step-1"]["held_by"] == [f"{run_uri}/step-2"] and by_name["step-1"]["bytes"] >= 1_200_000
+    assert by_name["step-2"]["state"] == "committed" and by_name["step-2"]["held_by"] == []
+
+
+def test_ls_shows_unfinished_multipart_uploads(capsys, run_dir, bucket, boto3_client):
+    """A save killed mid-upload leaves multipart uploads and maybe no object: ls shows them."""
+    key = "run/step-40/__0_0.bbbbbbbbbbbb.distcp"
+    upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    boto3_client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"y" * 1024)
+    try:
+        code, out, _ = run(capsys, "ls", run_dir)
+        assert code == 0
+        row = next(line for line in out.splitlines() if line.startswith("step-40"))
+        assert row.split()[4] == "0" and "INCOMPLETE, 1 unfinished upload(s)" in row, out
+        assert f"# 1 unfinished multipart upload(s): their parts are stored (and billed) until aborted; " \
+               f"s3dcp gc {run_dir}/ aborts" in out
+        by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
+        assert by_name["step-40"]["state"] == "incomplete"
+        assert [(u["key"], u["upload_id"]) for u in by_name["step-40"]["uploads"]] == [(key, upload_id)]
+        assert by_name["step-10"]["uploads"] == []
+    finally:
+        boto3_client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+
+
+def _put_dcp_pickled_metadata(boto3_client, bucket: str, key: str) -> None:
+    """A ``.metadata`` as DCP's FileSystemWriter / fsspec writer make it: a pickle."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=pickle.dumps(Metadata(state_dict_metadata={})))
+
+
+def test_ls_and_gc_say_when_a_run_holds_foreign_metadata(capsys, run_dir, bucket, boto3_client):
+    _put_dcp_pickled_metadata(boto3_client, bucket, "run/dcp-7/.metadata")
+    boto3_client.put_object(Bucket=bucket, Key="run/dcp-7/__0_0.distcp", Body=b"z" * 10)
+    code, out, _ = run(capsys, "ls", run_dir)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("dcp-7"))
+    assert "not s3dcp's" in row
+    assert f"# dcp-7: its .metadata is not s3dcp's (DCP's own pickle, say): s3dcp cannot load it, and rm, gc and " \
+           f"retention delete nothing under {run_dir}/ that it might reference" in out
+    by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
+    assert by_name["dcp-7"]["state"] == "foreign" and by_name["step-10"]["state"] == "committed"
+    # gc: data stays safe, and the output (not only a log line) says why
+    before = _keys(boto3_client, bucket)
+    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "0s")
+    assert code == 0 and _keys(boto3_client, bucket) == before  # step-30's leftover too: what dcp-7 uses is unknown
+    assert f"skipped: s3://{bucket}/run/dcp-7/ (metadata): its .metadata is not s3dcp metadata" in out
+    assert f"nothing under s3://{bucket}/run/ is deleted" in out
+    assert out.rstrip().endswith("1 .metadata not s3dcp's or unreadable: nothing under its run deleted")
+
+
 # ------------------------------------------------------------------------------ inspect
 def test_inspect(capsys, bucket, s3_config):
     uri = f"s3://{bucket}/run/step-1000"

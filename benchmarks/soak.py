@@ -200,8 +200,8 @@ def sample() -> dict:
     their config, at most ``_MAX_IDLE`` of them) are released first, and their CRT threads and
     sockets awaited: how many linger at a sample depends on the cycle's pace, not on leaks. A
     client still held after its reader or writer is done is not idle, and is counted."""
-    from s3dcp.s3 import client as client_mod
-    from s3dcp.s3.client import close_native_clients, native_clients
+    from s3dcp.s3 import native as native_mod
+    from s3dcp.s3.native import close_native_clients, native_clients
     from s3dcp.saving.staging import shared_pool
 
     me = psutil.Process()
@@ -223,7 +223,7 @@ def sample() -> dict:
         "fds": me.num_fds(),
         "sockets": kinds.get("socket", 0),
         "other_fds": me.num_fds() - kinds.get("socket", 0),
-        "socket_bound": SOCKETS_PER_SLOT * sum(n.limit for n in list(client_mod._NATIVE.values())),
+        "socket_bound": SOCKETS_PER_SLOT * sum(n.limit for n in list(native_mod._NATIVE.values())),
         "native_clients": native_clients(),
         "idle_native_clients_released": released,
         "arenas": pool.allocations,
@@ -643,7 +643,8 @@ def main(argv=None) -> int:
         cycles = run_soak(target.config, base_uri, settings, progress=progress)
         wall_s = time.perf_counter() - started
         from s3dcp.s3.client import S3Client
-        from s3dcp.lifecycle.manager import delete_checkpoint, scan_directories
+        from s3dcp.lifecycle.directories import scan_directories
+        from s3dcp.lifecycle.manager import delete_checkpoint
         from s3dcp.uri import parse_s3_uri
 
         client = S3Client(target.config)  # leave the bucket as we found it

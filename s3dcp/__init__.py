@@ -24,8 +24,7 @@ from importlib import import_module
 from .config import S3Config
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _error_names
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {
     "save": ".api",
@@ -49,7 +48,7 @@ def close(wait_s: float = 0.0) -> None:
     when their last request ends) and idle staging memory. Safe to call any time; anything used
     afterwards is made again on demand. With ``wait_s``, wait up to that long for the CRT's
     threads and sockets to be gone (e.g. before forking workers)."""
-    from .s3.client import close_native_clients
+    from .s3.native import close_native_clients
     from .saving.staging import release_staging_memory
 
     close_native_clients(wait_s=wait_s)

@@ -30,6 +30,11 @@ MAX_PART_SIZE_BYTES = 5 * GiB  # S3's maximum part size
 CHECKSUMS = ("crc32c", "crc64nvme", None)
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 SSE_MODES = (None, "AES256", "aws:kms")
+# What the store accepts (docs/compatibility.md): "s3" flexible checksums in trailers and
+# If-None-Match on PUT; "gcs" neither, create-only by x-goog-if-generation-match: 0; "basic"
+# neither, create-only by a checked PUT.
+COMPAT_MODES = ("s3", "gcs", "basic")
+_GCS_HOSTS = ("storage.googleapis.com",)
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,10 @@ class S3Config:
     crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: max(256 MiB, 4 parts); 0: CRT's own (2+ GiB)
 
     # Integrity.
-    checksum: str | None = "crc32c"
+    checksum: str | None = "crc32c"  # item checksums in the metadata, and on the wire when compat="s3"
+
+    # What the store supports: None is S3DCP_COMPAT, else detected from the endpoint (COMPAT_MODES).
+    compat: str | None = None
 
     # Reliability.
     max_retries: int = 5
@@ -120,7 +128,8 @@ class S3Config:
         endpoint = normalize_endpoint(endpoint)
         style = self.addressing_style or s3_section.get("addressing_style") or "auto"
         return dataclasses.replace(
-            self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style
+            self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style,
+            compat=self.compat or _compat_from_env(env) or detect_compat(endpoint),
         )
 
     @property
@@ -167,6 +176,24 @@ def normalize_endpoint(endpoint: str) -> str:
     if parts.path not in ("", "/"):
         raise ConfigError(f"endpoint_url={endpoint!r} must not have a path; put the bucket in the s3:// URI")
     return endpoint
+
+
+def _compat_from_env(env) -> str | None:
+    """``S3DCP_COMPAT``, for tools that build their config themselves (the ``s3dcp`` command)."""
+    value = (env.get("S3DCP_COMPAT") or "").strip() or None
+    if value is not None and value not in COMPAT_MODES:
+        raise ConfigError(f"S3DCP_COMPAT={value!r} must be one of {COMPAT_MODES}")
+    return value
+
+
+def detect_compat(endpoint_url: str) -> str:
+    """The compatibility mode an endpoint needs, by its host name alone (nothing is sent):
+    "gcs" for Google Cloud Storage's XML API, else "s3". Other stores cannot be told apart by
+    name (a MinIO or Ceph endpoint is any host), so they need ``compat="basic"`` set."""
+    host = (urlsplit(endpoint_url).hostname or "").lower().rstrip(".")
+    if any(host == h or host.endswith("." + h) for h in _GCS_HOSTS):
+        return "gcs"
+    return "s3"
 
 
 def is_loopback_host(host: str) -> bool:
@@ -261,6 +288,8 @@ def _validate(c: S3Config) -> list[str]:
         f"key_prefix_spread={c.key_prefix_spread!r} must be an int in [1, 256]",
     )
     need(c.checksum in CHECKSUMS, f"checksum={c.checksum!r} must be one of {CHECKSUMS}")
+    need(c.compat is None or c.compat in COMPAT_MODES,
+         f"compat={c.compat!r} must be None (detected from the endpoint) or one of {COMPAT_MODES}")
     need(
         is_int(c.max_retries) and 0 <= c.max_retries <= 100,
         f"max_retries={c.max_retries!r} must be an int in [0, 100]",

@@ -2,7 +2,7 @@
 
 Every error that crosses the library boundary is an :class:`S3DCPError`. Errors that come
 from an S3 response carry the bucket, key, HTTP status, S3 error code and request id, and are
-classified once, in :func:`s3dcp.s3.client.translate_error`, by status and error code, never by
+classified once, in :func:`s3dcp.s3.responses.translate_error`, by status and error code, never by
 message text.
 
     S3DCPError

@@ -21,7 +21,10 @@ What a server leaves in the temporary directories, and who removes it:
 weed runs under a small shell (the *reaper*, its parent) that removes the sockets when weed
 exits, and the data dir too when the process that started the server died without stopping
 it (Linux delivers SIGHUP to the reaper then; weed gets SIGTERM, and SIGKILL 10 s later if it is
-still running); :meth:`SeaweedServer.stop` removes both itself.
+still running); :meth:`SeaweedServer.stop` removes both itself. The ports, the sockets, the
+reaper and stopping weed are :mod:`s3dcp._seaweed_process`'s: this module owns the server as
+its users see it (weed's flags, credentials, readiness, clients, ``python -m s3dcp.testing``)
+and must not start, signal or reap processes itself.
 """
 
 from __future__ import annotations
@@ -31,17 +34,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
-import stat
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack, suppress
 
+from ._seaweed_process import MAX_UNIX_SOCKET_PATH, WeedProcess, pick_ports, socket_paths
 from .config import S3Config
 from .errors import ConfigError
 
@@ -53,66 +52,11 @@ __all__ = [
     "main",
 ]
 
-# weed mini's servers that take ports: flags -<name>.port and -<name>.port.grpc.
-_SERVERS = ("master", "volume", "filer", "s3", "admin")
-# The embedded maintenance worker dials the admin server at admin.port + 10000 whatever
-# -admin.port.grpc says (weed 4.48), so the admin gRPC port is always pinned to that.
-_GRPC_OFFSET = 10000
 # weed exits with one of these in its log when a port it was given is taken.
 _PORT_CLASH_MARKERS = ("is not available", "address already in use", "reserved for gRPC")
 _START_ATTEMPTS = 3
-_STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 40
 _MAX_VOLUMES = 1000
-_MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
-
-# The reaper: `sh -c _REAPER reaper GRACE_S OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed,
-# prints weed's pid on its stdout (then closes it), and forwards SIGTERM (a stop) to weed. On
-# SIGHUP (the starter died: see _die_with_this_thread) it stops weed too, SIGKILLs it if it is
-# still running GRACE_S (whole) seconds later (nobody else will: weed's volume server waits ~30 s
-# for the connections of a killed client, and a SIGTERM that reaches weed before its exec is
-# lost), and deletes OWNED_DIR (empty: none). Once weed has
-# exited it removes the sockets and exits with weed's status. Signals may come before weed is
-# started: the traps are set first and checked after.
-_REAPER = r"""
-grace=$1; owned=$2; shift 2
-sockets=
-while [ "$#" -gt 0 ] && [ "$1" != -- ]; do sockets="$sockets $1"; shift; done
-shift
-weed=; stopping=; orphaned=; timer=
-stop() {
-    stopping=1
-    if [ -z "$weed" ]; then return; fi
-    kill -TERM "$weed" 2>/dev/null
-    if [ -n "$orphaned" ] && [ -z "$timer" ]; then
-        # Polls rather than waits to be killed: a signal that reaches a subshell before it has
-        # reset the traps it forked with is lost. Ends by itself within 1 s of weed's end.
-        (i=0
-         while kill -0 "$weed"; do
-             if [ "$i" -ge "$grace" ]; then kill -KILL "$weed"; break; fi
-             sleep 1
-             i=$((i + 1))
-         done) >/dev/null 2>&1 &
-        timer=$!
-    fi
-}
-trap stop TERM
-trap 'orphaned=1; stop' HUP
-"$@" >&2 &
-weed=$!
-echo "$weed"
-exec >&-
-if [ -n "$stopping" ]; then stop; fi
-while :; do
-    wait "$weed"
-    status=$?
-    kill -0 "$weed" 2>/dev/null || break  # wait returns early when a trap runs
-done
-if [ -n "$timer" ]; then kill "$timer" 2>/dev/null; fi  # usually ends it at once (see stop)
-rm -f $sockets
-if [ -n "$orphaned" ] && [ -n "$owned" ]; then rm -rf "$owned"; fi
-exit "$status"
-"""
 
 
 class WeedNotFoundError(ConfigError):
@@ -173,25 +117,25 @@ class SeaweedServer:
         self.ports: dict[str, int] = {}  # flag name (without '-') -> port
         self._s3_port = s3_port
         self._client = None  # for create_bucket
-        self._state = _State()  # what the finalizer cleans up; must not refer back to self
+        self._process = WeedProcess()  # what the finalizer cleans up; must not refer back to self
         self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "SeaweedServer":
         """Start ``weed mini``, wait until S3 answers, create :attr:`buckets`; return ``self``."""
-        if self._state.proc is not None:
+        if self._process.proc is not None:
             raise RuntimeError(f"{self!r} is already started")
         weed = self._weed_path or find_weed()
         self._open_data_dir()
         try:
             for attempt in range(1, _START_ATTEMPTS + 1):
-                self.ports = _pick_ports(self._s3_port)
+                self.ports = pick_ports(self._s3_port)
                 self._spawn(weed)
                 try:
                     self._wait_ready()
                     break
                 except SeaweedStartError:
-                    clash = self._state.proc.poll() is not None and any(
+                    clash = self._process.proc.poll() is not None and any(
                         m in self._log_tail() for m in _PORT_CLASH_MARKERS
                     )
                     self._stop_process()
@@ -225,10 +169,10 @@ class SeaweedServer:
     @property
     def pid(self) -> int | None:
         """The ``weed`` process id while it runs, else ``None``."""
-        proc = self._state.proc
+        proc = self._process.proc
         if proc is None or proc.poll() is not None:
             return None
-        return self._state.weed_pid
+        return self._process.weed_pid
 
     @property
     def endpoint_url(self) -> str:
@@ -304,13 +248,13 @@ class SeaweedServer:
     def _open_data_dir(self) -> None:
         if self._requested_data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="s3dcp-weed-")
-            self._state.owned_dir = self.data_dir
+            self._process.owned_dir = self.data_dir
         else:
             self.data_dir = os.path.abspath(self._requested_data_dir)
             os.makedirs(self.data_dir, exist_ok=True)
         # Runs once: on stop(), on garbage collection, or at interpreter exit (weakref.finalize
         # registers its own atexit hook), whichever comes first.
-        self._finalizer = weakref.finalize(self, self._state.cleanup)
+        self._finalizer = weakref.finalize(self, self._process.cleanup)
 
     def _command(self, weed: str) -> list[str]:
         d = self.data_dir
@@ -330,7 +274,7 @@ class SeaweedServer:
             # Volumes are sparse files, so allow many more.
             f"-volume.max={_MAX_VOLUMES}",
         ]
-        if len(os.path.join(d, "filer.sock")) <= _MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
+        if len(os.path.join(d, "filer.sock")) <= MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
             cmd += [f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
         return cmd
 
@@ -342,22 +286,8 @@ class SeaweedServer:
         # Whatever weed puts in the temporary directory it is told of goes with the data dir.
         env["TMPDIR"] = os.path.join(self.data_dir, "tmp")
         os.makedirs(env["TMPDIR"], exist_ok=True)
-        self._state.sockets = _socket_paths(self.ports, self.data_dir)
-        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", f"{_STOP_GRACE_S:g}",
-                  self._state.owned_dir or "", *self._state.sockets, "--"]
-        with open(self.log_path, "ab") as log:
-            self._state.proc = subprocess.Popen(
-                _die_with_this_thread() + reaper + self._command(weed),
-                cwd=self.data_dir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,  # the reaper prints weed's pid, then closes it
-                stderr=log,
-                start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
-            )
-        with self._state.proc.stdout as out:
-            line = out.readline().strip()
-        self._state.weed_pid = int(line) if line.isdigit() else None
+        self._process.sockets = socket_paths(self.ports, self.data_dir)
+        self._process.start(self._command(weed), cwd=self.data_dir, env=env, log_path=self.log_path)
 
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -366,9 +296,9 @@ class SeaweedServer:
         deadline = time.monotonic() + self.startup_timeout_s
         last_error: Exception | None = None
         while True:
-            if self._state.proc.poll() is not None:
+            if self._process.proc.poll() is not None:
                 raise SeaweedStartError(
-                    f"weed mini exited with status {self._state.proc.returncode} during startup; "
+                    f"weed mini exited with status {self._process.proc.returncode} during startup; "
                     f"log {self.log_path}:\n{self._log_tail()}"
                 )
             try:
@@ -385,7 +315,7 @@ class SeaweedServer:
             time.sleep(0.1)
 
     def _stop_process(self) -> None:
-        self._state.stop_process()
+        self._process.stop()
 
     def _log_tail(self) -> str:
         try:
@@ -394,102 +324,6 @@ class SeaweedServer:
         except OSError as e:
             return f"(no log: {e})"
 
-
-def _pick_ports(s3_port: int | None = None) -> dict[str, int]:
-    """Distinct free loopback ports for every server weed mini opens, keyed by flag name.
-
-    All sockets stay bound until every port is chosen, so no two picks collide.
-    """
-    ports: dict[str, int] = {}
-    with ExitStack() as stack:
-
-        def grab(port: int = 0) -> int | None:
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return None
-            return s.getsockname()[1]
-
-        for server in _SERVERS:
-            if server == "admin":  # needs port and port + 10000 (see _GRPC_OFFSET)
-                while True:
-                    port = grab()
-                    if port + _GRPC_OFFSET <= 65535 and grab(port + _GRPC_OFFSET):
-                        break
-                ports["admin.port"], ports["admin.port.grpc"] = port, port + _GRPC_OFFSET
-            elif server == "s3" and s3_port:
-                if grab(s3_port) is None:
-                    raise ConfigError(f"S3 port {s3_port} on 127.0.0.1 is in use")
-                ports["s3.port"] = s3_port
-                ports["s3.port.grpc"] = grab()
-            else:
-                ports[f"{server}.port"] = grab()
-                ports[f"{server}.port.grpc"] = grab()
-    return ports
-
-
-def _socket_paths(ports: dict[str, int], data_dir: str) -> list[str]:
-    """The unix sockets weed mini creates outside its data dir (paths hard-coded in weed 4.x)."""
-    paths = [f"/tmp/seaweedfs-{server}-grpc-{ports[server + '.port.grpc']}.sock"
-             for server in _SERVERS]
-    if len(os.path.join(data_dir, "filer.sock")) > _MAX_UNIX_SOCKET_PATH:  # see _command
-        paths += [f"/tmp/seaweedfs-filer-{ports['filer.port']}.sock",
-                  f"/tmp/seaweedfs-s3-{ports['s3.port']}.sock"]
-    return paths
-
-
-def _die_with_this_thread() -> list[str]:
-    """A command prefix that sends the reaper SIGHUP if the process that started the server dies
-    without stopping it (SIGKILL, a crash): `setpriv --pdeathsig` (util-linux); the reaper then
-    stops weed and removes what it left. The signal follows the *thread* that started it, so
-    only the main thread asks for it; elsewhere, or without setpriv, nothing (stop() and the
-    exit hook still apply)."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return []
-    return [setpriv, "--pdeathsig", "HUP", "--"]
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM to the reaper (which passes it on to weed), wait up to 10 s (weed takes a few
-    to close its listeners), then SIGKILL to both (they are a process group of their own)."""
-    if proc.poll() is None:
-        try:
-            proc.terminate()
-            proc.wait(timeout=_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-class _State:
-    """The process and temporary dir of one server: what its finalizer must clean up."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None  # the reaper (weed's parent)
-        self.weed_pid: int | None = None
-        self.owned_dir: str | None = None  # a data dir we created, so ours to delete
-        self.sockets: list[str] = []  # unix sockets weed leaves in /tmp
-
-    def stop_process(self) -> None:
-        if self.proc is not None:
-            _terminate(self.proc)
-            self.proc = None
-            self.weed_pid = None
-        # The reaper removed these, unless it was killed; then they are ours to remove.
-        for path in self.sockets:
-            with suppress(OSError):
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
-                    os.unlink(path)
-        self.sockets = []
-
-    def cleanup(self) -> None:
-        self.stop_process()
-        if self.owned_dir:
-            shutil.rmtree(self.owned_dir, ignore_errors=True)
-            self.owned_dir = None
 
 
 # ---------------------------------------------------------------------- command line
@@ -527,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.bucket:
             print(f"# bucket: s3://{name}")
         print("# Ctrl-C to stop.", flush=True)
-        status = server._state.proc.wait()
+        status = server._process.proc.wait()
         print(f"error: weed exited unexpectedly with status {status}; its log ends:\n"
               f"{server._log_tail()}", file=sys.stderr)
         return 1

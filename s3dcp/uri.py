@@ -79,7 +79,7 @@ def object_key(uri: S3Uri, object_name: str) -> str:
 
     A plain name (``"__0_0.tok.distcp"``) is an object of the checkpoint itself; a reference
     of an incremental checkpoint names an object of a sibling checkpoint as
-    ``"../<sibling>/<name>"`` (see :mod:`s3dcp.lifecycle.incremental`). Anything else (deeper paths,
+    ``"../<sibling>/<name>"`` (see :mod:`s3dcp.format.references`). Anything else (deeper paths,
     ``.`` or empty segments, a way out of the parent prefix) is refused, so metadata can never
     point a load at an arbitrary key of the bucket.
     """

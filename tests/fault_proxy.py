@@ -55,6 +55,21 @@ fires (after its ``times``/``probability`` checks) is applied:
 ``stall``
     Never answer.  Whatever the client sends is read and discarded until it
     closes the connection or the proxy stops.
+``add_headers``
+    Forward the request with ``headers`` added to its head.  SigV4 checks only
+    the headers a request signed, so an added header reaches the upstream as if
+    the client had sent it unsigned.
+
+Besides method, path and query, a rule can look at the request's headers:
+``header`` matches when some header, written ``name: value`` with the name in
+lower case, matches the regex (``re.search``); ``without_header`` when none does.
+
+:func:`store_rules` builds the rules that make the upstream behave like a store
+without S3's newer features (see docs/compatibility.md): ``"basic"`` rejects
+flexible checksums, ``If-None-Match`` on PUT and CreateMultipartUpload without
+``Content-Length`` (as GCS's XML API and older Ceph RGW / MinIO releases do);
+``"gcs"`` does the same and honours GCS's create-only precondition
+``x-goog-if-generation-match: 0`` by the upstream's own ``If-None-Match: *``.
 """
 
 from __future__ import annotations
@@ -74,9 +89,9 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any, Optional
 
-__all__ = ["Rule", "FaultEvent", "RequestRecord", "FaultProxy", "ACTIONS"]
+__all__ = ["Rule", "FaultEvent", "RequestRecord", "FaultProxy", "ACTIONS", "STORES", "store_rules"]
 
-ACTIONS = ("error", "reset_request", "reset_response", "delay", "stall")
+ACTIONS = ("error", "reset_request", "reset_response", "delay", "stall", "add_headers")
 
 _READ_SIZE = 1 << 20  # max bytes per read when streaming bodies
 _STREAM_LIMIT = 1 << 20  # StreamReader buffer limit (also max head/line length)
@@ -89,6 +104,9 @@ _ERROR_MESSAGES = {
     "ServiceUnavailable": "Service is unable to handle request.",
     "RequestTimeout": "Your socket connection to the server was not read from or "
     "written to within the timeout period.",
+    "InvalidArgument": "Invalid argument.",
+    "NotImplemented": "A header you provided implies functionality that is not implemented.",
+    "MissingContentLength": "You must provide the Content-Length HTTP header.",
 }
 
 
@@ -106,6 +124,9 @@ class Rule:
     code: str = "SlowDown"  # S3 error code put in the XML body for "error"
     after_bytes: int = 0  # for reset_*: body bytes forwarded before the reset
     delay_s: float = 0.0  # for "delay": sleep before forwarding
+    header: Optional[str] = None  # re.search on some "name: value" (name lower case)
+    without_header: Optional[str] = None  # ... and on none of them
+    headers: tuple = ()  # for "add_headers": ((name, value), ...) added to the request head
     fired: int = field(default=0, init=False, compare=False)  # times applied so far
 
     def __post_init__(self) -> None:
@@ -116,12 +137,20 @@ class Rule:
         if self.after_bytes < 0 or self.delay_s < 0:
             raise ValueError("after_bytes and delay_s must be >= 0")
         self._regex = re.compile(self.path_regex) if self.path_regex is not None else None
+        self._header = re.compile(self.header) if self.header is not None else None
+        self._without = re.compile(self.without_header) if self.without_header is not None else None
 
-    def matches(self, method: str, target: str) -> bool:
+    def matches(self, method: str, target: str, headers=()) -> bool:
         if self.method is not None and self.method.upper() != method.upper():
             return False
         if self._regex is not None and not self._regex.search(target):
             return False
+        if self._header is not None or self._without is not None:
+            lines = [f"{k.lower()}: {v}" for k, v in headers]
+            if self._header is not None and not any(self._header.search(x) for x in lines):
+                return False
+            if self._without is not None and any(self._without.search(x) for x in lines):
+                return False
         if self.query_has is not None:
             _, sep, query = target.partition("?")
             if not sep or self.query_has not in query:
@@ -459,7 +488,7 @@ class _Conn:
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             raise _ProtocolError(f"bad request line {head.start!r}")
         method, target, version = parts[0].upper(), parts[1], parts[2]
-        rule = self.proxy._match(method, target)
+        rule = self.proxy._match(method, target, head.headers)
         self.proxy._record(self.id, method, target, head, rule)
         body_kind = _request_body_kind(head)
         conn_tokens = head.tokens("connection")
@@ -477,6 +506,9 @@ class _Conn:
             return False
         if action == "delay":
             await asyncio.sleep(rule.delay_s)
+        if action == "add_headers":
+            added = "".join(f"{k}: {v}\r\n" for k, v in rule.headers).encode("latin-1")
+            head = _Head(head.raw[:-2] + added + b"\r\n")
 
         req_limit = rule.after_bytes if action == "reset_request" else None
         resp_limit = rule.after_bytes if action == "reset_response" else None
@@ -796,10 +828,10 @@ class FaultProxy:
 
     # -- internals (called on the proxy thread) ----------------------------------
 
-    def _match(self, method: str, target: str) -> Optional[Rule]:
+    def _match(self, method: str, target: str, headers=()) -> Optional[Rule]:
         with self._lock:
             for rule in self._rules:
-                if not rule.matches(method, target):
+                if not rule.matches(method, target, headers):
                     continue
                 if rule.times is not None and rule.fired >= rule.times:
                     continue
@@ -846,3 +878,35 @@ class FaultProxy:
         finally:
             self._tasks.discard(task)
             self._conns.discard(conn)
+
+
+# -- stores without S3's newer features -------------------------------------------
+
+STORES = ("basic", "gcs")
+
+# What such stores refuse (public reports: mountpoint-s3 #853, qdrant #9568, langfuse #13280):
+# flexible checksums, conditional PUT, and a CreateMultipartUpload POST without Content-Length.
+_CHECKSUM_HEADERS = r"^(x-amz-trailer|x-amz-checksum-[a-z0-9-]+|x-amz-sdk-checksum-algorithm):"
+
+
+def store_rules(store: str) -> list[Rule]:
+    """Rules (add them in order, before any others) that make the upstream answer like
+    ``store``: ``"basic"`` (older Ceph RGW / MinIO) or ``"gcs"`` (GCS's XML API with HMAC keys).
+
+    Both reject with 400 InvalidArgument a request carrying a flexible checksum (an aws-chunked
+    trailer, ``x-amz-checksum-*``, ``x-amz-sdk-checksum-algorithm``), with 501 NotImplemented a
+    PUT with ``If-None-Match``, and with 411 MissingContentLength a CreateMultipartUpload
+    without ``Content-Length``. ``"gcs"`` also makes ``x-goog-if-generation-match: 0`` create-
+    only, enforced atomically by the upstream's ``If-None-Match: *``."""
+    if store not in STORES:
+        raise ValueError(f"unknown store {store!r}; expected one of {STORES}")
+    rules = [
+        Rule("error", header=_CHECKSUM_HEADERS, status=400, code="InvalidArgument"),
+        Rule("error", method="PUT", header=r"^if-none-match:", status=501, code="NotImplemented"),
+        Rule("error", method="POST", query_has="uploads", without_header=r"^content-length:", status=411,
+             code="MissingContentLength"),
+    ]
+    if store == "gcs":
+        rules.append(Rule("add_headers", method="PUT", header=r"^x-goog-if-generation-match: 0$",
+                          headers=(("If-None-Match", "*"),)))
+    return rules

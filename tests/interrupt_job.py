@@ -40,10 +40,10 @@ def job_config() -> S3Config:
 
 
 def in_flight() -> int:
-    from s3dcp.s3 import client
+    from s3dcp.s3 import native
 
-    with client._NATIVE_LOCK:
-        natives = list(client._NATIVE.values())
+    with native._NATIVE_LOCK:
+        natives = list(native._NATIVE.values())
     return sum(n.in_flight + len(n._queue) for n in natives)
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from s3dcp.testing import _STOP_GRACE_S
+from s3dcp._seaweed_process import _STOP_GRACE_S
 
 from processes import no_process_mentions
 

@@ -132,6 +132,32 @@ def test_rule_matching_unit():
     assert Rule("delay").matches("HEAD", "/")
     with pytest.raises(ValueError):
         Rule("explode")
+
+
+def test_rule_matching_on_headers_unit():
+    trailer = Rule("error", header=r"^x-amz-trailer:")
+    assert trailer.matches("PUT", "/b/k", [("X-Amz-Trailer", "x-amz-checksum-crc32c")])  # names match in lower case
+    assert not trailer.matches("PUT", "/b/k", [("Content-Length", "3")])
+    assert not trailer.matches("PUT", "/b/k")  # no headers given: a header rule never matches
+    unsized = Rule("error", method="POST", query_has="uploads", without_header=r"^content-length:")
+    assert unsized.matches("POST", "/b/k?uploads=", [("Host", "h")])
+    assert not unsized.matches("POST", "/b/k?uploads=", [("Content-Length", "0")])
+    gen0 = Rule("add_headers", header=r"^x-goog-if-generation-match: 0$", headers=(("If-None-Match", "*"),))
+    assert gen0.matches("PUT", "/b/k", [("x-goog-if-generation-match", "0")])
+    assert not gen0.matches("PUT", "/b/k", [("x-goog-if-generation-match", "17")])
+
+
+def test_store_rules_unit():
+    from fault_proxy import STORES, store_rules
+
+    for store in STORES:
+        rules = store_rules(store)
+        first = {(r.method, r.status, r.code) for r in rules if r.action == "error"}
+        assert first == {(None, 400, "InvalidArgument"), ("PUT", 501, "NotImplemented"),
+                         ("POST", 411, "MissingContentLength")}
+    assert [r.action for r in store_rules("gcs")][-1] == "add_headers"
+    with pytest.raises(ValueError):
+        store_rules("azure")
     with pytest.raises(ValueError):
         Rule("error", probability=1.5)
 

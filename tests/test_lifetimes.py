@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import s3dcp
-from s3dcp.s3 import client as client_mod
+from s3dcp.s3 import native as native_mod
+from s3dcp.s3 import request as request_mod
 from s3dcp.s3.client import S3Client
 from s3dcp.config import MiB, S3Config
 from s3dcp.errors import AccessDeniedError, NoSuchBucketError
@@ -83,7 +84,7 @@ def test_aborted_requests_let_go_of_buffers_deadlines_and_their_call(s3_server, 
     the native client's slots come back. Over repeated cycles nothing accumulates."""
     from dataclasses import replace
 
-    from s3dcp.s3.client import abort_and_wait
+    from s3dcp.s3.request import abort_and_wait
     from s3dcp.errors import RequestAbortedError
 
     client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART), max_concurrency=1))
@@ -145,7 +146,7 @@ def test_a_request_that_ends_before_its_start_returns_keeps_nothing():
         return request
 
     before = _request_deadlines()
-    call = client_mod._Call("GetObject", "b", "k", start, lambda: "value", [], timeout_s=600.0)
+    call = request_mod._Call("GetObject", "b", "k", start, lambda: "value", [], timeout_s=600.0)
     native = Native()
     assert call.start(native)
     assert call.future.result(timeout=1) == "value"
@@ -173,7 +174,7 @@ def test_a_deadline_that_passes_before_make_request_returns_still_cancels():
         call._expire()  # the deadline thread wins the race: nothing is stored to cancel yet
         return request
 
-    call = client_mod._Call("GetObject", "b", "k", start, lambda: None, [], timeout_s=600.0)
+    call = request_mod._Call("GetObject", "b", "k", start, lambda: None, [], timeout_s=600.0)
     assert call.start(Native())
     assert request.cancelled, "the request outlived its deadline"
     call._on_done(error=RuntimeError("cancelled"))  # what the CRT reports for a cancelled request
@@ -234,7 +235,7 @@ def test_max_concurrency_is_per_process_not_per_client(s3_server, bucket):
 
 
 def test_native_client_released_when_unused(s3_server, bucket, monkeypatch):
-    monkeypatch.setattr(client_mod, "_IDLE_LINGER_S", 0.05)
+    monkeypatch.setattr(native_mod, "_IDLE_LINGER_S", 0.05)
     config = s3_server.s3_config(max_concurrency=3)  # a config no other test's clients share
     c = S3Client(config)
     c.put(bucket, "n", b"1").result()
@@ -249,7 +250,7 @@ def test_native_client_released_when_unused(s3_server, bucket, monkeypatch):
 
 
 def test_dropped_client_releases_its_native_client(s3_server, bucket, monkeypatch):
-    monkeypatch.setattr(client_mod, "_IDLE_LINGER_S", 0.05)
+    monkeypatch.setattr(native_mod, "_IDLE_LINGER_S", 0.05)
     c = S3Client(s3_server.s3_config(max_concurrency=5))
     c.put(bucket, "d", b"1").result()
     crt_done = c._native().crt.shutdown_event
@@ -263,7 +264,7 @@ def test_s3dcp_close_releases_every_native_client(s3_server, bucket):
     c.put(bucket, "e", b"1").result()
     crt_done = c._native().crt.shutdown_event
     s3dcp.close()
-    assert client_mod.native_clients() == 0
+    assert native_mod.native_clients() == 0
     assert crt_done.wait(10)
     assert c.get(bucket, "e").result() == b"1"  # still usable: it takes a fresh one
     c.close()
@@ -273,15 +274,15 @@ def test_idle_native_clients_are_capped(s3_server, bucket):
     """A config per load (as with rotated credentials) must not hold a CRT client, its threads
     and sockets, per load made in the last linger period: the oldest idle ones go at once."""
     events = []
-    for i in range(client_mod._MAX_IDLE + 3):
+    for i in range(native_mod._MAX_IDLE + 3):
         c = S3Client(s3_server.s3_config(request_timeout_s=900.0 + i))
         c.put(bucket, f"cap{i}", b"1").result()
         events.append(c._native().crt.shutdown_event)
         c.close()
-    idle = [n for n in client_mod._NATIVE.values() if n.users == 0 and n.key[1].request_timeout_s >= 900.0]
-    assert len(idle) == client_mod._MAX_IDLE
-    assert all(e.wait(10) for e in events[:-client_mod._MAX_IDLE]), "a surplus idle client was kept"
-    assert not any(e.is_set() for e in events[-client_mod._MAX_IDLE:]), "the newest idle ones must linger"
+    idle = [n for n in native_mod._NATIVE.values() if n.users == 0 and n.key[1].request_timeout_s >= 900.0]
+    assert len(idle) == native_mod._MAX_IDLE
+    assert all(e.wait(10) for e in events[:-native_mod._MAX_IDLE]), "a surplus idle client was kept"
+    assert not any(e.is_set() for e in events[-native_mod._MAX_IDLE:]), "the newest idle ones must linger"
 
 
 def _crt_threads_and_sockets() -> tuple[int, int]:
@@ -311,8 +312,8 @@ def test_close_waits_for_native_threads_and_sockets(s3_server, bucket):
     idle = S3Client(s3_server.s3_config(max_concurrency=8))
     idle.put(bucket, "w2", b"1").result()
     idle.close()
-    assert client_mod.close_native_clients(idle_only=True, wait_s=10) == 1
-    assert client_mod.native_clients() == 1  # the one an S3Client still holds
+    assert native_mod.close_native_clients(idle_only=True, wait_s=10) == 1
+    assert native_mod.native_clients() == 1  # the one an S3Client still holds
     s3dcp.close(wait_s=10)
     assert _crt_threads_and_sockets() == before
     in_use.close()
@@ -328,7 +329,7 @@ def test_a_client_dropped_under_the_registry_lock_does_not_deadlock(s3_server, b
     finished = threading.Event()
 
     def drop_under_the_lock():
-        with client_mod._NATIVE_LOCK:
+        with native_mod._NATIVE_LOCK:
             holder.clear()
             gc.collect()
         finished.set()
@@ -403,7 +404,7 @@ def _in_forked_child(parent_client: list, ran: list, report) -> None:
     done = threading.Event()
     weakref.finalize(_Dropped(), finalizer(done.set))  # a registration starts the child's own thread
     done.wait(10)
-    report.put((before_restart, list(ran), native.users == users and native.key in client_mod._NATIVE))
+    report.put((before_restart, list(ran), native.users == users and native.key in native_mod._NATIVE))
 
 
 def test_finalizers_in_a_forked_child_wait_for_its_own_thread_and_leave_the_parents_clients_alone(

@@ -20,7 +20,7 @@ from botocore.exceptions import ClientError
 
 from s3dcp.config import S3Config
 from s3dcp.errors import ConfigError
-from s3dcp import testing
+from s3dcp import _seaweed_process
 from s3dcp.testing import SeaweedServer, SeaweedStartError, find_weed
 
 from processes import no_process_mentions
@@ -243,7 +243,7 @@ def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path):
     owned = tmp_path / "owned"
     owned.mkdir()
     stubborn = f"trap '' TERM; echo $$ > '{pid_file}'; while :; do sleep 0.1; done"
-    reaper = subprocess.Popen(["/bin/sh", "-c", testing._REAPER, "reaper", "1", str(owned), "--",
+    reaper = subprocess.Popen(["/bin/sh", "-c", _seaweed_process._REAPER, "reaper", "1", str(owned), "--",
                                "/bin/sh", "-c", stubborn], stdout=subprocess.PIPE, text=True)
     try:
         weed_pid = int(reaper.stdout.readline())
@@ -267,7 +267,7 @@ def test_orphaned_reaper_leaves_no_timer_behind_when_the_server_stops_in_time(tm
     pid_file = tmp_path / "pid"
     owned = tmp_path / "owned"
     owned.mkdir()
-    reaper = subprocess.Popen(["/bin/sh", "-c", testing._REAPER, "reaper", "30", str(owned), "--",
+    reaper = subprocess.Popen(["/bin/sh", "-c", _seaweed_process._REAPER, "reaper", "30", str(owned), "--",
                                "/bin/sh", "-c", f"echo $$ > '{pid_file}'; exec sleep 60"],
                               stdout=subprocess.PIPE, text=True)
     try:

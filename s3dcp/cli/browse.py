@@ -23,8 +23,8 @@ def cmd_ls(args) -> int:
     INCOMPLETE (a save that failed or still runs, unfinished multipart uploads included), kept
     only because other checkpoints reference its objects, or committed by another writer (a
     ``.metadata`` that is not s3dcp's). Everything stored there is counted: it is paid for."""
-    from ..lifecycle.incremental import held_for_references
-    from ..lifecycle.manager import scan_directories
+    from ..lifecycle.deletion import held_for_references
+    from ..lifecycle.directories import scan_directories
 
     base = parse_s3_uri(args.uri)
     now = time.time()
@@ -144,7 +144,7 @@ def _foreign_metadata(client, bucket: str, by_dir: dict[str, list]) -> set[str]:
 def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..lifecycle.incremental import sources
+    from ..format.references import sources
     from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of
     from ..loading.reader import S3StorageReader
 

@@ -50,7 +50,7 @@ def cmd_rm(args) -> int:
 
 # ---------------------------------------------------------------------- materialize
 def cmd_materialize(args) -> int:
-    from ..lifecycle.incremental import materialize
+    from ..lifecycle.materialize import materialize
 
     uri = parse_s3_uri(args.uri)
     result = materialize(str(uri), client=s3_client(args))

@@ -9,7 +9,7 @@ import argparse
 import re
 from typing import Callable
 
-from .. import __version__
+from .._version import __version__
 from ..interop.export_defaults import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES
 from ..localserver import DEFAULT_BUCKET
 from .browse import cmd_inspect, cmd_ls

@@ -24,7 +24,7 @@ __all__ = [
 #   <prefix>/.metadata                      the commit marker: written last, by the coordinator
 #   <prefix>/[NN-]__<rank>_<i>.<save id>.distcp   data objects (see object_name)
 #   <prefix>/.pending-references            an incremental save's references, from just before its
-#                                           commit check until just after its commit (s3dcp.lifecycle.incremental)
+#                                           commit check until just after its commit (s3dcp.saving.referenced)
 METADATA_NAME = ".metadata"
 PENDING_NAME = ".pending-references"
 DATA_SUFFIX = ".distcp"

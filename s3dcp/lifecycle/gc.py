@@ -17,10 +17,10 @@ the key of each of its unfinished multipart uploads. In each checkpoint director
 - objects that committed metadata references, and the metadata, are never touched — also
   objects of a deleted checkpoint that an incremental sibling still references: references are
   collected from every committed checkpoint under each directory's parent prefix
-  (:func:`s3dcp.lifecycle.incremental.references`); nothing is deleted under a parent prefix where some
+  (:func:`s3dcp.saving.referenced.references`); nothing is deleted under a parent prefix where some
   metadata cannot be read;
 - an unfinished upload whose key is not a data object name is judged alone, by its own age;
-- a pending-references marker (:mod:`s3dcp.lifecycle.incremental`) older than ``older_than_s`` belongs to
+- a pending-references marker (:mod:`s3dcp.saving.referenced`) older than ``older_than_s`` belongs to
   an incremental save that died between writing it and committing: gc ignores it when
   collecting references and deletes it. A younger one counts as references.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..s3.client import S3Client, UploadInfo
 from ..config import S3Config
-from .incremental import References, references
+from ..saving.referenced import References, references
 from ..format.layout import PENDING_NAME, parse_object_name
 from ..uri import parse_s3_uri
 

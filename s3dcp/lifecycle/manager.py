@@ -16,7 +16,7 @@ and only after a newer save has committed; directories without ``.metadata`` (a 
 running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age.
 
 With ``incremental=True`` each save uses the newest committed checkpoint as its base
-(:mod:`s3dcp.lifecycle.incremental`): unchanged items become references to it. Retention then deletes a
+(:mod:`s3dcp.saving.base`): unchanged items become references to it. Retention then deletes a
 checkpoint's metadata and only those of its objects that no kept checkpoint references; the
 rest go when the last checkpoint referencing them goes. Choosing the base:
 
@@ -36,20 +36,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
-import string
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..s3.client import ObjectInfo, S3Client
+from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
-from .incremental import DeleteResult, check_base, held_for_references
-from .incremental import delete_checkpoint as _delete_checkpoint
+from .deletion import DeleteResult, held_for_references
+from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
+from ..format.references import check_base
 from ..uri import S3Uri, parse_s3_uri
+from .directories import name_pattern, scan_directories
+from .retention import Doomed, steps_to_delete
 
 if TYPE_CHECKING:
     from ..saving.writer import S3StorageWriter
@@ -57,10 +58,9 @@ if TYPE_CHECKING:
 # torch (and the writer and reader, which need it) is imported where it is used, so listing and
 # deleting checkpoints (``s3dcp ls``, ``s3dcp rm``) do not pay for importing it.
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "scan_directories", "METADATA_NAME"]
+__all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "METADATA_NAME"]
 
 log = logging.getLogger("s3dcp")
-
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class CheckpointManager:
         if keep_every is not None and (not _is_int(keep_every) or keep_every < 1):
             raise ConfigError(f"keep_every={keep_every!r} must be an int >= 1 or None")
         self.base = parse_s3_uri(base_uri)
-        self._pattern = _name_pattern(name_format)
+        self._pattern = name_pattern(name_format)
         self.name_format = name_format
         self.incremental = incremental
         if incremental:  # references need the checkpoints to be siblings
@@ -145,7 +145,7 @@ class CheckpointManager:
         self._lock = threading.Lock()  # _pending, _bases_in_use, _doomed
         self._retention_lock = threading.Lock()
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
-        self._doomed = _Doomed()  # steps retention chose to delete: never a base again
+        self._doomed = Doomed()  # steps retention chose to delete: never a base again
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -318,17 +318,11 @@ class CheckpointManager:
             with self._lock:
                 self._doomed.spare(just_saved)  # saved again after an earlier deletion: a base again
             committed = [info for info in self.list() if info.committed]
-            keep = {just_saved}
-            if self.keep_last is None:
-                keep.update(info.step for info in committed)
-            else:
-                keep.update(info.step for info in committed[-self.keep_last:])
-            if self.keep_every is not None:
-                keep.update(info.step for info in committed if info.step % self.keep_every == 0)
-            newest = max((info.step for info in committed), default=None)
             with self._lock:  # a base of a save in flight stays (it is released when that save ends)
-                keep.update(self._bases_in_use.values())
-                doomed = [info for info in committed if info.step not in keep and info.step != newest]
+                steps = set(steps_to_delete([info.step for info in committed], just_saved=just_saved,
+                                            keep_last=self.keep_last, keep_every=self.keep_every,
+                                            in_use=self._bases_in_use.values()))
+                doomed = [info for info in committed if info.step in steps]
                 self._doomed.add(info.step for info in doomed)
             for info in doomed:
                 result = delete_checkpoint(self.client, parse_s3_uri(info.uri))
@@ -426,94 +420,12 @@ class CheckpointManager:
         return dist.get_rank(self.process_group) == 0
 
 
-# ---------------------------------------------------------------------- shared with the CLI
-def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo]]:
-    """Every object under ``base`` (all levels), grouped by the directory holding it
-    (``"run/step-1/"``; the keys end with '/')."""
-    objects, _ = client.list(base.bucket, base.dir_prefix).result()
-    by_dir: dict[str, list[ObjectInfo]] = {}
-    for obj in objects:
-        directory = obj.key.rpartition("/")[0]
-        by_dir.setdefault(f"{directory}/" if directory else "", []).append(obj)
-    return by_dir
-
-
 def delete_checkpoint(client: S3Client, uri: S3Uri, *,
                       on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
     """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
     committed checkpoints under the same parent reference; see
-    :func:`s3dcp.lifecycle.incremental.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
+    :func:`s3dcp.lifecycle.deletion.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
     return _delete_checkpoint(client, uri, on_deleted=on_deleted)
-
-
-# ---------------------------------------------------------------------- helpers
-class _Doomed:
-    """The steps retention chose to delete, each remembered only while a base choice may still
-    see it committed. ``.metadata`` goes first, so a LIST that began after a deletion finished
-    cannot list that step as committed; one that began before it may. A step is forgotten once
-    its deletion finished and every LIST in flight began after that: a long job's manager holds
-    only the deletions of the moment, not one entry per checkpoint it ever deleted. The
-    manager's lock guards every call."""
-
-    def __init__(self) -> None:
-        self._steps: dict[int, int | None] = {}  # step -> deletions finished once its own had (None: running)
-        self._finished = 0  # deletions finished so far
-        self._listings: list[int] = []  # for each LIST in flight: deletions finished when it began
-
-    def __contains__(self, step: int) -> bool:
-        return step in self._steps
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def add(self, steps: Iterable[int]) -> None:
-        self._steps.update(dict.fromkeys(steps))
-
-    def spare(self, step: int) -> None:
-        """``step`` was saved again (and committed) after its deletion: a base again."""
-        self._steps.pop(step, None)
-
-    def deleted(self, step: int) -> None:
-        self._finished += 1
-        if step in self._steps:
-            self._steps[step] = self._finished
-        self._forget()
-
-    def listing_started(self) -> int:
-        self._listings.append(self._finished)
-        return self._finished
-
-    def listing_ended(self, started: int) -> None:
-        self._listings.remove(started)
-        self._forget()
-
-    def _forget(self) -> None:
-        oldest = min(self._listings, default=self._finished)
-        for step, finished in list(self._steps.items()):
-            if finished is not None and finished <= oldest:
-                del self._steps[step]
-
-
-def _name_pattern(name_format: str) -> re.Pattern:
-    parts, fields = [], 0
-    try:
-        parsed = list(string.Formatter().parse(name_format))
-        name_format.format(step=0)
-    except (ValueError, KeyError, IndexError) as e:
-        raise ConfigError(f"name_format={name_format!r} is not a valid format string: {e}") from None
-    for literal, field, _spec, _conversion in parsed:
-        parts.append(re.escape(literal))
-        if field is not None:
-            if field != "step":
-                raise ConfigError(f"name_format={name_format!r} may only use the field {{step}}, not {{{field}}}")
-            fields += 1
-            parts.append(r"(\d+)")
-    if fields != 1:
-        raise ConfigError(f"name_format={name_format!r} must contain {{step}} exactly once")
-    sample = name_format.format(step=0)
-    if sample.startswith("/") or sample.endswith("/") or "//" in sample:
-        raise ConfigError(f"name_format={name_format!r} must be a relative path without empty segments")
-    return re.compile("".join(parts) + r"\Z")
 
 
 def _multi_rank(process_group: Any) -> bool:

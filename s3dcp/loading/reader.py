@@ -32,7 +32,8 @@ from torch.futures import Future as TorchFuture
 
 from . import bounce
 from ..format import integrity, layout
-from ..s3.client import S3Client, abort_all, abort_and_wait
+from ..s3.client import S3Client
+from ..s3.request import abort_all, abort_and_wait
 from ..config import S3Config
 from ..errors import (
     CheckpointNotFoundError,

@@ -1,8 +1,16 @@
-"""The one module that talks to S3: a small surface over awscrt's S3Client.
+"""S3 operations as futures: a small surface over awscrt's S3Client.
 
     caller buffers ──put()──► CRT meta request (multipart above the threshold, checksummed parts)
     caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
     head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
+
+Owns :class:`S3Client`: every operation's surface, what each single request sends (addressing,
+headers, checksums) and how its answer becomes a value (:class:`PutResult`; :class:`ObjectInfo`
+and :class:`UploadInfo` are defined with the listings and exported here). Flows of several
+requests live beside it and send through :meth:`S3Client._default`: paginated listings
+(:mod:`s3dcp.s3.listing`) and server-side copy (:mod:`s3dcp.s3.copies`). It must not manage a
+request once submitted (deadlines, aborts, slots: :mod:`s3dcp.s3.request`) nor own native CRT
+clients or credentials (:mod:`s3dcp.s3.native`, :mod:`s3dcp.s3.crt`).
 
 Every call returns a :class:`concurrent.futures.Future`. Errors are translated once, by
 :func:`s3dcp.s3.responses.translate_error`, from HTTP status and S3 error code (never message
@@ -16,49 +24,33 @@ from __future__ import annotations
 
 import base64
 import bisect
-import collections
 import hashlib
 import io
 import itertools
 import logging
-import os
 import threading
-import time
 import weakref
 import xml.etree.ElementTree as ET
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
 from ..config import S3Config
-from ..errors import IntegrityError, NoSuchKeyError, RequestAbortedError, S3ConnectionError, S3DCPError, S3Error
-from .responses import children, parse_http_date, parse_iso, text, translate_error, xml_result
-from .streams import BufferStream, chain, deadlines, finalizer, gather
+from ..errors import IntegrityError, NoSuchKeyError, S3Error
+from . import compat, listing
+from .copies import copy_object
+from .listing import ObjectInfo, UploadInfo
+from .native import _acquire_native, _NativeClient, _NativeUse
+from .request import _Call
+from .responses import children, parse_http_date, text, xml_result
+from .streams import BufferStream, chain, finalizer, gather
 
-__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult", "RequestFuture", "translate_error", "abort_all",
-           "abort_and_wait"]
+__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult"]
 
 log = logging.getLogger("s3dcp")
 
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    etag: str | None = None
-    last_modified: float | None = None  # seconds since the epoch
-
-
-@dataclass(frozen=True)
-class UploadInfo:
-    """An unfinished multipart upload."""
-
-    key: str
-    upload_id: str
-    initiated: float | None = None  # seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -117,18 +109,25 @@ class S3Client:
         into a staging area) as ``key``. Multipart above the threshold, with the configured
         checksum on every part. ``single_request=True`` forces one PUT whatever the size (up
         to S3's 5 GiB), which makes the write atomic: used for the commit marker.
-        ``if_none_match=True`` (implies ``single_request``) fails with
-        :class:`PreconditionFailedError` if the key already exists."""
+        ``if_none_match=True`` (implies ``single_request``) makes the write create-only: it
+        fails with :class:`PreconditionFailedError` if the key already exists, by the store's
+        own precondition (``If-None-Match: *``; GCS: ``x-goog-if-generation-match: 0``) or, with
+        ``compat="basic"``, by :func:`s3dcp.s3.compat.checked_put`."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
 
         buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        create_only = compat.create_only_headers(self.config.compat) if if_none_match else ()
+        if create_only is None:
+            body = b"".join(memoryview(b).cast("B") for b in buffers)
+            return compat.checked_put(
+                lambda: self.head(bucket, key),
+                lambda: self.put(bucket, key, body, single_request=True, content_type=content_type),
+                lambda: self.get(bucket, key), body, operation="PutObject", bucket=bucket, key=key)
         stream = BufferStream(buffers)
         single_request = single_request or if_none_match
         headers = [("Host", self._host_for(bucket)), ("Content-Length", str(stream.size)),
-                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
-        if if_none_match:
-            headers.append(("If-None-Match", "*"))
+                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers(), *create_only]
         etag: list[str | None] = [None]
 
         def on_headers(status_code, headers, **_):
@@ -253,7 +252,7 @@ class S3Client:
              page_size: int = 1000) -> "Future[tuple[list[ObjectInfo], list[str]]]":
         """All objects under ``prefix`` (every page), and the common prefixes when a
         ``delimiter`` is given."""
-        return self._paginate(bucket, prefix, delimiter, page_size)
+        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._owner_headers())
 
     def delete(self, bucket: str, keys: Iterable[str]) -> "Future[None]":
         """Delete ``keys`` in batches of 1,000 (DeleteObjects). Missing keys are not errors."""
@@ -264,58 +263,12 @@ class S3Client:
 
     def list_uploads(self, bucket: str, prefix: str = "") -> "Future[list[UploadInfo]]":
         """Unfinished multipart uploads under ``prefix`` (every page)."""
-        uploads: list[UploadInfo] = []
-        outer: Future = Future()
-
-        def page(key_marker: str, upload_marker: str) -> None:
-            query = {"uploads": "", "prefix": prefix}
-            if key_marker:
-                query["key-marker"] = key_marker
-            if upload_marker:
-                query["upload-id-marker"] = upload_marker
-            f = self._default("ListMultipartUploads", "GET", bucket, "", query=query,
-                              result=xml_result, extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: chain(f, outer, handle))
-
-        def handle(root) -> None:
-            for u in children(root, "Upload"):
-                uploads.append(UploadInfo(key=text(u, "Key"), upload_id=text(u, "UploadId"),
-                                          initiated=parse_iso(text(u, "Initiated"))))
-            if text(root, "IsTruncated") == "true":
-                page(text(root, "NextKeyMarker"), text(root, "NextUploadIdMarker"))
-            else:
-                outer.set_result(uploads)
-
-        page("", "")
-        return outer
+        return listing.list_uploads(self._default, bucket, prefix, self._owner_headers())
 
     def upload_activity(self, bucket: str, key: str, upload_id: str) -> "Future[float | None]":
         """When an unfinished multipart upload last received a part (seconds since the epoch;
         None when it has no parts yet), from ListParts, every page."""
-        newest: list[float | None] = [None]
-        outer: Future = Future()
-
-        def page(marker: str) -> None:
-            query = {"uploadId": upload_id}
-            if marker:
-                query["part-number-marker"] = marker
-            f = self._default("ListParts", "GET", bucket, key, query=query, result=xml_result,
-                              extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: chain(f, outer, handle))
-
-        def handle(root) -> None:
-            for part in children(root, "Part"):
-                stamp = parse_iso(text(part, "LastModified"))
-                if stamp is not None and (newest[0] is None or stamp > newest[0]):
-                    newest[0] = stamp
-            marker = text(root, "NextPartNumberMarker")
-            if text(root, "IsTruncated") == "true" and marker:
-                page(marker)
-            else:
-                outer.set_result(newest[0])
-
-        page("")
-        return outer
+        return listing.upload_activity(self._default, bucket, key, upload_id, self._owner_headers())
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":
         """Abort a multipart upload; an upload that is already gone is not an error."""
@@ -340,56 +293,10 @@ class S3Client:
         to ``multipart_threshold_bytes`` (S3's limit is 5 GiB), above it a multipart upload of
         ``UploadPartCopy`` ranges of ``part_size_bytes`` (more when 10,000 parts would not
         do), aborted if any part fails. Resolves to ``size``."""
-        source = quote(f"{bucket}/{source_key}", safe="/-_.~")
-        copy_headers = [("x-amz-copy-source", source), *self._sse_headers(), *self._owner_headers()]
-        outer: Future = Future()
-
-        def check(status, headers, body):  # CopyObject and UploadPartCopy may fail with a 200
-            root = xml_result(status, headers, body)
-            if root.tag.rsplit("}", 1)[-1] == "Error":
-                raise S3Error(f"copy of s3://{bucket}/{source_key} failed: {text(root, 'Message')}",
-                              operation="CopyObject", bucket=bucket, key=key, code=text(root, "Code"))
-            return root
-
-        if size <= multipart_threshold_bytes:
-            f = self._default("CopyObject", "PUT", bucket, key, result=check, body=b"",
-                              extra_headers=copy_headers)
-            f.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
-            return outer
-
-        part = max(self.config.part_size_bytes, -(-size // 10_000))
-        ranges = [(lo, min(size, lo + part)) for lo in range(0, size, part)]
-
-        def created(root) -> None:
-            upload_id = text(root, "UploadId")
-            parts = [self._default("UploadPartCopy", "PUT", bucket, key, result=check, body=b"",
-                                   query={"partNumber": str(n + 1), "uploadId": upload_id},
-                                   extra_headers=[*copy_headers[:1],
-                                                  ("x-amz-copy-source-range", f"bytes={lo}-{hi - 1}"),
-                                                  *self._owner_headers()])
-                     for n, (lo, hi) in enumerate(ranges)]
-            gather(parts, lambda roots: roots).add_done_callback(lambda g: copied(g, upload_id))
-
-        def copied(g: Future, upload_id: str) -> None:
-            if g.exception() is not None:
-                self.abort_upload(bucket, key, upload_id).add_done_callback(
-                    lambda _: outer.set_exception(g.exception()))
-                return
-            root = ET.Element("CompleteMultipartUpload")
-            for n, part_root in enumerate(g.result()):
-                p = ET.SubElement(root, "Part")
-                ET.SubElement(p, "PartNumber").text = str(n + 1)
-                ET.SubElement(p, "ETag").text = text(part_root, "ETag")
-            body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
-            done = self._default("CompleteMultipartUpload", "POST", bucket, key, query={"uploadId": upload_id},
-                                 result=check, body=body,
-                                 extra_headers=[("Content-Type", "application/xml"), *self._owner_headers()])
-            done.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
-
-        start = self._default("CreateMultipartUpload", "POST", bucket, key, query={"uploads": ""},
-                              result=xml_result, extra_headers=[*self._sse_headers(), *self._owner_headers()])
-        start.add_done_callback(lambda f: chain(f, outer, created))
-        return outer
+        return copy_object(self._default, self.abort_upload, bucket, source_key, key, size,
+                           part_size_bytes=self.config.part_size_bytes,
+                           multipart_threshold_bytes=multipart_threshold_bytes,
+                           sse_headers=self._sse_headers(), owner_headers=self._owner_headers())
 
     def close(self) -> None:
         """Stop using the shared native client. It shuts down once no S3Client uses it and its
@@ -459,36 +366,6 @@ class S3Client:
             result=value,
         )
 
-    def _paginate(self, bucket, prefix, delimiter, page_size) -> Future:
-        objects: list[ObjectInfo] = []
-        prefixes: list[str] = []
-        outer: Future = Future()
-
-        def page(token: str | None) -> None:
-            query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size)}
-            if delimiter:
-                query["delimiter"] = delimiter
-            if token:
-                query["continuation-token"] = token
-            f = self._default("ListObjectsV2", "GET", bucket, "", query=query, result=xml_result,
-                              extra_headers=self._owner_headers())
-            f.add_done_callback(lambda f: chain(f, outer, handle))
-
-        def handle(root) -> None:
-            for c in children(root, "Contents"):
-                objects.append(ObjectInfo(key=text(c, "Key"), size=int(text(c, "Size") or 0),
-                                          etag=text(c, "ETag"), last_modified=parse_iso(text(c, "LastModified"))))
-            for p in children(root, "CommonPrefixes"):
-                prefixes.append(text(p, "Prefix"))
-            token = text(root, "NextContinuationToken")
-            if text(root, "IsTruncated") == "true" and token:
-                page(token)
-            else:
-                outer.set_result((objects, prefixes))
-
-        page(None)
-        return outer
-
     def _delete_batch(self, bucket: str, keys: list[str]) -> Future:
         root = ET.Element("Delete")
         ET.SubElement(root, "Quiet").text = "true"
@@ -526,6 +403,8 @@ class S3Client:
     def _put_checksum(self):
         from awscrt.s3 import S3ChecksumAlgorithm, S3ChecksumConfig, S3ChecksumLocation
 
+        if not compat.wire_checksums(self.config.compat):
+            return None  # the item checksums in the metadata still verify every load
         algorithm = {"crc32c": S3ChecksumAlgorithm.CRC32C, "crc64nvme": S3ChecksumAlgorithm.CRC64NVME}.get(
             self.config.checksum or "")
         if algorithm is None:
@@ -544,378 +423,4 @@ class S3Client:
     def _owner_headers(self) -> list[tuple[str, str]]:
         owner = self.config.expected_bucket_owner
         return [("x-amz-expected-bucket-owner", owner)] if owner else []
-
-
-# ---------------------------------------------------------------------- requests in flight
-class RequestFuture(Future):
-    """The future of one S3 request, which can be stopped with :meth:`abort`."""
-
-    def __init__(self, call: "_Call") -> None:
-        super().__init__()
-        self._call: _Call | None = call  # dropped when the request ends
-
-    def abort(self, *, only_if_clean: bool = False) -> None:
-        """Stop the request: one still queued never starts; one in flight is cancelled in the
-        CRT (which also aborts a multipart upload). The future then fails with
-        :class:`RequestAbortedError`, or keeps the outcome the request had already reached; it
-        is done only once the CRT holds none of the request's buffers. Never blocks.
-
-        A single PUT cancelled after its body went out may still be stored by the server, even
-        after a DELETE that followed it. ``only_if_clean`` leaves such a request to finish:
-        only a queued request, a read or a multipart upload (whose parts the abort discards)
-        is stopped."""
-        call = self._call
-        if call is not None:
-            call.abort(only_if_clean=only_if_clean)
-
-
-def abort_all(futures: Iterable[Future], *, only_if_clean: bool = False) -> None:
-    """Abort every request of ``futures`` not over yet (others are left alone); never blocks."""
-    for f in futures:
-        if isinstance(f, RequestFuture) and not f.done():
-            f.abort(only_if_clean=only_if_clean)
-
-
-def abort_and_wait(futures: Iterable[Future], *, only_if_clean: bool = False) -> None:
-    """Abort the requests of ``futures`` not over yet (see :meth:`RequestFuture.abort`) and wait
-    until every one has ended (the CRT then holds none of their buffers). Used when a save or
-    load fails or is interrupted, before its buffers are let go."""
-    futures = list(futures)
-    abort_all(futures, only_if_clean=only_if_clean)
-    wait(futures)
-
-
-class _Call:
-    """One request from submission to its end: what starts it, the future it completes, and
-    the references (request, deadline, caller buffers) dropped the moment it ends."""
-
-    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s", "_clean_abort",
-                 "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native", "_waits_in")
-
-    def __init__(self, operation, bucket, key, start, result, releases, timeout_s, clean_abort=False) -> None:
-        self.operation, self.bucket, self.key = operation, bucket, key
-        self._start, self._result, self._releases = start, result, list(releases)
-        self._timeout_s = timeout_s
-        self._clean_abort = clean_abort  # see RequestFuture.abort
-        self.future = RequestFuture(self)
-        self._request = None
-        self._deadline = None
-        self._timed_out = False
-        self._aborted = False
-        self._finished = False
-        self._native: _NativeClient | None = None
-        self._waits_in: _NativeClient | None = None  # the native client whose queue it may wait in
-
-    def start(self, native: "_NativeClient") -> bool:
-        """Make the CRT request; False if that failed or the call was aborted while it waited
-        (the call is then over, its future failed)."""
-        self._native = native
-        if self._aborted:
-            self._end(error=self._abort_error(), free_slot=False)
-            return False
-        # The request may end on a CRT thread before _start returns: the deadline exists before
-        # it (so _end always finds it to cancel), and the request is kept only if not over yet.
-        if self._timeout_s is not None:
-            self._deadline = deadlines().add(self._timeout_s, self._expire)
-        try:
-            request = self._start(native.crt, self._on_done)
-        except BaseException as e:  # noqa: BLE001 - reaches the future
-            self._end(error=e, free_slot=False)
-            return False
-        self._request = request
-        if self._finished:  # _end sets _finished before it clears _request: one of us clears it
-            self._request = None
-        elif self._timed_out or self._aborted:  # the deadline passed, or abort(), before make_request returned
-            request.cancel()
-        return True
-
-    def abort(self, *, only_if_clean: bool = False) -> None:
-        """Stop the request (see :meth:`RequestFuture.abort`)."""
-        if self._finished:
-            return
-        sent_is_fine = self._clean_abort or not only_if_clean
-        if sent_is_fine:
-            self._aborted = True  # start(), if it is about to run, cancels what it makes
-        queue = self._waits_in
-        if queue is not None and queue.unqueue(self):  # never started: over now
-            self._aborted = True
-            self._end(error=self._abort_error(), free_slot=False)
-            return
-        if not sent_is_fine:
-            return
-        request = self._request  # None: start() is making it, and cancels it once stored
-        if request is not None:
-            request.cancel()
-
-    def _abort_error(self) -> RequestAbortedError:
-        return RequestAbortedError(f"{self.operation} aborted", operation=self.operation,
-                                   bucket=self.bucket, key=self.key)
-
-    def _expire(self) -> None:
-        if self._finished:
-            return
-        self._timed_out = True  # start() cancels a request it has not stored yet
-        request = self._request
-        if request is not None:
-            request.cancel()
-
-    def _on_done(self, error=None, **_) -> None:
-        # Runs once on a CRT thread; must not block.
-        self._end(error=error, free_slot=True)
-
-    def _end(self, *, error, free_slot: bool) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        try:
-            if error is None:
-                value, failure = self._result(), None
-            elif self._timed_out:
-                value, failure = None, S3ConnectionError(
-                    f"{self.operation} timed out after request_timeout_s={self._timeout_s}",
-                    operation=self.operation, bucket=self.bucket, key=self.key)
-                failure.__cause__ = error
-            elif isinstance(error, S3DCPError):
-                value, failure = None, error
-            elif self._aborted:
-                value, failure = None, self._abort_error()
-                failure.__cause__ = error
-            else:  # keeps the CRT error as __cause__
-                value, failure = None, translate_error(error, operation=self.operation,
-                                                       bucket=self.bucket, key=self.key)
-        except BaseException as e:  # noqa: BLE001 - e.g. a short read found by result()
-            value, failure = None, e
-        # Let go of everything this request held before anyone hears of its outcome.
-        if self._deadline is not None:
-            self._deadline.cancel()
-        for release in self._releases:
-            release()
-        self._start = self._result = self._request = self._deadline = self._waits_in = None
-        self._releases = []
-        self.future._call = None
-        native, self._native = self._native, None
-        if free_slot and native is not None:
-            native.finished()
-        if failure is None:
-            self.future.set_result(value)
-        else:
-            self.future.set_exception(failure)
-
-
-class _NativeClient:
-    """One awscrt S3Client shared by every S3Client of one configuration, credentials and
-    process, with its admission queue: at most ``limit`` requests in flight, the rest wait
-    their turn in order. Nothing here blocks, so it may be entered from CRT callbacks."""
-
-    def __init__(self, key, crt, limit: int) -> None:
-        self.key = key
-        self.crt = crt
-        self.limit = limit
-        self.users = 0  # S3Clients holding it
-        self.in_flight = 0
-        self.closed = False  # dropped from the registry; the CRT client goes with its last request
-        self.idle_since = 0.0  # when its last S3Client let go (orders idle clients, oldest first)
-        self._queue: collections.deque[_Call] = collections.deque()
-        self._lock = threading.Lock()
-
-    def submit(self, call: _Call) -> None:
-        with self._lock:
-            if self.in_flight >= self.limit:
-                call._waits_in = self
-                self._queue.append(call)
-                return
-            self.in_flight += 1
-        self._launch(call)
-
-    def unqueue(self, call: _Call) -> bool:
-        """Take ``call`` out of the queue; False if it is not there (started, or about to)."""
-        with self._lock:
-            try:
-                self._queue.remove(call)
-            except ValueError:
-                return False
-            return True
-
-    def finished(self) -> None:
-        """A request ended: its slot goes to the next queued request, if any."""
-        self._launch(self._next())
-
-    def _next(self) -> _Call | None:
-        with self._lock:
-            if self._queue:
-                return self._queue.popleft()
-            self.in_flight -= 1
-            if self.closed and self.in_flight == 0:
-                self.crt = None
-            return None
-
-    def _launch(self, call: _Call | None) -> None:
-        while call is not None and not call.start(self):
-            call = self._next()  # it failed to start: the slot is still ours
-
-    @property
-    def idle(self) -> bool:
-        with self._lock:
-            return self.users == 0 and self.in_flight == 0 and not self._queue
-
-
-_NATIVE: dict = {}  # key -> _NativeClient
-_NATIVE_LOCK = threading.Lock()
-_IDLE_LINGER_S = 10.0  # an unused native client waits this long for the next checkpoint's writer
-_MAX_IDLE = 2  # idle native clients kept at most (each holds CRT threads and sockets)
-
-
-class _NativeUse:
-    """An S3Client's hold on a native client (separate from the S3Client so that a finalizer
-    can release it without keeping the S3Client alive)."""
-
-    __slots__ = ("native", "__weakref__")
-
-    def __init__(self) -> None:
-        self.native: _NativeClient | None = None
-
-    def release(self) -> None:
-        native, self.native = self.native, None
-        if native is not None and native.key[0] == os.getpid():  # a forked child leaves the parent's alone
-            _release_native(native)
-
-
-def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _NativeClient:
-    """The shared native client for ``config`` and the credentials in force now, made on first
-    use. Keyed by process (a forked child builds its own) and by a digest of static credentials,
-    so a secret changed in the environment is used by the next S3Client, as with boto3."""
-
-    source = _credential_source(config, profile_given, os.environ)
-    key = (os.getpid(), config, source[0], hashlib.sha256(repr(source).encode()).hexdigest())
-    with _NATIVE_LOCK:
-        native = _NATIVE.get(key)
-        if native is None:
-            native = _NATIVE[key] = _NativeClient(key, _make_crt_client(config, tls, source),
-                                                  config.max_concurrency)
-        native.users += 1
-        return native
-
-
-def _release_native(native: _NativeClient) -> None:
-    """An S3Client let go of ``native``. Unused, it lingers for the next checkpoint's client of the
-    same configuration, but at most ``_MAX_IDLE`` idle ones are kept: a job that makes a config
-    per load (rotating credentials) holds a bounded number of CRT threads and sockets at any
-    pace, not as many as it made in the last ``_IDLE_LINGER_S``."""
-    with _NATIVE_LOCK:
-        native.users -= 1
-        if native.users or _NATIVE.get(native.key) is not native:
-            return
-        native.idle_since = time.monotonic()
-        unused = sorted((n for n in _NATIVE.values() if n.users == 0), key=lambda n: n.idle_since)
-        surplus = unused[:-_MAX_IDLE]
-        for n in surplus:
-            del _NATIVE[n.key]
-    for n in surplus:
-        _retire(n)
-    if native not in surplus:
-        deadlines().add(_IDLE_LINGER_S, lambda: _drop_if_idle(native))
-
-
-def _drop_if_idle(native: _NativeClient) -> None:
-    with _NATIVE_LOCK:
-        if not (native.idle and _NATIVE.get(native.key) is native):
-            return
-        del _NATIVE[native.key]
-    _retire(native)
-
-
-def _retire(native: _NativeClient):
-    """Close ``native``, already out of the registry: its CRT client goes now if nothing is in
-    flight, else with its last request. Returns the CRT client's shutdown event (None if gone)."""
-    with native._lock:
-        native.closed = True
-        crt = native.crt
-        if native.in_flight == 0:
-            native.crt = None
-    return None if crt is None else crt.shutdown_event
-
-
-def close_native_clients(*, idle_only: bool = False, wait_s: float = 0.0) -> int:
-    """Release native clients of this process (``s3dcp.close()``): every one, or with
-    ``idle_only`` those no S3Client holds. Idle ones go now, busy ones when their last request
-    ends; S3Clients still in use take a fresh one on their next request. With ``wait_s``, wait up
-    to that long for their CRT threads and sockets to be gone. Returns how many were released."""
-    with _NATIVE_LOCK:
-        natives = [n for n in _NATIVE.values() if not idle_only or n.users == 0]
-        for native in natives:
-            del _NATIVE[native.key]
-    events = [e for e in map(_retire, natives) if e is not None]
-    deadline = time.monotonic() + wait_s
-    for event in events:
-        if wait_s > 0:
-            event.wait(max(0.0, deadline - time.monotonic()))
-    return len(natives)
-
-
-def native_clients() -> int:
-    """How many native CRT clients this process holds (for tests and the soak benchmark)."""
-    with _NATIVE_LOCK:
-        return len(_NATIVE)
-
-
-def _credential_source(config: S3Config, profile_given: bool, environ) -> tuple:
-    """Where this client's credentials come from, in boto3's order: keys in the config, a
-    profile named in code, keys in the environment (read now, not when the process started),
-    the profile from the environment, then the CRT's default chain (web identity, ECS, IMDS)."""
-    if config.access_key_id is not None:
-        return ("static", config.access_key_id, config.secret_access_key, config.session_token)
-    if profile_given and config.profile:
-        return ("profile", config.profile)
-    key_id, secret = environ.get("AWS_ACCESS_KEY_ID"), environ.get("AWS_SECRET_ACCESS_KEY")
-    if key_id and secret:
-        return ("static", key_id, secret, environ.get("AWS_SESSION_TOKEN") or None)
-    if config.profile:
-        return ("profile", config.profile)
-    return ("default",)
-
-
-def _make_crt_client(config: S3Config, tls: bool, source: tuple):
-    from awscrt.auth import AwsCredentialsProvider
-    from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
-    from awscrt.s3 import S3Client as CrtS3Client
-    from awscrt.s3 import S3RequestTlsMode, S3RetryConfig, create_default_s3_signing_config
-
-    bootstrap = ClientBootstrap.get_or_create_static_default()
-    if source[0] == "static":
-        credentials = AwsCredentialsProvider.new_static(*source[1:])
-    elif source[0] == "profile":
-        credentials = AwsCredentialsProvider.new_profile(bootstrap, profile_name=source[1])
-    else:
-        credentials = AwsCredentialsProvider.new_default_chain(bootstrap)
-    signing = create_default_s3_signing_config(region=config.region, credential_provider=credentials)
-    tls_options = None
-    if tls:
-        ctx_options = TlsContextOptions()
-        ctx_options.verify_peer = config.verify_tls
-        if config.ca_bundle:
-            ctx_options.override_default_trust_store_from_path(ca_filepath=config.ca_bundle)
-        tls_options = TlsConnectionOptions(ClientTlsContext(ctx_options))
-        tls_options.set_server_name(urlsplit(config.endpoint_url).hostname)
-    retry = S3RetryConfig(
-        max_retries=config.max_retries,
-        backoff_scale_factor_ms=config.retry_backoff_base_ms,
-        max_backoff_secs=config.retry_max_backoff_s,
-    )
-    if config.max_retries == 0:
-        from awscrt.s3 import S3RetryMode
-        retry = S3RetryConfig(retry_mode=S3RetryMode.NONE)
-    return CrtS3Client(
-        bootstrap=bootstrap,
-        region=config.region,
-        tls_mode=S3RequestTlsMode.ENABLED if tls else S3RequestTlsMode.DISABLED,
-        signing_config=signing,
-        tls_connection_options=tls_options,
-        part_size=config.part_size_bytes,
-        multipart_upload_threshold=config.effective_multipart_threshold_bytes,
-        throughput_target_gbps=float(config.throughput_target_gbps),
-        memory_limit=config.effective_crt_memory_limit_bytes,
-        retry_config=retry,
-        connect_timeout_ms=int(config.connect_timeout_s * 1000),
-    )
-
 

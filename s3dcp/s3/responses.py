@@ -39,6 +39,13 @@ _CRT_STATUS_ERRORS = {
         S3ConnectionError, "the server kept timing out waiting for the request (RequestTimeout); "
         "retries were exhausted"),
 }
+# Answers of stores that lack flexible checksums or conditional writes (docs/compatibility.md)
+_UPLOAD_OPERATIONS = frozenset({"PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload"})
+_UNSUPPORTED_STATUSES = frozenset({400, 411, 501})
+_UNSUPPORTED_CODES = frozenset({None, "InvalidArgument", "InvalidRequest", "NotImplemented", "MissingContentLength"})
+_COMPAT_ADVICE = (" — this store may not accept S3's flexible checksums (aws-chunked trailers), If-None-Match on "
+                  "PUT, or multipart requests without Content-Length: set S3Config(compat=\"gcs\") for Google "
+                  "Cloud Storage or compat=\"basic\" for other stores (see docs/compatibility.md)")
 _AUTH_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
      "TokenRefreshRequired", "AllAccessDisabled"}
@@ -104,6 +111,8 @@ def _classify(status: int | None, code: str | None, operation: str, key: str | N
         return PreconditionFailedError, ""
     if status in (429, 503) or code in _THROTTLE_CODES:
         return ThrottlingError, " — the server is throttling requests; retries were exhausted"
+    if status in _UNSUPPORTED_STATUSES and code in _UNSUPPORTED_CODES and operation in _UPLOAD_OPERATIONS:
+        return S3Error, _COMPAT_ADVICE
     if status is not None and status >= 500:
         return S3ServerError, " — the server kept failing; retries were exhausted"
     return S3Error, ""

@@ -7,29 +7,31 @@
 
 With ``incremental_from=`` (a committed sibling checkpoint), an item whose staged bytes are
 unchanged since that base is not uploaded: its location is a reference to where the base holds
-it (``../step-1000/__0_0.TOKEN.distcp``); see :mod:`s3dcp.lifecycle.incremental`.
+it (``../step-1000/__0_0.TOKEN.distcp``); see :mod:`s3dcp.format.references`.
+
+This module owns the writer's side of DCP's call order and the commit (``finish``: the checks,
+the metadata PUT, the pending-references marker, the replaced checkpoint's objects). It must not
+pack or upload data objects itself (a rank's uploads are :mod:`s3dcp.saving.uploads`'s), nor
+copy tensors for async_save (:mod:`s3dcp.saving.staging`'s).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
-from ..format import integrity, layout
-from ..lifecycle.incremental import REFERENCE_CHECKSUM, BaseIndex, check_base, encode_pending, is_reference, references
-from ..s3.client import S3Client, abort_and_wait
+from ..format import layout
+from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, is_reference
+from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import (
     CheckpointExistsError,
@@ -40,25 +42,19 @@ from ..errors import (
     PreconditionFailedError,
     S3DCPError,
 )
-from ..format.layout import METADATA_NAME, PENDING_NAME, ItemLocation
-from ..format.metadata import decode_metadata, dtype_to_str, encode_metadata
+from ..format.layout import METADATA_NAME, PENDING_NAME
+from ..format.metadata import decode_metadata, encode_metadata
+from .base import BaseIndex
+from .referenced import references
 from .staging import StagingMixin
+from .uploads import SavePlanData, Uploads, resolve, save_identity
 from ..s3.location import S3CheckpointPath
 from ..uri import object_key, parent_prefix, parse_s3_uri
-from ..format.tensors import byte_view, to_host_contiguous
+from ..format.tensors import to_host_contiguous
 
 __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
 
 log = logging.getLogger("s3dcp")
-
-
-@dataclass(frozen=True)
-class SavePlanData:
-    """What the coordinator tells each rank in its plan (``SavePlan.storage_data``): the rank's
-    number in object names and the save's identity, chosen once per save for all ranks."""
-
-    rank: int
-    save_id: str
 
 
 @dataclass(frozen=True)
@@ -200,13 +196,16 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         lease = self._staging_begin()
         start = time.perf_counter()
-        rank, self._save_id = _identity(plan.storage_data, self._rank)
-        uploads = _Uploads(self, rank, self._save_id, self._base)
+        rank, self._save_id = save_identity(plan.storage_data, self._rank)
+        uploads: Uploads | None = None
         try:
+            # in the try: the client may be made here, and a failure must still end the lease
+            uploads = Uploads(self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
+                              item_checksum=self.item_checksum, base=self._base)
             ready, deferred = [], []
             for item in plan.items:
-                data = _resolve(planner, item)
-                if not _is_tensor(data):
+                data = resolve(planner, item)
+                if not isinstance(data, torch.Tensor):
                     ready.append((item, data))
                 elif lease is not None and lease.pending and not lease.arena.owns(data):
                     deferred.append((item, data))  # beyond the staging budget: copied in rounds
@@ -222,7 +221,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                                         inherited_bytes=uploads.inherited_bytes,
                                         inherited_items=uploads.inherited_items)
         except BaseException as e:
-            uploads.discard(e)
+            if uploads is not None:
+                uploads.discard(e)
             raise
         finally:
             self._staging_end(lease)
@@ -235,7 +235,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit (coordinator only, after every rank's writes succeeded). With references: put
         the pending-references marker, then check the base is still the committed checkpoint
-        set-up read (the protocol of :mod:`s3dcp.lifecycle.incremental` that keeps a concurrent delete of
+        set-up read (the protocol of :mod:`s3dcp.saving.referenced` that keeps a concurrent delete of
         the base from leaving a dangling reference). Then check that every object the metadata
         names is there with its exact size, write the metadata with ``If-None-Match: *``, and
         delete the marker; with ``overwrite=True``, then delete the replaced checkpoint's own
@@ -420,142 +420,6 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                         "`s3dcp gc` will", uri, len(names), exc_info=True)
 
 
-class _Uploads:
-    """The objects one rank's write_data is uploading: futures, keys and write results."""
-
-    def __init__(self, writer: S3StorageWriter, rank: int, save_id: str, base: BaseIndex | None = None) -> None:
-        self.writer = writer
-        self.rank = rank
-        self.save_id = save_id
-        self.base = base
-        self.inherited_bytes = 0
-        self.inherited_items = 0
-        self.futures: list[Future] = []
-        self.keys: list[str] = []
-        self.results: list[WriteResult] = []
-        self.bytes = 0
-        self._keep_alive: list[Any] = []  # resolved data must outlive its upload
-
-    def add(self, pairs: list) -> None:
-        """Checksum each ``(write item, data)`` pair; with a base, record the unchanged ones as
-        references to it; pack the rest, in order, into objects of about the configured target
-        size (an item larger than the target gets one of its own) and start uploading each
-        object as soon as it is complete."""
-        target = self.writer.config.object_size_target_bytes
-        group: list = []
-        group_bytes = 0
-        for item, data in pairs:
-            view = data if isinstance(data, memoryview) else byte_view(data)
-            sums = integrity.compute(self.writer.item_checksum, view)
-            tensor = isinstance(data, torch.Tensor)
-            dtype = dtype_to_str(data.dtype) if tensor else None
-            shape = tuple(data.shape) if tensor else None
-            if self.base is not None:
-                ref = self.base.reference(item.index, view.nbytes, dtype, shape, sums.whole)
-                if ref is not None:
-                    self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ref))
-                    self.inherited_bytes += view.nbytes
-                    self.inherited_items += 1
-                    continue
-            if group and group_bytes + view.nbytes > target:
-                self._put(group)
-                group, group_bytes = [], 0
-            group.append((item, data, view, sums, dtype, shape))
-            group_bytes += view.nbytes
-        if group:
-            self._put(group)
-
-    def _put(self, group: list) -> None:
-        """Upload checksummed items back to back as the rank's next object."""
-        writer = self.writer
-        name = layout.object_name(self.rank, len(self.keys), self.save_id, writer.config.key_prefix_spread)
-        views: list[memoryview] = []
-        offset = 0
-        for item, _data, view, sums, dtype, shape in group:
-            self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ItemLocation(
-                object_name=name, offset=offset, length=view.nbytes, checksum=sums.whole,
-                dtype=dtype, shape=shape,
-                block_size=integrity.BLOCK_SIZE_BYTES if sums.blocks else 0,
-                block_checksums=sums.blocks,
-            )))
-            views.append(view)
-            offset += view.nbytes
-        key = writer._uri.key(name)
-        self.keys.append(key)
-        self._keep_alive.append(group)
-        self.futures.append(writer.client.put(writer._uri.bucket, key, views))
-        self.bytes += offset
-
-    def drain(self) -> None:
-        """Wait for every upload so far; raise the first failure as soon as it happens (then
-        :meth:`discard` stops the others)."""
-        done, _ = wait(self.futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in self.futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()
-
-    def wait(self) -> list[WriteResult]:
-        self.drain()
-        return self.results
-
-    def discard(self, error: BaseException) -> None:
-        """After ``error``: stop the uploads in flight and wait for them to stop reading the
-        staged memory, then delete every object this rank started (the CRT aborts the multipart
-        uploads it stopped or that failed). After a failed upload, only what stops without
-        leaving anything stored is stopped (queued uploads, multipart ones); a single PUT
-        already sending finishes, and is deleted with the rest. After an interrupt (Ctrl-C) all
-        stop at once, and a single PUT cut off after its body went out may still be stored
-        after the delete (``s3dcp gc`` removes it). Every key is deleted, not only those whose
-        upload succeeded: one that timed out may have been stored all the same, and deleting a
-        key that is not there is no error."""
-        abort_and_wait(self.futures, only_if_clean=isinstance(error, Exception))
-        if not self.keys:
-            return
-        try:
-            self.writer.client.delete(self.writer._uri.bucket, self.keys).result()
-        except S3DCPError:
-            log.warning("could not delete the %d object(s) of a failed save under %s; `s3dcp gc` will",
-                        len(self.keys), self.writer._uri, exc_info=True)
-
-
 def _own_names(locations) -> set[str]:
     """The names of this checkpoint's own objects (not references into a base)."""
     return {loc.object_name for loc in locations if not is_reference(loc.object_name)}
-
-
-def _is_tensor(data: Any) -> bool:
-    return isinstance(data, torch.Tensor)
-
-
-_USED_SAVE_IDS: dict[str, int] = {}  # save ids this process has written, and how often
-_USED_LOCK = threading.Lock()
-
-
-def _identity(plan_data: Any, rank: int) -> tuple[int, str]:
-    """(rank, save id) of the save whose plan this rank got.
-
-    Normally the coordinator's fresh id from this save's plan. Two cases get a new one here:
-    no plan data (the writer driven by hand, not by DCP), and an id this process has already
-    written — a plan reused from DCP's plan cache (``enable_plan_caching``), which carries the
-    id of the save that made it. Then the id is derived from that one and how often this
-    process has reused it, which ranks that saved in step agree on. Either way no save writes
-    an object name an earlier save used.
-    """
-    if not isinstance(plan_data, SavePlanData):
-        return rank, layout.new_save_id()
-    with _USED_LOCK:
-        uses = _USED_SAVE_IDS.get(plan_data.save_id, 0)
-        _USED_SAVE_IDS[plan_data.save_id] = uses + 1
-    if uses == 0:
-        return plan_data.rank, plan_data.save_id
-    return plan_data.rank, hashlib.sha256(f"{plan_data.save_id}:{uses}".encode()).hexdigest()[:12]
-
-
-def _resolve(planner: SavePlanner, item: WriteItem) -> Any:
-    """The item's data: a contiguous tensor (host, unless it awaits a staging round), or a
-    byte view of the planner's serialized bytes."""
-    data = planner.resolve_data(item)
-    if item.type == WriteItemType.BYTE_IO:
-        raw = data.getbuffer() if hasattr(data, "getbuffer") else bytes(data)
-        return memoryview(raw).cast("B")
-    return data.detach()

@@ -38,7 +38,10 @@ from torch.distributed.checkpoint.metadata import (
 
 import s3dcp.format.metadata as s3md
 import s3dcp.format.metadata.columns as s3cols
+import s3dcp.format.metadata.common as s3common
 import s3dcp.format.metadata.storage as s3storage
+import s3dcp.format.metadata.tree as s3tree
+import s3dcp.format.metadata.v1 as s3v1
 import s3dcp.format.metadata.v2 as s3v2
 from s3dcp.errors import MetadataFormatError
 from s3dcp.format.layout import ItemLocation
@@ -592,7 +595,7 @@ def test_torch_pickled_metadata_refused():
     refuse(pickle.dumps(md), "not s3dcp metadata")
 
 
-@pytest.mark.parametrize("module", [s3md, s3v2, s3cols, s3storage])
+@pytest.mark.parametrize("module", [s3md, s3common, s3tree, s3v1, s3v2, s3cols, s3storage])
 def test_decoder_cannot_run_code(module):
     """Static guard: the modules import no deserializer that can run code and call no eval."""
     tree = ast.parse(inspect.getsource(module))
@@ -864,30 +867,27 @@ def test_v2_size_at_scale():
             assert lazy.storage_data[key] == md.storage_data[key]
 
 
-def test_decode_pauses_the_garbage_collector_and_restores_it():
+def test_decode_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     data = encode_metadata(v2_sample())
     seen = []  # the collector's state while planner_data is decoded, inside the decode
-    original = s3md._decode_tree
+    original = s3tree.decode_tree
 
     def probe(node, where):
         seen.append(gc.isenabled())
         return original(node, where)
 
     assert gc.isenabled()
-    s3md._decode_tree = probe
+    monkeypatch.setattr(s3v2, "decode_tree", probe)  # the name the version-2 decoder calls
+    decode_metadata(data)
+    with pytest.raises(MetadataFormatError):
+        decode_metadata(data[:-1])
+    assert gc.isenabled()  # back on after success and after a refusal
+    gc.disable()
     try:
         decode_metadata(data)
-        with pytest.raises(MetadataFormatError):
-            decode_metadata(data[:-1])
-        assert gc.isenabled()  # back on after success and after a refusal
-        gc.disable()
-        try:
-            decode_metadata(data)
-            assert not gc.isenabled()  # off before, off after
-        finally:
-            gc.enable()
+        assert not gc.isenabled()  # off before, off after
     finally:
-        s3md._decode_tree = original
+        gc.enable()
     assert seen and not any(seen)
 
 
@@ -905,3 +905,36 @@ def test_object_extents_do_not_wrap_in_narrow_columns():
     )
     lazy = s3md.decode_metadata(s3md.encode_metadata(md)).storage_data
     assert lazy.object_extents() == {"__0_0.t.distcp": 4 * kib16}
+
+
+
+def test_metadata_modules_import_without_a_cycle():
+    """The package __init__ dispatches to v1 and v2; no module under it imports the package back,
+    at top level or late inside a function, and the modules' imports of each other form no cycle."""
+    package = pathlib.Path(s3md.__file__).parent
+    edges = {}
+    for path in package.glob("*.py"):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            if node.level == 1:
+                targets |= {node.module} if node.module else {a.name for a in node.names}
+            elif node.module == "metadata" or (node.module is None and any(a.name == "metadata" for a in node.names)):
+                targets.add("__init__")
+        edges[path.stem] = targets
+    assert {"v1", "v2"} <= edges["__init__"]
+    assert [m for m, t in edges.items() if "__init__" in t] == []
+    done, visiting = set(), []
+
+    def visit(m):
+        assert m not in visiting, f"import cycle: {visiting[visiting.index(m):] + [m]}"
+        if m not in done:
+            visiting.append(m)
+            for t in edges.get(m, ()):
+                visit(t)
+            visiting.pop()
+            done.add(m)
+
+    for m in edges:
+        visit(m)

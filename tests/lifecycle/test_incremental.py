@@ -25,8 +25,9 @@ from s3dcp.errors import (
     root_error,
 )
 from s3dcp import gc
-from s3dcp.lifecycle import incremental
-from s3dcp.lifecycle.incremental import materialize
+from s3dcp.format.references import encode_pending
+from s3dcp.lifecycle import deletion
+from s3dcp.lifecycle.materialize import materialize
 from s3dcp.format.layout import PENDING_NAME
 from s3dcp.lifecycle.manager import delete_checkpoint
 from s3dcp.uri import object_key, parse_s3_uri
@@ -506,7 +507,7 @@ def test_rm_of_the_base_during_a_commit_never_leaves_a_dangling_reference(order,
         finally:
             at["save_done"].set()
 
-    real_references = incremental.references
+    real_references = deletion.references
 
     def references_then_wait(*args, **kwargs):  # the rm has read the references, has not deleted yet
         refs = real_references(*args, **kwargs)
@@ -522,7 +523,7 @@ def test_rm_of_the_base_during_a_commit_never_leaves_a_dangling_reference(order,
     saver.start()
     if order == "rm_reads_references_first":  # the rm deletes the base's metadata and reads before any marker
         _wait(at["finish"], "the save's commit")
-        monkeypatch.setattr(incremental, "references", references_then_wait)
+        monkeypatch.setattr(deletion, "references", references_then_wait)
         remover = threading.Thread(target=rm)
         remover.start()
         remover.join(120)
@@ -575,7 +576,7 @@ def test_gc_deletes_stale_pending_markers_and_then_what_only_they_kept(chain, cl
                    - set(_locations(f"{run}/step-3", client).values()))
     assert names and all(n.count("/") == 2 for n in names)
     boto3_client.put_object(Bucket=bucket, Key=f"run/step-4/{PENDING_NAME}",
-                            Body=incremental.encode_pending("0123456789ab", f"{run}/step-2", names))
+                            Body=encode_pending("0123456789ab", f"{run}/step-2", names))
     delete_checkpoint(client, parse_s3_uri(f"{run}/step-2"))
     kept = [k for k in _keys(boto3_client, bucket, "run/step-2/")]
     assert kept, "a fresh marker counts as references"

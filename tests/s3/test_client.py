@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from fault_proxy import FaultProxy, Rule
-from s3dcp.s3.client import S3Client, abort_and_wait
+from s3dcp.s3.client import S3Client
+from s3dcp.s3.request import abort_and_wait
 from s3dcp.config import MiB
 from s3dcp.errors import (
     AccessDeniedError,

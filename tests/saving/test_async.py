@@ -165,12 +165,12 @@ def test_the_arena_and_the_staged_copy_go_back_when_the_save_thread_ends(bucket,
 def test_a_failure_while_building_the_staged_tree_waits_for_the_copy_threads(bucket, config, monkeypatch):
     """The bulk copy runs on the copy threads while the training thread builds the staged dict;
     if building it fails, the arena goes back to the pool only once no thread writes into it."""
-    from s3dcp.saving import staging, statetree
+    from s3dcp.saving import copies, statetree
 
     pool = HostBufferPool()
     writer = S3StorageWriter(f"s3://{bucket}/tree-fails", config=config, pool=pool)
     finished = []
-    run_moves = staging._run_moves
+    run_moves = copies._run_moves
 
     def slow_moves(work):
         time.sleep(0.3)
@@ -180,7 +180,7 @@ def test_a_failure_while_building_the_staged_tree_waits_for_the_copy_threads(buc
     def failing_copy_tree(value, stage_tensor):
         raise RuntimeError("cannot copy this state")
 
-    monkeypatch.setattr(staging, "_run_moves", slow_moves)
+    monkeypatch.setattr(copies, "_run_moves", slow_moves)
     monkeypatch.setattr(statetree, "copy_tree", failing_copy_tree)
     state = {"w": torch.randn(4 * MiB)}  # 16 MiB: above the threshold for the copy threads
     with pytest.raises(RuntimeError, match="cannot copy this state"):
@@ -458,12 +458,12 @@ def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(
     """``_memcpy_start`` deals the bytes out to its threads in equal shares: each move lands exactly
     (the alignment gaps between staged tensors stay untouched), and a move is split only where
     it straddles two shares (finer pieces lose glibc's non-temporal stores)."""
-    from s3dcp.saving import staging
+    from s3dcp.saving import copies
 
-    monkeypatch.setattr(staging, "_COPY_THREADS", 3)
+    monkeypatch.setattr(copies, "_COPY_THREADS", 3)
     pieces = []
-    run_moves = staging._run_moves
-    monkeypatch.setattr(staging, "_run_moves", lambda work: (pieces.append(list(work)), run_moves(work)))
+    run_moves = copies._run_moves
+    monkeypatch.setattr(copies, "_run_moves", lambda work: (pieces.append(list(work)), run_moves(work)))
     gen = torch.Generator().manual_seed(7)
     for sizes in ([1, 7, 4096], [5 * MiB, 3, 9 * MiB, 100, 2 * MiB], [24 * MiB], [MiB] * 20 + [17]):
         pieces.clear()
@@ -475,11 +475,11 @@ def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(
             moves.append((dst.data_ptr() + out, src.data_ptr() + at, n))
             spans.append((out, at, n))
             at, out = at + n, out + n + 64
-        staging._memcpy_start(moves)()
+        copies._memcpy_start(moves)()
         for out, at, n in spans:
             assert torch.equal(dst[out:out + n], src[at:at + n])
             assert int(dst[out + n:out + n + 64].sum()) == 0  # the gap after it
-        if total > staging._THREADED_MIN_BYTES:
+        if total > copies._THREADED_MIN_BYTES:
             assert len(pieces) == 3 and len(sum(pieces, [])) <= len(sizes) + 2
             shares = [sum(n for _, _, n in lane) for lane in pieces]
             assert max(shares) - min(shares) <= 2, shares

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .. import metadata as m
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
 from .columns import MAX_COUNT, ColumnReader, bounded
+from .common import _dict, _get, _int, _list, _str
 
 __all__ = ["Rows", "LazyStorageData"]
 
@@ -48,10 +48,10 @@ class Rows:
 
     def __init__(self, node: Any, cols: ColumnReader, fqns: list[str], chunks: Any) -> None:
         w = "metadata.storage_data"
-        n = self.n = m._get(node, "rows", w, m._int)
+        n = self.n = _get(node, "rows", w, _int)
         self.fqns = fqns
-        self.names = [m._str(s, f"{w}.object_names[{i}]") for i, s in enumerate(m._get(node, "object_names", w, m._list))]
-        self.dtypes = [None] + [m._str(s, f"{w}.dtypes[{i}]") for i, s in enumerate(m._get(node, "dtypes", w, m._list))]
+        self.names = [_str(s, f"{w}.object_names[{i}]") for i, s in enumerate(_get(node, "object_names", w, _list))]
+        self.dtypes = [None] + [_str(s, f"{w}.dtypes[{i}]") for i, s in enumerate(_get(node, "dtypes", w, _list))]
         c = lambda name: f"metadata.columns[{name!r}]"  # noqa: E731
         n_sdm = len(chunks.offsets)
         self.chunk_offsets, self.chunk_shapes, self.has_dups = chunks.offsets, chunks.shapes, chunks.has_dups
@@ -229,18 +229,18 @@ class _Checksums:
     """A checksum column: raw integers printed as ``alg:hex``, or indexes into a string table."""
 
     def __init__(self, node: Any, field: str, cols: ColumnReader, name: str, n: int) -> None:
-        spec = m._get(node, field, "metadata.storage_data", m._dict)
+        spec = _get(node, field, "metadata.storage_data", _dict)
         where = f"metadata.storage_data.{field}"
         self.values = cols.ints(name, n)
         if "strings" in spec:
-            self.table = [None] + [m._str(s, f"{where}.strings[{i}]") for i, s in enumerate(m._list(spec["strings"], where))]
+            self.table = [None] + [_str(s, f"{where}.strings[{i}]") for i, s in enumerate(_list(spec["strings"], where))]
             bounded(self.values, len(self.table), f"metadata.columns[{name!r}]")
             self.values = self.values.astype(np.int64, copy=False)
             self.fmt = None
             self.null = None
             return
-        alg = m._get(spec, "algorithm", where, m._str)
-        digits = m._get(spec, "hex_digits", where, m._int)
+        alg = _get(spec, "algorithm", where, _str)
+        digits = _get(spec, "hex_digits", where, _int)
         if not 0 < digits <= 16:
             raise MetadataFormatError(f"{where}.hex_digits: {digits} is not in 1..16")
         if self.values.size and (self.values.dtype == object or int(self.values.max()) >= 16**digits):

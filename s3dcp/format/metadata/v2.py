@@ -75,11 +75,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import metadata as m
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
 from .columns import MAX_COUNT, ColumnReader, ColumnWriter, bounded
+from .common import (
+    _DTYPES, _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _bool, _check_version, _decode_storage_meta, _dict,
+    _encode_storage_meta, _from_name, _get, _int, _list, _opt, _reject_constant, _size, _str, _to_name, _type_name,
+    dtype_to_str,
+)
 from .storage import LazyStorageData, Rows
+from .tree import decode_tree, encode_tree
 
 __all__ = ["MAGIC", "VERSION", "encode", "decode", "header_of", "LazyStorageData"]
 
@@ -111,7 +116,7 @@ def encode(md: Metadata) -> bytes:
     for pos, (fqn, item) in enumerate(sdm.items()):
         where = f"state_dict_metadata[{fqn!r}]"
         if type(fqn) is not str:
-            raise TypeError(f"state_dict_metadata key {fqn!r} is a {m._type_name(fqn)}, not a str")
+            raise TypeError(f"state_dict_metadata key {fqn!r} is a {_type_name(fqn)}, not a str")
         fqns.append(fqn)
         if isinstance(item, BytesStorageMetadata):
             for column in (sdm_props, sdm_layout, size_len):
@@ -120,10 +125,10 @@ def encode(md: Metadata) -> bytes:
             chunks_of.append(None)
             continue
         if not isinstance(item, TensorStorageMetadata):
-            raise TypeError(f"{where}: cannot encode storage metadata of type {m._type_name(item)}")
+            raise TypeError(f"{where}: cannot encode storage metadata of type {_type_name(item)}")
         p = item.properties
-        key = (m.dtype_to_str(p.dtype), m._to_name(m._LAYOUTS, p.layout, "layout"), bool(p.requires_grad),
-               m._to_name(m._MEMORY_FORMATS, p.memory_format, "memory_format"), bool(p.pin_memory))
+        key = (dtype_to_str(p.dtype), _to_name(_LAYOUTS, p.layout, "layout"), bool(p.requires_grad),
+               _to_name(_MEMORY_FORMATS, p.memory_format, "memory_format"), bool(p.pin_memory))
         sdm_props.append(props.setdefault(key, len(props)) + 1)
         size = _ints(item.size, where, ".size")
         size_len.append(len(size))
@@ -163,11 +168,11 @@ def encode(md: Metadata) -> bytes:
 
     storage = None if md.storage_data is None else _encode_rows(md.storage_data, fqns, chunk_of, chunks_of, cols)
     header = {
-        "format": m.FORMAT_NAME,
+        "format": FORMAT_NAME,
         "version": VERSION,
         "dcp_version": md.version,
-        "planner_data": m._encode_tree(md.planner_data, "planner_data"),
-        "storage_meta": m._encode_storage_meta(md.storage_meta),
+        "planner_data": encode_tree(md.planner_data, "planner_data"),
+        "storage_meta": _encode_storage_meta(md.storage_meta),
         "fqns": fqns,
         "state_dict_entries": len(sdm),
         "properties": [list(k) for k in props],
@@ -182,7 +187,7 @@ def encode(md: Metadata) -> bytes:
 
 def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols: ColumnWriter) -> dict:
     if not isinstance(sd, Mapping):
-        raise TypeError(f"storage_data must be dict[MetadataIndex, ItemLocation] or None, got {m._type_name(sd)}")
+        raise TypeError(f"storage_data must be dict[MetadataIndex, ItemLocation] or None, got {_type_name(sd)}")
     n_sdm = len(fqns)
     fqn_ids = {f: i for i, f in enumerate(fqns)}
     names: dict[str, int] = {}
@@ -193,10 +198,10 @@ def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols
     for key, loc in sd.items():
         if not isinstance(key, MetadataIndex) or not isinstance(loc, ItemLocation):
             raise TypeError(f"storage_data[{key!r}]: expected MetadataIndex -> ItemLocation, "
-                            f"got {m._type_name(key)} -> {m._type_name(loc)}")
+                            f"got {_type_name(key)} -> {_type_name(loc)}")
         fqn = key.fqn
         if type(fqn) is not str:
-            raise TypeError(f"storage_data[{key!r}]: fqn is a {m._type_name(fqn)}, not a str")
+            raise TypeError(f"storage_data[{key!r}]: fqn is a {_type_name(fqn)}, not a str")
         f = fqn_ids.get(fqn)
         if f is None:
             f = fqn_ids[fqn] = len(fqns)
@@ -213,13 +218,13 @@ def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols
         r_index.append(key.index or 0)
         r_index_null.append(key.index is None)
         if type(loc.object_name) is not str:
-            raise TypeError(f"storage_data[{key!r}].object_name is a {m._type_name(loc.object_name)}, not a str")
+            raise TypeError(f"storage_data[{key!r}].object_name is a {_type_name(loc.object_name)}, not a str")
         r_obj.append(names.setdefault(loc.object_name, len(names)))
         r_off.append(loc.offset)
         r_len.append(loc.length)
         r_ck.append(loc.checksum)
         if loc.dtype is not None and type(loc.dtype) is not str:
-            raise TypeError(f"storage_data[{key!r}].dtype is a {m._type_name(loc.dtype)}, not a str")
+            raise TypeError(f"storage_data[{key!r}].dtype is a {_type_name(loc.dtype)}, not a str")
         r_dtype.append(0 if loc.dtype is None else dtypes.setdefault(loc.dtype, len(dtypes)) + 1)
         if loc.shape is None:
             shape_kind.append(1)
@@ -237,7 +242,7 @@ def _encode_rows(sd: Any, fqns: list[str], chunk_of: list, chunks_of: list, cols
     for name, values in [("sd.index", r_index), ("sd.offset", r_off), ("sd.length", r_len), ("sd.block_size", r_bsize)]:
         if not set(map(type, values)) <= {int}:
             bad = next(v for v in values if type(v) is not int)
-            raise TypeError(f"storage_data: {name.removeprefix('sd.')} {bad!r} is a {m._type_name(bad)}, not an int")
+            raise TypeError(f"storage_data: {name.removeprefix('sd.')} {bad!r} is a {_type_name(bad)}, not an int")
     for name, values in [
         ("sd.fqn", r_fqn), ("sd.chunk", r_chunk), ("sd.chunk.null", r_chunk_null), ("sd.key.len", key_len),
         ("sd.key.null", key_null), ("sd.key", key_vals), ("sd.index", r_index), ("sd.index.null", r_index_null),
@@ -260,7 +265,7 @@ def _encode_checksums(cols: ColumnWriter, name: str, values: list) -> dict:
     present = [v for v in values if v is not None]
     if not set(map(type, present)) <= {str}:
         bad = next(v for v in present if type(v) is not str)
-        raise TypeError(f"storage_data: checksum {bad!r} is a {m._type_name(bad)}, not a str")
+        raise TypeError(f"storage_data: checksum {bad!r} is a {_type_name(bad)}, not a str")
     if present:
         alg, sep, digits = present[0].partition(":")
         fmt = f"{alg}:%0{len(digits)}x"
@@ -306,11 +311,11 @@ def header_of(data: bytes | memoryview) -> dict:
             f"truncated s3dcp metadata: the header says {head_len} header bytes, the object has {len(view)} in all")
     try:
         header = json.loads(bytes(view[_HEAD.size:_HEAD.size + head_len]).decode("utf-8"),
-                            parse_constant=m._reject_constant)
+                            parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MetadataFormatError(f"corrupt s3dcp metadata header: not valid JSON ({e})") from None
-    if type(header) is not dict or header.get("format") != m.FORMAT_NAME:
-        raise MetadataFormatError(f"corrupt s3dcp metadata header: format is not {m.FORMAT_NAME!r}")
+    if type(header) is not dict or header.get("format") != FORMAT_NAME:
+        raise MetadataFormatError(f"corrupt s3dcp metadata header: format is not {FORMAT_NAME!r}")
     return header
 
 
@@ -320,30 +325,30 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     header = header_of(view)
     head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
     # The version is checked before anything else is read: a newer layout may differ anywhere.
-    m._check_version(m._get(header, "version", "metadata", m._int), VERSION)
+    _check_version(_get(header, "version", "metadata", _int), VERSION)
     (crc,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
     if zlib.crc32(view[:-_TRAILER.size]) != crc:
         raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
                                   "(truncated or damaged object)")
-    cols = ColumnReader(m._get(header, "columns", "metadata"), view[head_end:-_TRAILER.size])
-    fqns = m._get(header, "fqns", "metadata", m._list)
+    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size])
+    fqns = _get(header, "fqns", "metadata", _list)
     for i, f in enumerate(fqns):
-        m._str(f, f"metadata.fqns[{i}]")
+        _str(f, f"metadata.fqns[{i}]")
     if len(set(fqns)) != len(fqns):
         raise MetadataFormatError("metadata.fqns: duplicate names")
-    n_sdm = m._get(header, "state_dict_entries", "metadata", m._int)
+    n_sdm = _get(header, "state_dict_entries", "metadata", _int)
     if not 0 <= n_sdm <= len(fqns):
         raise MetadataFormatError(f"metadata.state_dict_entries: {n_sdm} is not in 0..{len(fqns)}")
     chunks = _Chunks(header, cols, fqns[:n_sdm])
-    storage = m._get(header, "storage_data", "metadata")
-    storage_meta = m._get(header, "storage_meta", "metadata")
+    storage = _get(header, "storage_data", "metadata")
+    storage_meta = _get(header, "storage_meta", "metadata")
     rows = None if storage is None else Rows(storage, cols, fqns, chunks)
     return Metadata(
         state_dict_metadata=chunks.state_dict_metadata,
-        planner_data=m._decode_tree(m._get(header, "planner_data", "metadata"), "planner_data"),
+        planner_data=decode_tree(_get(header, "planner_data", "metadata"), "planner_data"),
         storage_data=None if rows is None else (LazyStorageData(rows) if lazy else rows.to_dict()),
-        storage_meta=None if storage_meta is None else m._decode_storage_meta(storage_meta),
-        version=m._get(header, "dcp_version", "metadata", m._opt(m._str)),
+        storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
+        version=_get(header, "dcp_version", "metadata", _opt(_str)),
     )
 
 
@@ -369,12 +374,12 @@ class _Chunks:
     def __init__(self, header: dict, cols: ColumnReader, fqns: list[str]) -> None:
         n = len(fqns)
         table = []
-        for i, p in enumerate(m._get(header, "properties", "metadata", m._list)):
+        for i, p in enumerate(_get(header, "properties", "metadata", _list)):
             w = f"metadata.properties[{i}]"
             if type(p) is not list or len(p) != 5:
                 raise MetadataFormatError(f"{w}: expected [dtype, layout, requires_grad, memory_format, pin_memory]")
-            table.append((m._from_name(m._DTYPES, p[0], "dtype"), m._from_name(m._LAYOUTS, p[1], "layout"),
-                          m._bool(p[2], w), m._from_name(m._MEMORY_FORMATS, p[3], "memory_format"), m._bool(p[4], w)))
+            table.append((_from_name(_DTYPES, p[0], "dtype"), _from_name(_LAYOUTS, p[1], "layout"),
+                          _bool(p[2], w), _from_name(_MEMORY_FORMATS, p[3], "memory_format"), _bool(p[4], w)))
         props = bounded(cols.ints("sdm.properties", n), len(table) + 1, "metadata.columns['sdm.properties']")
         lay_ndim = cols.ints("layout.ndim")
         n_layouts = len(lay_ndim)
@@ -384,7 +389,7 @@ class _Chunks:
         lay_offs, lay_sizes = cols.ints("layout.offsets", total), cols.ints("layout.sizes", total)
         layout = bounded(cols.ints("sdm.layout", n), n_layouts + 1, "metadata.columns['sdm.layout']")
         size_len, size_start, size_vals = cols.ragged("sdm.size", n)
-        odd = m._get(header, "odd_chunks", "metadata", m._dict)
+        odd = _get(header, "odd_chunks", "metadata", _dict)
 
         sizes = _Sizes()
         boxes: list[tuple[list, list, list]] = []  # per layout: offsets, sizes, sizes as tuples
@@ -436,6 +441,6 @@ class _Chunks:
         for j, box in enumerate(boxes):
             if type(box) is not list or len(box) != 2:
                 raise MetadataFormatError(f"{where}.chunks[{j}]: expected [offsets, sizes]")
-            o.append(m._size(box[0], f"{where}.chunks[{j}].offsets"))
-            s.append(m._size(box[1], f"{where}.chunks[{j}].sizes"))
+            o.append(_size(box[0], f"{where}.chunks[{j}].offsets"))
+            s.append(_size(box[1], f"{where}.chunks[{j}].sizes"))
         return o, s

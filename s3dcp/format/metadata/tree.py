@@ -1,0 +1,88 @@
+"""The tagged tree that stores ``planner_data`` (both format versions).
+
+``planner_data`` belongs to whichever planner wrote the checkpoint, so it is stored as a
+*tagged tree*: ``None``, bools, ints, strings, finite floats and lists are plain JSON; every
+other value is a one-key object whose key names its type::
+
+    {"__tuple__": [...]}            tuple
+    {"__dict__": [[k, v], ...]}     dict, always tagged, so any key type (and a user key that
+                                    happens to be "__tuple__") survives, in insertion order
+    {"__bytes__": "<base64>"}       bytes
+    {"__float__": "nan"}            nan, "inf" or "-inf" (JSON has no literal for them)
+    {"__size__": [...]}             torch.Size
+    {"__dtype__": "float32"}        torch.dtype
+
+Anything else is refused with a TypeError naming it and where it was; there is no pickle
+fallback. Exact types are required (an IntEnum or a namedtuple is refused) because decoding
+could not give them back.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import torch
+
+from ...errors import MetadataFormatError
+from .common import _DTYPES, _from_name, _list, _short, _size, _str, _type_name, dtype_to_str
+
+
+def encode_tree(obj: Any, path: str) -> Any:
+    """Encode a planner_data-like tree with the tags described in the module docstring; ``path`` names it in errors."""
+    t = type(obj)
+    if obj is None or t is bool or t is int or t is str:
+        return obj
+    if t is float:
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}  # 'nan', 'inf', '-inf'
+    if t is list:
+        return [encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if t is tuple:
+        return {"__tuple__": [encode_tree(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if t is dict:
+        return {"__dict__": [[encode_tree(k, f"{path} key {k!r}"), encode_tree(v, f"{path}[{k!r}]")]
+                             for k, v in obj.items()]}
+    if t is bytes:
+        return {"__bytes__": base64.b64encode(obj).decode("ascii")}
+    if t is torch.Size:
+        return {"__size__": list(obj)}
+    if t is torch.dtype:
+        return {"__dtype__": dtype_to_str(obj)}
+    raise TypeError(
+        f"{path}: cannot encode a {_type_name(obj)} in s3dcp metadata; allowed are None, bool, int, "
+        "float, str, bytes, list, tuple, dict, torch.Size and torch.dtype (s3dcp never pickles)"
+    )
+
+
+def decode_tree(node: Any, where: str) -> Any:
+    """Inverse of :func:`encode_tree`; a bad node raises MetadataFormatError naming ``where``."""
+    t = type(node)
+    if node is None or t is bool or t is int or t is float or t is str:
+        return node
+    if t is list:
+        return [decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
+    if len(node) != 1:
+        msg = f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}"
+        raise MetadataFormatError(msg)
+    ((tag, body),) = node.items()
+    if tag == "__tuple__":
+        return tuple(decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_list(body, where)))
+    if tag == "__dict__":
+        out = {}
+        for i, pair in enumerate(_list(body, where)):
+            if type(pair) is not list or len(pair) != 2:
+                raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
+            out[decode_tree(pair[0], f"{where} key {i}")] = decode_tree(pair[1], f"{where}[{i}]")
+        return out
+    if tag == "__bytes__":
+        return base64.b64decode(_str(body, where), validate=True)
+    if tag == "__float__":
+        if body not in ("nan", "inf", "-inf"):
+            raise MetadataFormatError(f"{where}: bad __float__ value {_short(body)}")
+        return float(body)
+    if tag == "__size__":
+        return _size(body, where)
+    if tag == "__dtype__":
+        return _from_name(_DTYPES, body, "dtype")
+    raise MetadataFormatError(f"{where}: unknown tag {_short(tag)}")

@@ -1,0 +1,48 @@
+"""A run's checkpoint directories: the pattern that names them by step (``name_format``) and the
+scan of every object under the run, grouped by directory (``s3dcp ls`` and the manager)."""
+
+from __future__ import annotations
+
+import re
+import string
+
+from ..s3.client import ObjectInfo, S3Client
+from ..errors import ConfigError
+from ..uri import S3Uri
+
+__all__ = ["scan_directories", "name_pattern"]
+
+
+def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo]]:
+    """Every object under ``base`` (all levels), grouped by the directory holding it
+    (``"run/step-1/"``; the keys end with '/')."""
+    objects, _ = client.list(base.bucket, base.dir_prefix).result()
+    by_dir: dict[str, list[ObjectInfo]] = {}
+    for obj in objects:
+        directory = obj.key.rpartition("/")[0]
+        by_dir.setdefault(f"{directory}/" if directory else "", []).append(obj)
+    return by_dir
+
+
+def name_pattern(name_format: str) -> re.Pattern:
+    """The regular expression matching the directory names ``name_format`` gives (the step is group 1);
+    ConfigError for a format that is not one ``{step}`` in a relative path."""
+    parts, fields = [], 0
+    try:
+        parsed = list(string.Formatter().parse(name_format))
+        name_format.format(step=0)
+    except (ValueError, KeyError, IndexError) as e:
+        raise ConfigError(f"name_format={name_format!r} is not a valid format string: {e}") from None
+    for literal, field, _spec, _conversion in parsed:
+        parts.append(re.escape(literal))
+        if field is not None:
+            if field != "step":
+                raise ConfigError(f"name_format={name_format!r} may only use the field {{step}}, not {{{field}}}")
+            fields += 1
+            parts.append(r"(\d+)")
+    if fields != 1:
+        raise ConfigError(f"name_format={name_format!r} must contain {{step}} exactly once")
+    sample = name_format.format(step=0)
+    if sample.startswith("/") or sample.endswith("/") or "//" in sample:
+        raise ConfigError(f"name_format={name_format!r} must be a relative path without empty segments")
+    return re.compile("".join(parts) + r"\Z")

@@ -1,0 +1,73 @@
+"""Retention: which committed steps a policy deletes (:func:`steps_to_delete`, pure), and the
+bookkeeping of those being deleted (:class:`Doomed`), remembered while a base choice may still see
+them committed, so that a save never takes a checkpoint being deleted as its base."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+__all__ = ["steps_to_delete", "Doomed"]
+
+
+def steps_to_delete(committed: list[int], *, just_saved: int, keep_last: int | None, keep_every: int | None,
+                    in_use: Iterable[int] = ()) -> list[int]:
+    """The steps of ``committed`` (ascending) that retention deletes after ``just_saved`` committed:
+    those outside the newest ``keep_last`` (None: keep all) and not a multiple of ``keep_every``;
+    never the newest committed step, ``just_saved``, nor a step in ``in_use`` (the base of a
+    save in flight)."""
+    keep = {just_saved, *in_use}
+    if keep_last is None:
+        keep.update(committed)
+    elif keep_last > 0:  # committed[-0:] would be all of it
+        keep.update(committed[-keep_last:])
+    if keep_every is not None:
+        keep.update(step for step in committed if step % keep_every == 0)
+    newest = max(committed, default=None)
+    return [step for step in committed if step not in keep and step != newest]
+
+
+class Doomed:
+    """The steps retention chose to delete, each remembered only while a base choice may still
+    see it committed. ``.metadata`` goes first, so a LIST that began after a deletion finished
+    cannot list that step as committed; one that began before it may. A step is forgotten once
+    its deletion finished and every LIST in flight began after that: a long job's manager holds
+    only the deletions of the moment, not one entry per checkpoint it ever deleted. The
+    manager's lock guards every call."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, int | None] = {}  # step -> deletions finished once its own had (None: running)
+        self._finished = 0  # deletions finished so far
+        self._listings: list[int] = []  # for each LIST in flight: deletions finished when it began
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._steps
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, steps: Iterable[int]) -> None:
+        self._steps.update(dict.fromkeys(steps))
+
+    def spare(self, step: int) -> None:
+        """``step`` was saved again (and committed) after its deletion: a base again."""
+        self._steps.pop(step, None)
+
+    def deleted(self, step: int) -> None:
+        self._finished += 1
+        if step in self._steps:
+            self._steps[step] = self._finished
+        self._forget()
+
+    def listing_started(self) -> int:
+        self._listings.append(self._finished)
+        return self._finished
+
+    def listing_ended(self, started: int) -> None:
+        self._listings.remove(started)
+        self._forget()
+
+    def _forget(self) -> None:
+        oldest = min(self._listings, default=self._finished)
+        for step, finished in list(self._steps.items()):
+            if finished is not None and finished <= oldest:
+                del self._steps[step]

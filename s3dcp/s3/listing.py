@@ -1,0 +1,128 @@
+"""Listings that take more than one request: every page of ListObjectsV2, ListMultipartUploads
+and ListParts, and the values they describe (:class:`ObjectInfo`, :class:`UploadInfo`).
+
+    S3Client.list / list_uploads / upload_activity ──► page ──send──► XML ──► values ──► next page or result
+
+Owns walking the pages (markers, continuation tokens) and turning each page's XML into values.
+It must not send a request itself: it is handed ``send``, :meth:`S3Client._default
+<s3dcp.s3.client.S3Client._default>` (one small request, a future of ``result(status, headers,
+body)``), and never imports :mod:`s3dcp.s3.client`. No call blocks: the next page is asked for
+from the callback of the last.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .responses import children, parse_iso, text, xml_result
+from .streams import chain
+
+__all__ = ["ObjectInfo", "UploadInfo", "list_objects", "list_uploads", "upload_activity"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str | None = None
+    last_modified: float | None = None  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """An unfinished multipart upload."""
+
+    key: str
+    upload_id: str
+    initiated: float | None = None  # seconds since the epoch
+
+
+def list_objects(send: Callable[..., Future], bucket: str, prefix: str, delimiter: str | None, page_size: int,
+                 headers: Sequence[tuple[str, str]]) -> "Future[tuple[list[ObjectInfo], list[str]]]":
+    """All objects under ``prefix`` and the common prefixes (with a ``delimiter``), every page."""
+    objects: list[ObjectInfo] = []
+    prefixes: list[str] = []
+    outer: Future = Future()
+
+    def page(token: str | None) -> None:
+        query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size)}
+        if delimiter:
+            query["delimiter"] = delimiter
+        if token:
+            query["continuation-token"] = token
+        f = send("ListObjectsV2", "GET", bucket, "", query=query, result=xml_result, extra_headers=headers)
+        f.add_done_callback(lambda f: chain(f, outer, handle))
+
+    def handle(root) -> None:
+        for c in children(root, "Contents"):
+            objects.append(ObjectInfo(key=text(c, "Key"), size=int(text(c, "Size") or 0),
+                                      etag=text(c, "ETag"), last_modified=parse_iso(text(c, "LastModified"))))
+        for p in children(root, "CommonPrefixes"):
+            prefixes.append(text(p, "Prefix"))
+        token = text(root, "NextContinuationToken")
+        if text(root, "IsTruncated") == "true" and token:
+            page(token)
+        else:
+            outer.set_result((objects, prefixes))
+
+    page(None)
+    return outer
+
+
+def list_uploads(send: Callable[..., Future], bucket: str, prefix: str,
+                 headers: Sequence[tuple[str, str]]) -> "Future[list[UploadInfo]]":
+    """Unfinished multipart uploads under ``prefix``, every page."""
+    uploads: list[UploadInfo] = []
+    outer: Future = Future()
+
+    def page(key_marker: str, upload_marker: str) -> None:
+        query = {"uploads": "", "prefix": prefix}
+        if key_marker:
+            query["key-marker"] = key_marker
+        if upload_marker:
+            query["upload-id-marker"] = upload_marker
+        f = send("ListMultipartUploads", "GET", bucket, "", query=query, result=xml_result, extra_headers=headers)
+        f.add_done_callback(lambda f: chain(f, outer, handle))
+
+    def handle(root) -> None:
+        for u in children(root, "Upload"):
+            uploads.append(UploadInfo(key=text(u, "Key"), upload_id=text(u, "UploadId"),
+                                      initiated=parse_iso(text(u, "Initiated"))))
+        if text(root, "IsTruncated") == "true":
+            page(text(root, "NextKeyMarker"), text(root, "NextUploadIdMarker"))
+        else:
+            outer.set_result(uploads)
+
+    page("", "")
+    return outer
+
+
+def upload_activity(send: Callable[..., Future], bucket: str, key: str, upload_id: str,
+                    headers: Sequence[tuple[str, str]]) -> "Future[float | None]":
+    """When an unfinished multipart upload last received a part (seconds since the epoch; None
+    when it has no parts yet), from ListParts, every page."""
+    newest: list[float | None] = [None]
+    outer: Future = Future()
+
+    def page(marker: str) -> None:
+        query = {"uploadId": upload_id}
+        if marker:
+            query["part-number-marker"] = marker
+        f = send("ListParts", "GET", bucket, key, query=query, result=xml_result, extra_headers=headers)
+        f.add_done_callback(lambda f: chain(f, outer, handle))
+
+    def handle(root) -> None:
+        for part in children(root, "Part"):
+            stamp = parse_iso(text(part, "LastModified"))
+            if stamp is not None and (newest[0] is None or stamp > newest[0]):
+                newest[0] = stamp
+        marker = text(root, "NextPartNumberMarker")
+        if text(root, "IsTruncated") == "true" and marker:
+            page(marker)
+        else:
+            outer.set_result(newest[0])
+
+    page("")
+    return outer

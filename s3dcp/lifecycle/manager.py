@@ -38,7 +38,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..s3.client import S3Client
@@ -49,7 +48,7 @@ from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
 from ..format.references import check_base
 from ..uri import S3Uri, parse_s3_uri
-from .directories import name_pattern, scan_directories
+from .directories import CheckpointInfo, name_pattern, scan_directories
 from .retention import Doomed, steps_to_delete
 
 if TYPE_CHECKING:
@@ -61,18 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "METADATA_NAME"]
 
 log = logging.getLogger("s3dcp")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint directory under the manager's base URI."""
-
-    step: int
-    uri: str
-    committed: bool  # its .metadata exists
-    bytes: int  # total size of the objects directly in the directory
-    objects: int
-    last_modified: float | None  # newest object, seconds since the epoch
 
 
 class CheckpointManager:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -40,30 +39,26 @@ from .s3.client import S3Client
 from .config import S3Config
 from .errors import ConfigError, unwrap_error
 from .loading.reader import S3StorageReader
+from .saving.stats import last_committed, record_committed
 
 if TYPE_CHECKING:
     from .saving.writer import S3StorageWriter, SaveStats
 
 __all__ = ["save", "async_save", "load", "unwrap_error", "last_save_stats", "SaveFuture"]
 
-_last_stats: list[Any] = [None]  # the SaveStats of the save that ended last in this process
-_last_stats_lock = threading.Lock()
-
-
 def last_save_stats() -> "SaveStats | None":
-    """The :class:`~s3dcp.saving.writer.SaveStats` of the :func:`save` or :func:`async_save` that
-    committed last in this process (this rank's figures), or None before the first one.
+    """The :class:`~s3dcp.saving.writer.SaveStats` of the save that committed last in this process
+    (this rank's figures) — by :func:`save`, :func:`async_save` or a
+    :class:`~s3dcp.CheckpointManager` — or None before the first one.
 
     With DCP's process executor the upload runs in another process, whose figures this
     process does not see: ``stage_s`` only.
     """
-    with _last_stats_lock:
-        return _last_stats[0]
+    return last_committed()
 
 
 def _record(writer: "S3StorageWriter") -> None:
-    with _last_stats_lock:
-        _last_stats[0] = writer.last_stats
+    record_committed(writer.last_stats)
 
 
 class SaveFuture(concurrent.futures.Future):

@@ -17,7 +17,7 @@ FROZEN_BYTES = 1024 * 256 * 4  # 1 MiB of float32 that no step changes
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"frozen": torch.randn(1024, 256, generator=g), "trained": torch.randn(16, 16, generator=g), "step": 0}
+    return {"frozen": torch.randn(1024, 256, generator=g), "trained": torch.randn(16, 16, generator=g)}
 
 
 def _locations(uri: str, client: S3Client) -> dict[str, str]:
@@ -33,23 +33,24 @@ def test_back_to_back_incremental_saves_use_the_save_in_flight_as_their_base(buc
     manager = CheckpointManager(f"s3://{bucket}/run", client=client, keep_last=None, incremental=True,
                                 name_format="step-{step}")
     sd = _state()
-    stats = {}
-    futures = {}
+    stats, futures, bases = {}, {}, {}
     for step in (1, 2, 3):
         sd["trained"].add_(1.0)
-        sd["step"] = step
         futures[step] = manager.save(step, sd)  # no wait between saves
+        bases[step] = manager.last_writer.incremental_from
         if step > 1:  # the previous save had committed before this one chose its base
             assert futures[step - 1].done()
             stats[step - 1] = manager.last_save_stats
     futures[3].result(timeout=120)
     stats[3] = manager.last_save_stats
     manager.close()
-    assert stats[1].inherited_bytes == 0 and stats[1].bytes >= FROZEN_BYTES
+    assert bases[1] is None and stats[1].inherited_bytes == 0 and stats[1].bytes >= FROZEN_BYTES
     for step in (2, 3):
+        assert bases[step].prefix == f"run/step-{step - 1}"
         assert stats[step].inherited_bytes == FROZEN_BYTES, (step, stats[step])
-        assert stats[step].bytes < FROZEN_BYTES // 8, (step, stats[step])  # only what changed
-        assert _locations(f"s3://{bucket}/run/step-{step}", client)["frozen"].startswith(f"../step-{step - 1}/")
+        assert stats[step].bytes == 16 * 16 * 4, (step, stats[step])  # only what changed
+    # references point at the object that holds the bytes (never at a reference)
+    assert _locations(f"s3://{bucket}/run/step-3", client)["frozen"].startswith("../step-1/")
 
 
 @pytest.mark.parametrize("async_mode", [True, False])

@@ -37,6 +37,8 @@ def cmd_ls(args) -> int:
     for upload in uploads_future.result():
         directory = upload.key.rpartition("/")[0]
         uploads.setdefault(f"{directory}/" if directory else "", []).append(upload)
+    parts = {u.upload_id: client.upload_parts(base.bucket, u.key, u.upload_id)  # their stored bytes
+             for found in uploads.values() for u in found}
     rows = []
     for directory in sorted(set(by_dir) | set(uploads)):
         objects = by_dir.get(directory, [])
@@ -51,6 +53,9 @@ def cmd_ls(args) -> int:
         stamps += [u.initiated for u in uploads.get(directory, []) if u.initiated is not None]
         newest = max(stamps) if stamps else None
         run = relative.rpartition("/")[0]  # the checkpoint's parent, relative to the listed prefix
+        pending = [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated,
+                    "parts": parts[u.upload_id].result().parts, "bytes": parts[u.upload_id].result().bytes}
+                   for u in uploads.get(directory, [])]
         state = ("foreign" if directory in foreign else "committed" if committed
                  else "kept_for_references" if directory in held else "incomplete")
         rows.append({
@@ -58,9 +63,8 @@ def cmd_ls(args) -> int:
             "run": str(base.child(run)) if run else str(base),
             "step": int(step.group(1)) if step else None, "committed": committed, "state": state,
             "held_by": [f"s3://{base.bucket}/{d.rstrip('/')}" for d in sorted(held.get(directory, ()))],
-            "bytes": sum(o.size for o in objects), "objects": len(objects),
-            "uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated}
-                        for u in uploads.get(directory, [])],
+            "bytes": sum(o.size for o in objects) + sum(u["bytes"] for u in pending), "objects": len(objects),
+            "uploads": pending,
             "last_modified": newest, "age_s": None if newest is None else max(0.0, now - newest),
         })
     rows.sort(key=lambda r: (r["run"], r["step"] is None, r["step"] or 0, r["name"]))
@@ -112,9 +116,10 @@ def _ls_notes(group: list[dict[str, Any]], run: str, cut: int) -> list[str]:
         elif r["state"] == "foreign":
             notes.append(f"{name}: its {METADATA_NAME} is not s3dcp's (DCP's own pickle, say): s3dcp cannot load it, "
                          f"and rm, gc and retention delete nothing under {run}/ that it might reference")
-    count = sum(len(r["uploads"]) for r in group)
-    if count:
-        notes.append(f"{count} unfinished multipart upload(s): their parts are stored (and billed) until aborted; "
+    pending = [u for r in group for u in r["uploads"]]
+    if pending:
+        notes.append(f"{len(pending)} unfinished multipart upload(s), counted in SIZE: their parts "
+                     f"({format_size(sum(u['bytes'] for u in pending))}) are stored (and billed) until aborted; "
                      f"s3dcp gc {run}/ aborts those of saves that are no longer running")
     return notes
 

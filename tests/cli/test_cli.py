@@ -194,17 +194,19 @@ def test_ls_shows_unfinished_multipart_uploads(capsys, run_dir, bucket, boto3_cl
     """A save killed mid-upload leaves multipart uploads and maybe no object: ls shows them."""
     key = "run/step-40/__0_0.bbbbbbbbbbbb.distcp"
     upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    boto3_client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"y" * 1024)
+    boto3_client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"y" * (5 << 20))
     try:
         code, out, _ = run(capsys, "ls", run_dir)
         assert code == 0
         row = next(line for line in out.splitlines() if line.startswith("step-40"))
-        assert row.split()[4] == "0" and "INCOMPLETE, 1 unfinished upload(s)" in row, out
-        assert f"# 1 unfinished multipart upload(s): their parts are stored (and billed) until aborted; " \
-               f"s3dcp gc {run_dir}/ aborts" in out
+        assert row.split()[2:5] == ["5.0", "MiB", "0"] and "INCOMPLETE, 1 unfinished upload(s)" in row, out
+        assert f"# 1 unfinished multipart upload(s), counted in SIZE: their parts (5.0 MiB) are stored (and " \
+               f"billed) until aborted; s3dcp gc {run_dir}/ aborts" in out
         by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
         assert by_name["step-40"]["state"] == "incomplete"
-        assert [(u["key"], u["upload_id"]) for u in by_name["step-40"]["uploads"]] == [(key, upload_id)]
+        assert [(u["key"], u["upload_id"], u["parts"], u["bytes"]) for u in by_name["step-40"]["uploads"]] == \
+            [(key, upload_id, 1, 5 << 20)]
+        assert by_name["step-40"]["bytes"] == 5 << 20
         assert by_name["step-10"]["uploads"] == []
     finally:
         boto3_client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)

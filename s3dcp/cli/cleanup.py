@@ -37,10 +37,15 @@ def cmd_rm(args) -> int:
     if args.json:
         print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
                      "other_objects_left": others, "kept_referenced": result.kept,
-                     "kept_referenced_bytes": result.kept_bytes, "released": result.released})
+                     "kept_referenced_bytes": result.kept_bytes, "released": result.released,
+                     "unreadable_metadata": result.unreadable})
     else:
         left = f"; {others} other object(s) left in place" if others else ""
-        if result.kept:
+        if result.kept and result.unreadable:  # the reason is not a reference: say the real one
+            left += (f"; kept its {len(result.kept)} data object(s) ({format_size(result.kept_bytes)}): "
+                     f"{', '.join(f's3://{uri.bucket}/{k}' for k in result.unreadable)} is not s3dcp metadata "
+                     "(another writer's, say) or is unreadable, so what it references is unknown")
+        elif result.kept:
             left += (f"; kept {len(result.kept)} object(s) ({format_size(result.kept_bytes)}) that other checkpoints "
                      "reference (deleted with the last of them)")
         print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "

@@ -78,6 +78,9 @@ class DeleteResult:
     deleted_bytes: int = 0
     kept: list[str] = field(default_factory=list)  # keys of its objects other checkpoints reference
     kept_bytes: int = 0
+    # .metadata / marker keys under the parent that could not be read (another writer's, say): what
+    # they reference is unknown, so every data object was kept (``kept``), referenced or not
+    unreadable: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # objects of deleted checkpoints only it referenced
 
     def __iter__(self):
@@ -114,6 +117,7 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
     if refs.unreadable:
         result.kept = sorted(o.key for o in data)
         result.kept_bytes = sum(o.size for o in data)
+        result.unreadable = list(refs.unreadable)
         log.warning("deleted %s's metadata but kept its %d data object(s): %s cannot be read, so what it "
                     "references is unknown", uri, len(data), ", ".join(refs.unreadable))
         return result

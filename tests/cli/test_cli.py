@@ -239,6 +239,11 @@ def test_ls_and_gc_say_when_a_run_holds_foreign_metadata(capsys, run_dir, bucket
     assert f"skipped: s3://{bucket}/run/dcp-7/ (metadata): its .metadata is not s3dcp metadata" in out
     assert f"nothing under s3://{bucket}/run/ is deleted" in out
     assert out.rstrip().endswith("1 .metadata not s3dcp's or unreadable: nothing under its run deleted")
+    # rm of an s3dcp checkpoint there: its metadata goes, its data stays, and rm says why
+    code, out, _ = run(capsys, "rm", "--yes", f"{run_dir}/step-20")
+    assert code == 0 and "kept its 1 data object(s)" in out, out
+    assert f"s3://{bucket}/run/dcp-7/.metadata is not s3dcp metadata" in out and "other checkpoints" not in out
+    assert len(_keys(boto3_client, bucket, "run/step-20/")) == 1
 
 
 # ------------------------------------------------------------------------------ inspect

@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 import sys
 import time
+from concurrent.futures import wait
 from typing import Any
 
 from ..format.layout import (METADATA_HEAD_BYTES, METADATA_NAME, is_data_object, is_s3dcp_metadata_head,
                              parse_object_name)
+from ..errors import S3Error
 from ..uri import parse_s3_uri
 from .common import s3_client
 from .output import format_age, format_size, print_json, print_table
@@ -34,11 +36,12 @@ def cmd_ls(args) -> int:
     held = held_for_references(client, base.bucket, by_dir)  # deleted; objects kept for incremental ones
     foreign = _foreign_metadata(client, base.bucket, by_dir)
     uploads: dict[str, list] = {}
-    for upload in uploads_future.result():
+    for upload in _unfinished_uploads(uploads_future, base):
         directory = upload.key.rpartition("/")[0]
         uploads.setdefault(f"{directory}/" if directory else "", []).append(upload)
     parts = {u.upload_id: client.upload_parts(base.bucket, u.key, u.upload_id)  # their stored bytes
              for found in uploads.values() for u in found}
+    wait(list(parts.values()))
     rows = []
     for directory in sorted(set(by_dir) | set(uploads)):
         objects = by_dir.get(directory, [])
@@ -54,8 +57,7 @@ def cmd_ls(args) -> int:
         newest = max(stamps) if stamps else None
         run = relative.rpartition("/")[0]  # the checkpoint's parent, relative to the listed prefix
         pending = [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated,
-                    "parts": parts[u.upload_id].result().parts, "bytes": parts[u.upload_id].result().bytes}
-                   for u in uploads.get(directory, [])]
+                    **_parts_of(parts[u.upload_id])} for u in uploads.get(directory, [])]
         state = ("foreign" if directory in foreign else "committed" if committed
                  else "kept_for_references" if directory in held else "incomplete")
         rows.append({
@@ -63,7 +65,7 @@ def cmd_ls(args) -> int:
             "run": str(base.child(run)) if run else str(base),
             "step": int(step.group(1)) if step else None, "committed": committed, "state": state,
             "held_by": [f"s3://{base.bucket}/{d.rstrip('/')}" for d in sorted(held.get(directory, ()))],
-            "bytes": sum(o.size for o in objects) + sum(u["bytes"] for u in pending), "objects": len(objects),
+            "bytes": sum(o.size for o in objects) + sum(u["bytes"] or 0 for u in pending), "objects": len(objects),
             "uploads": pending,
             "last_modified": newest, "age_s": None if newest is None else max(0.0, now - newest),
         })
@@ -118,17 +120,35 @@ def _ls_notes(group: list[dict[str, Any]], run: str, cut: int) -> list[str]:
                          f"and rm, gc and retention delete nothing under {run}/ that it might reference")
     pending = [u for r in group for u in r["uploads"]]
     if pending:
+        unknown = " and more: ListParts was refused" if any(u["bytes"] is None for u in pending) else ""
         notes.append(f"{len(pending)} unfinished multipart upload(s), counted in SIZE: their parts "
-                     f"({format_size(sum(u['bytes'] for u in pending))}) are stored (and billed) until aborted; "
+                     f"({format_size(sum(u['bytes'] or 0 for u in pending))}{unknown}) are stored (and billed) until "
+                     "aborted; "
                      f"s3dcp gc {run}/ aborts those of saves that are no longer running")
     return notes
+
+
+def _unfinished_uploads(future, base) -> list:
+    """The uploads ListMultipartUploads gave, or none (said on stderr) where it is refused:
+    listing checkpoints must not need that permission."""
+    try:
+        return future.result()
+    except S3Error as e:
+        print(f"s3dcp: note: unfinished multipart uploads under {base} not listed: {e}", file=sys.stderr)
+        return []
+
+
+def _parts_of(future) -> dict[str, int | None]:
+    """An upload's parts and bytes (None, None where ListParts is refused)."""
+    if isinstance(future.exception(), S3Error):
+        return {"parts": None, "bytes": None}
+    found = future.result()
+    return {"parts": found.parts, "bytes": found.bytes}
 
 
 def _foreign_metadata(client, bucket: str, by_dir: dict[str, list]) -> set[str]:
     """The directories of ``by_dir`` whose ``.metadata`` is not s3dcp's (its first bytes: one
     small ranged GET each, in parallel)."""
-    from concurrent.futures import wait
-
     heads = {}
     for directory, objects in by_dir.items():
         for o in objects:

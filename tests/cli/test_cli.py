@@ -212,6 +212,19 @@ def test_ls_shows_unfinished_multipart_uploads(capsys, run_dir, bucket, boto3_cl
         boto3_client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
 
 
+def test_ls_without_permission_to_list_uploads_still_lists_checkpoints(capsys, run_dir, s3_server):
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        proxy.add_rule(Rule("error", method="GET", query_has="uploads", status=403, code="AccessDenied"))
+        code, out, err = run(capsys, "ls", run_dir, "--endpoint-url", proxy.endpoint_url)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["step-10", "step-20", "step-30"]
+    assert f"unfinished multipart uploads under {run_dir} not listed" in err and "AccessDenied" in err
+
+
 def _put_dcp_pickled_metadata(boto3_client, bucket: str, key: str) -> None:
     """A ``.metadata`` as DCP's FileSystemWriter / fsspec writer make it: a pickle."""
     import pickle

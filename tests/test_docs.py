@@ -1,23 +1,35 @@
-"""The README says what the code does: every S3Config field is in its table, every command it
-shows exists."""
+"""The README and the pages in docs/ say what the code does: every S3Config field is in the
+README's table, every command they show exists, and every command and snippet of the pages the
+README links to runs as written against the session's server (``s3://bucket`` in a snippet
+becomes a fresh bucket)."""
+
+from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import shlex
+import sys
+import tomllib
 
-from s3dcp import cli
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import s3dcp
+from s3dcp import CheckpointManager, S3StorageReader, S3StorageWriter, cli
 from s3dcp.config import S3Config
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket, read  # noqa: F401
 
-
-def _readme() -> str:
-    with open(README, encoding="utf-8") as f:
-        return f.read()
+PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
+         "docs/troubleshooting.md", "docs/errors.md",
+         "docs/benchmarks.md", "docs/trainers.md", "docs/compatibility.md"]
 
 
 def test_every_s3config_field_is_in_the_configuration_table():
-    text = _readme()
+    text = read()
     table = text[text.index("| field | default | what |"):]
     table = table[:table.index("\n\n")]
     named = set(re.findall(r"`([a-z_0-9]+)`", "\n".join(line.split("|")[1] for line in table.splitlines()[2:])))
@@ -25,9 +37,253 @@ def test_every_s3config_field_is_in_the_configuration_table():
     assert named - {f.name for f in dataclasses.fields(S3Config)} == set()
 
 
-def test_every_command_the_readme_shows_exists(capsys):
-    shown = set(re.findall(r"^(?:eval \"\$\()?s3dcp ([a-z]+)", _readme(), flags=re.M))
-    assert {"ls", "server", "mb", "gc"} <= shown
+def test_every_command_the_readme_and_the_pages_show_exists(capsys):
+    shown = set()
+    for page in ["README.md", *PAGES]:
+        shown |= set(re.findall(r"^(?:eval \"\$\()?s3dcp ([a-z]+)", read(page), flags=re.M))
+        shown |= set(re.findall(r"`s3dcp ([a-z]+)[ `]", read(page)))
+    assert {"ls", "server", "mb", "gc", "rm", "materialize", "inspect", "export", "verify"} <= shown
     for command in sorted(shown):
         assert cli.main([command, "--help"]) == 0, command
     capsys.readouterr()
+
+
+def test_the_readme_links_every_page_and_every_link_resolves():
+    readme = read()
+    for page in PAGES:
+        assert f"]({page})" in readme, page
+    for page in ["README.md", *PAGES]:
+        base = os.path.dirname(os.path.join(ROOT, page))
+        for target in re.findall(r"\]\(([^)#]+)\)", read(page)):
+            if "://" not in target:
+                assert os.path.exists(os.path.join(base, target)), (page, target)
+
+
+# Every fenced block of the pages, and the test below that runs it. A new block fails here until
+# a test runs it.
+RUN_BY = {
+    "docs/memory.md": ["python"],                                 # test_the_cast_on_load_snippet
+    "docs/incremental.md": ["python"],                            # test_the_incremental_snippet
+    "docs/format.md": ["", "python"],                             # test_the_bucket_layout, test_the_metadata_snippet
+    "docs/interop.md": ["bash", "python", "python", "python", "bash"],  # the torchsnapshot, safetensors, export tests
+    "docs/aws.md": [],
+    "docs/troubleshooting.md": [],
+    "docs/errors.md": [],
+    "docs/benchmarks.md": [],
+    "docs/trainers.md": ["", "python", "python"],                # the trainers' tests
+    "docs/compatibility.md": ["python"],                          # test_the_compat_settings
+}
+
+
+def test_every_block_of_the_pages_is_run_by_a_test():
+    assert {page: [lang for lang, _ in all_blocks(page)] for page in PAGES} == RUN_BY
+
+
+# ------------------------------------------------------------------ docs/memory.md
+def test_the_cast_on_load_snippet(aws_env, s3_server):
+    (snippet,) = blocks("Loading a different sharding", "python", "docs/memory.md")
+    bucket = fresh_bucket(s3_server)
+    saved = torch.randn(4096, 4096)  # fp32, as the comment says
+    s3dcp.save({"model": {"w": saved}}, f"s3://{bucket}/run7/step-1000")
+    scope: dict = {}
+    exec(in_bucket(snippet, bucket), scope)  # noqa: S102 - the page's own code
+    assert scope["state"]["model"]["w"].dtype == torch.bfloat16
+    assert torch.equal(scope["state"]["model"]["w"], saved.to(torch.bfloat16))
+    assert scope["reader"].last_read_bytes >= saved.numel() * 4 and scope["reader"].last_read_s > 0
+
+
+# ------------------------------------------------------------------ docs/incremental.md
+def test_the_incremental_snippet(aws_env, s3_server):
+    (snippet,) = blocks("Incremental checkpoints", "python", "docs/incremental.md")
+    bucket = fresh_bucket(s3_server)
+    frozen, lora = torch.randn(256, 256), torch.randn(8, 256)
+    s3dcp.save({"frozen": frozen, "lora": lora}, f"s3://{bucket}/run7/step-1000", item_checksum="crc64nvme")
+    state = {"frozen": frozen, "lora": lora + 1}
+    scope = {"S3StorageWriter": S3StorageWriter, "CheckpointManager": CheckpointManager, "dcp": dcp,
+             "cfg": S3Config(), "state_dict": state}
+    exec(in_bucket(snippet, bucket), scope)  # noqa: S102
+    stats = scope["w"].last_stats
+    assert stats.inherited_bytes == frozen.numel() * 4 and 0 < stats.bytes < frozen.numel() * 4
+    out = {"frozen": torch.zeros_like(frozen), "lora": torch.zeros_like(lora)}
+    s3dcp.load(out, f"s3://{bucket}/run7/step-2000")
+    assert torch.equal(out["frozen"], frozen) and torch.equal(out["lora"], lora + 1)
+    scope["manager"].close()
+
+
+# ------------------------------------------------------------------ docs/format.md
+def test_the_bucket_layout(aws_env, s3_server, boto3_client):
+    """The objects a save leaves are the ones the listing names (one rank here: ``__0_0.<id>.distcp``)."""
+    layout = all_blocks("docs/format.md")[0][1]
+    bucket = fresh_bucket(s3_server)
+    s3dcp.save({"w": torch.ones(4)}, f"s3://{bucket}/run7/step-1000")
+    keys = sorted(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket)["Contents"])
+    assert len(keys) == 2 and keys[0] == "run7/step-1000/.metadata", keys
+    data = re.fullmatch(r"run7/step-1000/__0_0\.([0-9a-f]+)\.distcp", keys[1])
+    assert data, keys
+    lines = layout.splitlines()
+    assert lines[0] == "s3://bucket/run7/step-1000/"
+    named = [line.split()[0] for line in lines[1:]]
+    shown = re.fullmatch(r"__0_0\.([0-9a-f]+)\.distcp", named[0])  # the page's save id: as long as a real one
+    assert shown and len(shown.group(1)) == len(data.group(1)), (named[0], keys[1])
+    assert ".metadata" in named and ".pending-references" in named
+
+
+def test_the_metadata_snippet(aws_env, s3_server):
+    (snippet,) = blocks("Metadata at scale", "python", "docs/format.md")
+    bucket = fresh_bucket(s3_server)
+    s3dcp.save({"model": {"w": torch.randn(5, 3)}, "step": 7}, f"s3://{bucket}/run7/step-1000")
+    md = S3StorageReader(f"s3://{bucket}/run7/step-1000").read_metadata()
+    scope = {"md": md}
+    exec(snippet, scope)  # noqa: S102 - its asserts are the check
+    assert set(scope["md2"].state_dict_metadata) == set(md.state_dict_metadata)
+
+
+# ------------------------------------------------------------------ docs/interop.md
+def _pyproject_extras() -> dict[str, str]:
+    text = read("pyproject.toml")
+    section = text[text.index("[project.optional-dependencies]"):]
+    section = section[:section.index("\n[", 1)]
+    return dict(re.findall(r"^(\w+) = (\[.*?\])", section, flags=re.M | re.S))
+
+
+@pytest.fixture
+def registered():
+    """TorchSnapshot finds the s3dcp:// plugin as `pip install -e '.[torchsnapshot]'` declares it."""
+    from ts_entry_point import entry_point_dir
+
+    path = entry_point_dir()
+    if path is not None:
+        sys.path.append(path)
+    yield
+    if path is not None:
+        sys.path.remove(path)
+
+
+def test_the_torchsnapshot_snippets(aws_env, s3_server, registered):
+    install, take, retake = blocks("TorchSnapshot", "bash", "docs/interop.md") + blocks(
+        "TorchSnapshot", "python", "docs/interop.md")
+    assert shlex.split(install, comments=True) == ["pip", "install", "-e", ".[torchsnapshot]"]
+    assert "torchsnapshot" in _pyproject_extras()["torchsnapshot"]  # what CI installs with [test]
+    assert "torchsnapshot" in _pyproject_extras()["test"]
+    bucket = fresh_bucket(s3_server)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    optimizer.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    exec(in_bucket(take, bucket), {"model": model, "optimizer": optimizer})  # noqa: S102
+    from torchsnapshot import Snapshot
+
+    other = torch.nn.Linear(6, 3)
+    Snapshot(f"s3dcp://{bucket}/run7/snap-1000").restore({"model": other})
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in saved.items())
+
+    for _ in range(2):  # the second take replaces the first instead of being refused
+        exec(in_bucket(retake, bucket), {"Snapshot": Snapshot, "app_state": {"model": model}})  # noqa: S102
+    with pytest.raises(s3dcp.CheckpointExistsError):
+        Snapshot.take(f"s3dcp://{bucket}/run7/latest", {"model": model})
+
+
+def test_the_safetensors_reader_snippet(aws_env, s3_server, boto3_client):
+    from safetensors.torch import save
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    (snippet,) = blocks("Start from Hugging Face safetensors", "python", "docs/interop.md")
+    bucket = fresh_bucket(s3_server)
+    published = {"weight": torch.randn(3, 6).to(torch.bfloat16), "bias": torch.randn(3)}
+    boto3_client.put_object(Bucket=bucket, Key="models/llama/model.safetensors", Body=save(published))
+    model = torch.nn.Linear(6, 3)
+    exec(in_bucket(snippet, bucket), {"get_model_state_dict": get_model_state_dict, "model": model,  # noqa: S102
+                                      "dcp": dcp})
+    assert torch.equal(model.weight.detach(), published["weight"].float())  # bf16 file into fp32 parameters
+    assert torch.equal(model.bias.detach(), published["bias"])
+
+
+def test_the_export_commands(aws_env, s3_server, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    (block,) = blocks("Export a checkpoint", "bash", "docs/interop.md")
+    bucket = fresh_bucket(s3_server)
+    model = {"w": torch.randn(8, 4), "b": torch.randn(4)}
+    s3dcp.save({"model": model, "optim": {"m": torch.randn(8, 4)}, "step": 3}, f"s3://{bucket}/run7/step-1000")
+    monkeypatch.chdir(tmp_path)
+    lines = [shlex.split(in_bucket(line, bucket), comments=True) for line in block.splitlines() if line.strip()]
+    assert [argv[:2] for argv in lines] == [["s3dcp", "export"]] * 2
+    outputs = []
+    for argv in lines:
+        capsys.readouterr()
+        assert cli.main(argv[1:]) == 0, argv
+        outputs.append(capsys.readouterr().out)
+    index = json.loads((tmp_path / "hf-model" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"w", "b"}  # --only model. --strip-prefix model.
+    loaded = {}
+    for name in set(index["weight_map"].values()):
+        loaded.update(load_file(tmp_path / "hf-model" / name))
+    assert torch.equal(loaded["w"], model["w"]) and torch.equal(loaded["b"], model["b"])
+    assert json.loads(outputs[1])  # --json: one JSON document
+    out = {"model.w": torch.zeros(8, 4)}
+    dcp.load(out, storage_reader=s3dcp.S3SafetensorsReader(f"s3://{bucket}/hf/step-1000/"))
+    assert torch.equal(out["model.w"], model["w"])
+
+
+# ------------------------------------------------------------------ docs/trainers.md
+def test_the_trainer_extras_exist():
+    lang, install = all_blocks("docs/trainers.md")[0]
+    named = re.findall(r"pip install 's3dcp\[(\w+)\]'", install)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert lang == "" and named == ["torchtitan", "lightning"] and all(extras[name] for name in named)
+
+
+def test_the_torchtitan_config(aws_env, s3_server):
+    (snippet,) = blocks("torchtitan", "python", "docs/trainers.md")
+    bucket = fresh_bucket(s3_server)
+    found: dict = {}
+    exec(in_bucket(snippet, bucket), found)  # noqa: S102 - the page's own code
+    config = found["checkpoint"]
+    assert (config.folder, config.async_mode, config.keep_latest_k, config.incremental) == \
+        (f"s3://{bucket}/run", "async", 3, True)
+
+
+def test_the_lightning_snippet_saves_every_100_steps_and_resumes_from_last(aws_env, s3_server, boto3_client):
+    import pytorch_lightning as pl
+
+    (snippet,) = blocks("Lightning", "python", "docs/trainers.md")
+    bucket = fresh_bucket(s3_server)
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            x = torch.randn(50, 4, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2]), batch_size=1)
+
+    first: dict = {"model": Model()}
+    exec(in_bucket(snippet, bucket), first)  # noqa: S102 - 3 epochs of 50 steps: saved at step 100
+    assert first["trainer"].global_step == 150
+    keys = [o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]]
+    committed = {key.split("/")[-2] for key in keys if key.endswith("/.metadata")}
+    assert "last.ckpt" in committed and any("step=100" in name for name in committed), committed
+    again: dict = {"model": Model()}
+    exec(in_bucket(snippet, bucket), again)  # noqa: S102 - resumes from last.ckpt (step 100, an epoch's end)
+    assert again["trainer"].global_step == 150
+    assert torch.equal(again["model"].net.weight, first["model"].net.weight)
+
+
+# ------------------------------------------------------------------ docs/compatibility.md
+def test_the_compat_settings():
+    (snippet,) = blocks("The setting", "python", "docs/compatibility.md")
+    made: list = []
+    exec(snippet, {"S3Config": lambda **kw: made.append(S3Config(endpoint_url="http://127.0.0.1:9", **kw))})  # noqa: S102
+    assert [c.compat for c in made] == ["s3", "s3", "gcs", "basic"]  # None: detected (a loopback host is S3)

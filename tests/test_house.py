@@ -22,10 +22,10 @@ STAGES = [
     ("loading", 3, ("s3dcp.loading",)),
     ("saving", 4, ("s3dcp.saving",)),
     ("lifecycle", 5, ("s3dcp.lifecycle",)),
-    ("interop", 5, ("s3dcp.interop",)),
     ("api", 5, ("s3dcp.api",)),
-    ("cli", 6, ("s3dcp.cli",)),
-    ("root", 7, ("s3dcp",)),
+    ("interop", 6, ("s3dcp.interop",)),  # trainer integrations keep checkpoints through lifecycle/
+    ("cli", 7, ("s3dcp.cli",)),
+    ("root", 8, ("s3dcp",)),
 ]
 
 

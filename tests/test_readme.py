@@ -10,7 +10,6 @@ import re
 import shlex
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -18,47 +17,32 @@ import torch
 import s3dcp
 from s3dcp import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from doc_pages import ROOT, aws_env, blocks as _blocks, fresh_bucket as _fresh_bucket, in_bucket as _in  # noqa: F401
 
 
-def _readme() -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        return f.read()
+# ------------------------------------------------------------------ Quick start
+def test_the_quick_start_is_the_two_scripts_and_by_hand_the_same_steps():
+    """The two commands are there (CI runs scripts/test through .ci/run); the manual steps install
+    what they install and run what they run."""
+    two = _blocks("Quick start", "bash")[0]
+    assert [line.split("#")[0].split() for line in two.splitlines()] == [["scripts/demo"], ["scripts/test"]]
+    for name in ("demo", "test"):
+        assert os.access(os.path.join(ROOT, "scripts", name), os.X_OK), name
+    (manual,) = _blocks("By hand", "bash")
+    steps = [line.split("#")[0].strip() for line in manual.splitlines()]
+    with open(os.path.join(ROOT, "scripts", "env.sh"), encoding="utf-8") as f:
+        env_sh = f.read()
+    torch_spec = re.search(r"TORCH_SPEC:-([^}]+)}", env_sh).group(1)
+    assert f"pip install {torch_spec}" in steps  # the same torch, from the configured index
+    assert "--index-url" not in " ".join(steps)
+    with open(os.path.join(ROOT, "scripts", "demo"), encoding="utf-8") as f:
+        demo = f.read()
+    with open(os.path.join(ROOT, "scripts", "test"), encoding="utf-8") as f:
+        test = f.read()
+    assert "s3dcp_env bench" in demo and "pip install -e '.[bench]'" in steps
+    assert "benchmarks/train_loop.py" in demo and "python benchmarks/train_loop.py" in steps
+    assert "s3dcp_env test" in test and "-m pytest" in test and "pip install -e '.[test]' && pytest" in steps
 
-
-def _blocks(heading: str, lang: str) -> list[str]:
-    """The ``lang`` code blocks of the README section whose heading starts with ``heading``
-    (up to the next heading of the same or a higher level)."""
-    text = _readme()
-    match = re.search(rf"^(#+) {re.escape(heading)}.*$", text, flags=re.M)
-    assert match, f"README has no section {heading!r}"
-    level = len(match.group(1))
-    rest = text[match.end():]
-    end = re.search(rf"^#{{1,{level}}} ", rest, flags=re.M)
-    section = rest[:end.start()] if end else rest
-    return re.findall(rf"^```{lang}\n(.*?)^```", section, flags=re.M | re.S)
-
-
-@pytest.fixture
-def aws_env(monkeypatch, s3_server):
-    """The environment ``eval "$(s3dcp server --print-env)"`` gives, for in-process snippets."""
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-
-
-def _fresh_bucket(s3_server) -> str:
-    name = f"t-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(name)
-    return name
-
-
-def _in(code: str, bucket: str) -> str:
-    """``code`` with the README's ``s3://bucket`` made ``s3://<bucket>``."""
-    changed, count = re.subn(r"s3://bucket(?=[/\s'\"]|$)", f"s3://{bucket}", code, flags=re.M)
-    assert count, code
-    return changed
 
 
 # ------------------------------------------------------------------ Try it locally in three commands
@@ -90,16 +74,25 @@ def test_try_it_locally_runs_as_written(s3_server, boto3_client, tmp_path):
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=180)
+        again = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], capture_output=True, text=True,
+                               env=env, cwd=tmp_path, timeout=180)  # the server still runs: as the README says
     finally:
         stand_in.kill()
         stand_in.wait()
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"pid {stand_in.pid}" in done.stderr and "created now: s3://demo" in done.stderr, done.stderr
-    shown = lines[2].partition("#")[2].split()  # what the README says `s3dcp ls` prints
-    assert shown and all(word in done.stdout for word in shown), (shown, done.stdout)
+    (shown,) = _blocks("Try it locally", "text")  # what the README says `s3dcp ls` prints: exactly that, but the age
+    assert _ageless(done.stdout) == _ageless(shown), (shown, done.stdout)
+    assert again.returncode != 0 and "CheckpointExistsError" in again.stderr, again.stdout + again.stderr
     out = {"w": torch.zeros(3)}
     s3dcp.load(out, "s3://demo/run1/step-1", config=s3_server.s3_config())
     assert torch.equal(out["w"], torch.ones(3))
+
+
+def _ageless(listing: str) -> list[list[str]]:
+    """The words of an ``s3dcp ls`` listing, line by line, the AGE column's (``2s``, ``5m``) made ``AGE``."""
+    return [[re.sub(r"^\d+[smhd]$", "AGE", word) for word in line.split()] for line in listing.splitlines()
+            if line.strip()]
 
 
 # ------------------------------------------------------------------ Use
@@ -175,3 +168,40 @@ def test_every_cli_line_runs(aws_env, s3_server, tmp_path, monkeypatch, capsys):
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert [c.step for c in s3dcp.CheckpointManager(f"s3://{bucket}/run7").list()] == [2000]
+
+
+# ------------------------------------------------------------------ Use with your trainer
+def test_the_trainer_snippets_run_as_written(aws_env, s3_server):
+    import pytorch_lightning as pl
+
+    titan, lightning = _blocks("Use with your trainer", "python")
+    bucket = _fresh_bucket(s3_server)
+    found: dict = {}
+    exec(_in(titan, bucket), found)  # noqa: S102 - the README's own code
+    config = found["checkpoint"]
+    assert (config.folder, config.keep_latest_k, config.incremental) == (f"s3://{bucket}/run", 3, True)
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2]), batch_size=4)
+
+    first: dict = {"model": Model()}
+    exec(_in(lightning, bucket), first)  # noqa: S102 - 3 epochs, checkpoints in the bucket
+    assert first["trainer"].global_step == 6
+    again: dict = {"model": Model()}
+    exec(_in(lightning, bucket), again)  # noqa: S102 - resumes from last: nothing left to train
+    assert again["trainer"].global_step == 6
+    assert torch.equal(again["model"].net.weight, first["model"].net.weight)

@@ -1,0 +1,354 @@
+"""Lightning: checkpoints saved to, resumed from and deleted in S3 through s3dcp.
+
+    Trainer(plugins=[S3CheckpointIO()], default_root_dir="s3://bucket/run", logger=False,
+            callbacks=[S3ModelCheckpoint(save_top_k=2, save_last=True, every_n_train_steps=100)])
+
+    save_checkpoint(dict, "s3://…/epoch=0-step=100.ckpt")          global rank 0, as Lightning calls it
+        dict ──split──► tensors (raw bytes, one DCP item each) + the rest (torch.save'd, as a uint8 tensor)
+             ──► S3StorageWriter: staged into s3dcp's host pool (async_save=True) or not, uploaded by
+                 the CRT, committed by .metadata written last
+    load_checkpoint(path)        .metadata ──► every item read (checksums verified) ──► the dict again
+                                 (the rest unpickled with torch.load(weights_only=...) as Lightning asks)
+    remove_checkpoint(path)      after the saves in flight have committed (kept if one failed):
+                                 .metadata first, then the objects no other checkpoint references
+
+:class:`S3ModelCheckpoint` is Lightning's ``ModelCheckpoint`` (top-k, ``save_last``,
+``every_n_train_steps``, ...) whose questions about the checkpoint directory (does this file
+exist, which ``last*.ckpt`` are there) see the committed checkpoints in S3
+(:mod:`s3dcp.interop.lightning_fs`), and whose ``last`` candidates reach the Trainer as
+``s3dcp://`` URLs, so that ``trainer.fit(ckpt_path="last")`` resumes from the newest *committed*
+one. Lightning's own ``ModelCheckpoint`` asks fsspec's ``s3`` file system (s3fs), which sees a
+checkpoint prefix as a directory and knows nothing of commits.
+
+Lightning calls the CheckpointIO only on global rank 0 for saves and deletions (DDP), on every
+rank for loads; every call here runs without collectives. FSDP's and ModelParallel's sharded
+saves do not go through a CheckpointIO at all (see ``docs/trainers.md``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+import torch
+
+from ..config import S3Config
+from ..errors import ConfigError, MetadataFormatError, unwrap_error
+from ..lifecycle.manager import delete_checkpoint
+from ..loading.reader import S3StorageReader
+from ..s3.client import S3Client
+from ..saving.writer import S3StorageWriter, SaveStats
+from ..uri import is_s3_uri, parse_s3_uri
+from . import lightning_fs
+
+try:
+    import torch.distributed.checkpoint as dcp
+    from lightning_fabric.plugins import CheckpointIO
+    from pytorch_lightning.callbacks import ModelCheckpoint
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError("s3dcp.interop.lightning needs pytorch-lightning: pip install 's3dcp[lightning]'") from e
+
+__all__ = ["S3CheckpointIO", "S3ModelCheckpoint"]
+
+log = logging.getLogger("s3dcp")
+
+_REST = "__lightning_rest__"  # the item holding everything that is not a tensor
+_SLOT = "__s3dcp_tensor__"  # marks where a tensor was, in the pickled rest
+
+
+class S3CheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` over s3dcp (see the module docstring).
+
+    Args:
+        config: :class:`S3Config`; default: resolved from the environment (``AWS_ENDPOINT_URL_S3``...).
+            It is also what ``s3dcp://`` URLs use in this process (``ckpt_path="last"``).
+        async_save: return from ``save_checkpoint`` once the tensors are copied into s3dcp's host
+            pool; the upload runs behind training. A save while the previous one still uploads
+            waits for it. ``teardown`` (the end of ``fit``) waits for the last one and raises its
+            error; an earlier failure is raised by the next save.
+        incremental: a tensor unchanged since the newest checkpoint this plugin committed in the
+            same directory is stored as a reference to it, not uploaded again (``last.ckpt`` saved
+            right after ``epoch=…-step=….ckpt`` uploads nothing but the rest). Deletion keeps what
+            a remaining checkpoint references.
+    """
+
+    def __init__(self, *, config: S3Config | None = None, async_save: bool = False, incremental: bool = False) -> None:
+        self.config = config or S3Config()
+        self.async_save = async_save
+        self.incremental = incremental
+        self._client: S3Client | None = None
+        self._lock = threading.Lock()
+        self._in_flight: list[concurrent.futures.Future] = []
+        self._committed: dict[str, str] = {}  # parent prefix -> newest checkpoint committed there (incremental)
+        self._deletions: list[concurrent.futures.Future] = []  # removals waiting for a save to commit
+        self.last_writer: S3StorageWriter | None = None
+        lightning_fs.register(self.config)
+
+    @property
+    def last_stats(self) -> SaveStats | None:
+        """The figures of the last save (bytes uploaded, inherited, stage and upload seconds);
+        complete once it has committed."""
+        return None if self.last_writer is None else self.last_writer.last_stats
+
+    @property
+    def client(self) -> S3Client:
+        if self._client is None:
+            self._client = S3Client(self.config)
+        return self._client
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        uri = _s3_path(path)
+        self._raise_finished_errors()
+        tensors, rest = _split(checkpoint)
+        tensors[_REST] = _pickled(rest)
+        base = self._base_for(uri) if self.incremental else None
+        writer = S3StorageWriter(uri, config=self.config, client=self.client, overwrite=True,
+                                 incremental_from=base, item_checksum="crc64nvme" if self.incremental else None)
+        self.last_writer = writer
+        try:
+            if not self.async_save:
+                dcp.save(tensors, storage_writer=writer, no_dist=True)
+                self._committed_at(uri)
+                return
+            response = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise unwrap_error(e)  # chained from DCP's exception
+        upload = getattr(response, "upload_completion", response)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_running_or_notify_cancel()
+
+        def committed(f: concurrent.futures.Future) -> None:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
+                error = unwrap_error(e)
+                log.error("checkpoint %s failed: %s: %s", uri, type(error).__name__, error)
+                done.set_exception(error)
+                return
+            self._committed_at(uri)
+            done.set_result(None)
+
+        with self._lock:
+            self._in_flight.append(done)
+        upload.add_done_callback(committed)
+
+    def _base_for(self, uri: str) -> str | None:
+        parent = uri.rpartition("/")[0]
+        self.wait()  # the base must be committed: the save in flight first
+        with self._lock:
+            base = self._committed.get(parent)
+        return None if base == uri else base
+
+    def _committed_at(self, uri: str) -> None:
+        with self._lock:
+            self._committed[uri.rpartition("/")[0]] = uri
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint at ``path`` (``s3://`` or ``s3dcp://``), as it was saved; a missing or
+        uncommitted one raises :class:`~s3dcp.errors.CheckpointNotFoundError` (a
+        ``FileNotFoundError``) or :class:`~s3dcp.errors.IncompleteCheckpointError`."""
+        uri = _s3_path(path)
+        reader = S3StorageReader(uri, config=self.config, client=self.client)
+        try:
+            state = _destinations(reader.read_metadata(), uri)
+            if _REST not in state:
+                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise unwrap_error(e)
+        rest = torch.load(io.BytesIO(state.pop(_REST).numpy().tobytes()), weights_only=weights_only)
+        if isinstance(map_location, (str, torch.device)):
+            state = {k: v.to(map_location) for k, v in state.items()}
+        return _join(rest, state)
+
+    # ------------------------------------------------------------------ delete
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path`` once the saves in flight have committed; if one of
+        them failed, ``path`` is kept (it may be the newest good checkpoint left)."""
+        uri = _s3_path(path)
+        with self._lock:
+            gate = self._in_flight[-1] if self._in_flight else None
+        if gate is None:
+            self._delete(uri)
+            return
+        deleted: concurrent.futures.Future = concurrent.futures.Future()
+        deleted.set_running_or_notify_cancel()
+
+        def after(f: concurrent.futures.Future) -> None:
+            try:
+                if f.exception() is not None:
+                    log.warning("kept %s: the newer checkpoint saved before its removal failed", uri)
+                else:
+                    self._delete(uri)
+            except Exception:  # noqa: BLE001 - a leftover for `s3dcp gc`, never a failed training step
+                log.warning("could not delete %s", uri, exc_info=True)
+            finally:
+                deleted.set_result(None)
+
+        with self._lock:
+            self._deletions.append(deleted)
+        gate.add_done_callback(after)
+
+    def _delete(self, uri: str) -> None:
+        with self._lock:
+            self._committed = {p: u for p, u in self._committed.items() if u != uri}
+        result = delete_checkpoint(self.client, parse_s3_uri(uri))
+        log.info("deleted checkpoint %s (%d bytes)%s", uri, result.deleted_bytes,
+                 f"; kept {len(result.kept)} object(s) that other checkpoints reference" if result.kept else "")
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Wait for the saves in flight and the removals behind them; raise the first error
+        among the saves (once)."""
+        with self._lock:
+            pending, self._in_flight = self._in_flight, []
+        concurrent.futures.wait(pending)
+        with self._lock:
+            deletions, self._deletions = self._deletions, []
+        concurrent.futures.wait(deletions)
+        errors = [f.exception() for f in pending if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def teardown(self) -> None:
+        self.wait()
+
+    def _raise_finished_errors(self) -> None:
+        with self._lock:
+            finished = [f for f in self._in_flight if f.done()]
+            self._in_flight = [f for f in self._in_flight if not f.done()]
+        errors = [f.exception() for f in finished if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+
+class S3ModelCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` for an ``s3://`` directory (its ``dirpath``, or
+    ``default_root_dir/checkpoints`` when the Trainer has no logger): the same arguments and
+    behaviour, with existence checks and ``last`` lookups that see committed s3dcp checkpoints.
+    Any other directory behaves exactly as ``ModelCheckpoint``."""
+
+    def __init__(self, dirpath: Any = None, *args: Any, config: S3Config | None = None, **kwargs: Any) -> None:
+        s3 = dirpath is not None and is_s3_uri(str(dirpath))
+        super().__init__(None if s3 else dirpath, *args, **kwargs)  # its own look-up would ask fsspec's s3
+        self._s3_config = config
+        if s3:
+            self.dirpath = str(dirpath).rstrip("/")
+            self._fs = self._s3_fs()
+
+    def _s3_fs(self) -> lightning_fs.CheckpointFileSystem:
+        lightning_fs.register()
+        return lightning_fs.CheckpointFileSystem(self._s3_config)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
+        if not is_s3_uri(str(dirpath)):
+            return super().setup(trainer, pl_module, stage)
+        self.dirpath = trainer.strategy.broadcast(str(dirpath).rstrip("/"))
+        self._fs = self._s3_fs()
+        if self.save_last == "link":
+            raise ValueError(f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, "
+                             f"got `dirpath={self.dirpath}`.")
+        if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and self._fs.exists(self.dirpath):
+            if self._fs.ls(self.dirpath, detail=False):
+                log.warning("checkpoint directory %s exists and is not empty", self.dirpath)
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
+        if not is_s3_uri(str(dirpath)):
+            return super()._find_last_checkpoints(trainer)
+        fs = self._s3_fs()
+        if not fs.exists(str(dirpath)):
+            return set()
+        last = self.CHECKPOINT_NAME_LAST
+        names = [e["name"] for e in fs.ls(str(dirpath)) if e["type"] == "file"]
+        # s3dcp:// so that the Trainer's fsspec look-up of each candidate reaches the view of commits
+        return {f"{lightning_fs.PROTOCOL}://{n}" for n in names
+                if n.endswith(self.FILE_EXTENSION) and _is_last(os.path.basename(n), last, self.FILE_EXTENSION)}
+
+
+# ---------------------------------------------------------------------- the checkpoint dict
+def _split(checkpoint: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """The tensors of ``checkpoint`` by a path-derived name, and ``checkpoint`` with each tensor
+    replaced by ``(_SLOT, name)``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name = path or "tensor"
+            if name in tensors or name == _REST:
+                name = f"{name}#{len(tensors)}"
+            tensors[name] = obj.detach()
+            return (_SLOT, name)
+        if type(obj) is dict:
+            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj))
+        return obj  # anything else (tensors inside included) is pickled with the rest
+
+    return tensors, walk(checkpoint, "")
+
+
+def _join(rest: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    def walk(obj: Any) -> Any:
+        if type(obj) is tuple and len(obj) == 2 and obj[0] == _SLOT:
+            return tensors[obj[1]]
+        if type(obj) is dict:
+            return {k: walk(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    return walk(rest)
+
+
+def _destinations(metadata: Any, uri: str) -> dict[str, torch.Tensor]:
+    """An empty tensor for each tensor the (untrusted) metadata declares, allocated only once its
+    size agrees with the bytes its items say are stored."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored: dict[str, int] = {}
+    for index, location in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + location.length
+    state = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
+        if nbytes != stored.get(fqn, 0):
+            raise MetadataFormatError(f"{uri}: item {fqn!r} declares {tuple(md.size)} {md.properties.dtype} ({nbytes} bytes) "
+                              f"but its stored chunks hold {stored.get(fqn, 0)} bytes; refusing to load it")
+        state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+    return state
+
+
+def _pickled(rest: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(rest, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _s3_path(path: Any) -> str:
+    path = str(path).rstrip("/")
+    if path.startswith(f"{lightning_fs.PROTOCOL}://"):
+        path = "s3://" + path[len(lightning_fs.PROTOCOL) + 3:]
+    if not is_s3_uri(path):
+        raise ConfigError(f"S3CheckpointIO saves to s3:// paths, not {path!r}: give the Trainer "
+                          "default_root_dir='s3://bucket/run' (or S3ModelCheckpoint(dirpath='s3://...'))")
+    parse_s3_uri(path)
+    return path
+
+
+def _is_last(name: str, last: str, extension: str) -> bool:
+    return bool(re.match(rf"^{re.escape(last)}(-(\d+))?{re.escape(extension)}$", name))
+

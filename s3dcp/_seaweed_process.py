@@ -16,6 +16,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 from contextlib import ExitStack, suppress
 
@@ -31,7 +32,8 @@ MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
 
 # The reaper: `sh -c _REAPER reaper GRACE_S OWNED_DIR SOCKET... -- WEED ARGS...`. It starts weed,
 # prints weed's pid on its stdout (then closes it), and forwards SIGTERM (a stop) to weed. On
-# SIGHUP (the starter died: see _die_with_this_thread) it stops weed too, SIGKILLs it if it is
+# SIGHUP (the starter died: see _die_with_this_thread; trappable even under nohup: see
+# reaper_command) it stops weed too, SIGKILLs it if it is
 # still running GRACE_S (whole) seconds later (nobody else will: weed's volume server waits ~30 s
 # for the connections of a killed client, and a SIGTERM that reaches weed before its exec is
 # lost), and deletes OWNED_DIR (empty: none). Once weed has
@@ -76,6 +78,26 @@ rm -f $sockets
 if [ -n "$orphaned" ] && [ -n "$owned" ]; then rm -rf "$owned"; fi
 exit "$status"
 """
+
+
+# Runs the reaper with SIGHUP and SIGTERM at their default dispositions, whatever it inherited.
+# A POSIX shell cannot trap a signal that was ignored when it started, and jobs are often
+# started with SIGHUP ignored (`nohup python -m pytest ...`, some schedulers): the reaper would
+# then never learn of its starter's death and weed would outlive it with its data dir. Also
+# undoes what Python itself ignores at startup (SIGPIPE, SIGXFSZ), which an exec would pass on.
+_DEFAULT_DISPOSITIONS = (
+    "import os, signal, sys\n"
+    "for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n"
+)
+
+
+def reaper_command(grace_s: float, owned_dir: str | None, sockets: list[str]) -> list[str]:
+    """The reaper's command line, to be followed by weed's (see :data:`_REAPER`), its signal
+    dispositions reset first (see :data:`_DEFAULT_DISPOSITIONS`)."""
+    return [sys.executable, "-I", "-S", "-c", _DEFAULT_DISPOSITIONS,
+            "/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", f"{grace_s:g}", owned_dir or "", *sockets, "--"]
 
 
 def pick_ports(s3_port: int | None = None) -> dict[str, int]:
@@ -161,8 +183,7 @@ class WeedProcess:
         """Run ``command`` (weed) under the reaper, its output appended to ``log_path``, and
         learn weed's pid. Set :attr:`owned_dir` and :attr:`sockets` first: the reaper removes
         them."""
-        reaper = ["/bin/sh", "-c", _REAPER, "s3dcp-weed-reaper", f"{_STOP_GRACE_S:g}",
-                  self.owned_dir or "", *self.sockets, "--"]
+        reaper = reaper_command(_STOP_GRACE_S, self.owned_dir, self.sockets)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 _die_with_this_thread() + reaper + command,

@@ -286,4 +286,6 @@ def test_the_compat_settings():
     (snippet,) = blocks("The setting", "python", "docs/compatibility.md")
     made: list = []
     exec(snippet, {"S3Config": lambda **kw: made.append(S3Config(endpoint_url="http://127.0.0.1:9", **kw))})  # noqa: S102
-    assert [c.compat for c in made] == ["s3", "s3", "gcs", "basic"]  # None: detected (a loopback host is S3)
+    assert [c.compat for c in made] == [None, "s3", "gcs", "basic"]
+    # None is detected when the config is resolved: a loopback host is S3 (unless S3DCP_COMPAT says otherwise)
+    assert [c.resolved({}).compat for c in made] == ["s3", "s3", "gcs", "basic"]

@@ -170,11 +170,11 @@ def test_every_cli_line_runs(aws_env, s3_server, tmp_path, monkeypatch, capsys):
     assert [c.step for c in s3dcp.CheckpointManager(f"s3://{bucket}/run7").list()] == [2000]
 
 
-# ------------------------------------------------------------------ Use with your trainer
+# ------------------------------------------------------------------ Trainers
 def test_the_trainer_snippets_run_as_written(aws_env, s3_server):
     import pytorch_lightning as pl
 
-    titan, lightning = _blocks("Use with your trainer", "python")
+    titan, lightning = _blocks("Trainers: torchtitan", "python")
     bucket = _fresh_bucket(s3_server)
     found: dict = {}
     exec(_in(titan, bucket), found)  # noqa: S102 - the README's own code

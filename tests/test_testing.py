@@ -204,7 +204,18 @@ def test_start_and_stop_leave_nothing_in_the_temp_directories(tmp_path, monkeypa
     assert sorted(p for p in sockets if os.path.lexists(p)) == []
 
 
-def test_server_goes_when_its_starter_is_killed(tmp_path):
+# Both ways a job may be started: SIGHUP at its default, or ignored (`nohup python -m pytest`,
+# some schedulers), which a POSIX shell inherits and cannot trap. Set explicitly in the child, so
+# each case holds whichever way this run itself was started.
+_SIGHUP = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}
+
+
+def _sighup(disposition: str):
+    return lambda: signal.signal(signal.SIGHUP, _SIGHUP[disposition])
+
+
+@pytest.mark.parametrize("sighup", sorted(_SIGHUP))
+def test_server_goes_when_its_starter_is_killed(tmp_path, sighup):
     """SIGKILL leaves no exit hook to run: the server must still not outlive its starter, and
     its data dir and sockets must go with it."""
     private_tmp = tmp_path / "tmp"
@@ -217,7 +228,7 @@ def test_server_goes_when_its_starter_is_killed(tmp_path):
         "time.sleep(120)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(private_tmp)})
+                            env={**os.environ, "TMPDIR": str(private_tmp)}, preexec_fn=_sighup(sighup))
     try:
         pid, data_dir, ports = json.loads(proc.stdout.readline())
         assert not _gone(pid)  # running
@@ -236,15 +247,16 @@ def test_server_goes_when_its_starter_is_killed(tmp_path):
             proc.kill()
 
 
-def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path):
+@pytest.mark.parametrize("sighup", sorted(_SIGHUP))
+def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path, sighup):
     """weed's volume server can wait ~30 s on the connections of a killed client: when the
     starter is gone (SIGHUP), nobody else will escalate, so the reaper SIGKILLs it after the grace."""
     pid_file = tmp_path / "pid"
     owned = tmp_path / "owned"
     owned.mkdir()
     stubborn = f"trap '' TERM; echo $$ > '{pid_file}'; while :; do sleep 0.1; done"
-    reaper = subprocess.Popen(["/bin/sh", "-c", _seaweed_process._REAPER, "reaper", "1", str(owned), "--",
-                               "/bin/sh", "-c", stubborn], stdout=subprocess.PIPE, text=True)
+    reaper = subprocess.Popen(_seaweed_process.reaper_command(1, str(owned), []) + ["/bin/sh", "-c", stubborn],
+                              stdout=subprocess.PIPE, text=True, preexec_fn=_sighup(sighup))
     try:
         weed_pid = int(reaper.stdout.readline())
         assert _wait_until(pid_file.exists, 10)
@@ -263,13 +275,14 @@ def test_orphaned_reaper_kills_a_server_that_ignores_sigterm(tmp_path):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-def test_orphaned_reaper_leaves_no_timer_behind_when_the_server_stops_in_time(tmp_path):
+@pytest.mark.parametrize("sighup", sorted(_SIGHUP))
+def test_orphaned_reaper_leaves_no_timer_behind_when_the_server_stops_in_time(tmp_path, sighup):
     pid_file = tmp_path / "pid"
     owned = tmp_path / "owned"
     owned.mkdir()
-    reaper = subprocess.Popen(["/bin/sh", "-c", _seaweed_process._REAPER, "reaper", "30", str(owned), "--",
-                               "/bin/sh", "-c", f"echo $$ > '{pid_file}'; exec sleep 60"],
-                              stdout=subprocess.PIPE, text=True)
+    reaper = subprocess.Popen(_seaweed_process.reaper_command(30, str(owned), [])
+                              + ["/bin/sh", "-c", f"echo $$ > '{pid_file}'; exec sleep 60"],
+                              stdout=subprocess.PIPE, text=True, preexec_fn=_sighup(sighup))
     try:
         weed_pid = int(reaper.stdout.readline())
         assert _wait_until(pid_file.exists, 10)  # started (a SIGTERM before its exec would be lost)

@@ -170,7 +170,9 @@ def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..format.references import sources
-    from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of
+    from ..errors import MetadataFormatError
+    from ..format.layout import check_location
+    from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of, str_to_dtype
     from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
@@ -179,7 +181,13 @@ def cmd_inspect(args) -> int:
     format_version = format_version_of(client.get(uri.bucket, uri.key(METADATA_NAME)).result())
     stored: dict[str, int] = {}
     objects: dict[str, dict[str, Any]] = {}
+    invalid: list[dict[str, Any]] = []  # locations that cannot describe stored bytes (damaged or crafted)
     for index, loc in md.storage_data.items():
+        try:
+            check_location(loc, None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize, f"item {index.fqn!r}")
+        except MetadataFormatError as e:
+            invalid.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
+                            "reason": str(e)})
         stored[index.fqn] = stored.get(index.fqn, 0) + loc.length
         parsed = parse_object_name(loc.object_name.rpartition("/")[2])
         obj = objects.setdefault(loc.object_name, {
@@ -201,10 +209,11 @@ def cmd_inspect(args) -> int:
         "objects": sorted(objects.values(), key=lambda o: (o["rank"] is None, o["rank"] or 0, o["object"])),
         "total_bytes": sum(stored.values()),
         **sources(md.storage_data.values()),  # incremental: bytes written vs inherited per base
+        "invalid_items": invalid,
     }
     if args.json:
         print_json(report)
-        return 0
+        return 1 if invalid else 0
     extra = "".join(f", {label} {value}" for label, value in (("DCP", md.version), ("save", report["save_id"]))
                     if value)
     print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
@@ -226,4 +235,12 @@ def cmd_inspect(args) -> int:
                     indent=2)
     print(f"\ntotal: {report['total_bytes']} bytes ({format_size(report['total_bytes'])}) "
           f"in {len(md.storage_data)} item(s), {len(objects)} object(s)")
+    if invalid:
+        print(f"\nINVALID items: {len(invalid)}")
+        print_table(["FQN", "CHUNK", "REASON"],
+                    [[i["fqn"], "-" if i["offset"] is None else tuple(i["offset"]), i["reason"]] for i in invalid],
+                    indent=2)
+        print(f"s3dcp: error: {len(invalid)} item(s) of {uri} have locations that cannot be right "
+              "(damaged or crafted metadata); this checkpoint will not load", file=sys.stderr)
+        return 1
     return 0

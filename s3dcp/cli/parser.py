@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = command("verify", cmd_verify, "download every item and check its checksum (exit 1 if any is bad)")
+    p = command("verify", cmd_verify, "download every item and check its checksum (exit 1 if any is bad or has none)")
     p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from ..errors import S3DCPError, UnsafePickleError, root_error
+from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
 from ..uri import S3Uri, object_key, parse_s3_uri
 from .common import UsageError, s3_client
@@ -21,8 +21,13 @@ _READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one bloc
 
 # ---------------------------------------------------------------------- verify
 def cmd_verify(args) -> int:
+    """Read every item the metadata declares and check it against its checksum. OK only when
+    every declared item was read whole and matched; an item with an impossible location, no
+    checksum (nothing to check it against), a short or failed read, or a mismatch makes the
+    exit status 1 and is named."""
     from collections import deque
 
+    from ..format.metadata import str_to_dtype
     from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
@@ -30,16 +35,24 @@ def cmd_verify(args) -> int:
     md = S3StorageReader(str(uri), client=client).fetch_metadata()
     checks: list[_Verify] = []
     bad: list[dict[str, Any]] = []
-    unchecked = 0
+    skipped: list[dict[str, Any]] = []
+    declared_bytes = 0
     segments: dict[str, list[layout.Segment]] = {}
     for index, loc in md.storage_data.items():
+        declared_bytes += max(0, loc.length) if type(loc.length) is int else 0
+        try:
+            size = None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize
+            layout.check_location(loc, size, f"item {index.fqn!r}{_chunk(index.offset)}")
+        except MetadataFormatError as e:
+            bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
+            continue
         if loc.checksum is None:
-            unchecked += 1
+            skipped.append(_bad(uri, index, loc, None, reason="no checksum recorded: its bytes cannot be checked"))
             continue
         try:
             check = _Verify(index, integrity.ItemCheck(loc))
         except ValueError as e:
-            bad.append(_bad(uri, index, loc, str(e)))
+            bad.append(_bad(uri, index, loc, None, reason=str(e)))
             continue
         checks.append(check)
         step = check.item.piece_bytes  # pieces line up with the block checksums
@@ -68,23 +81,39 @@ def cmd_verify(args) -> int:
                 finish_oldest()
         while window:
             finish_oldest()
+    verified = [c for c in checks if c.error is None and c.item.whole and c.item.ok]
+    for c in checks:
+        if c.error is None and not c.item.whole:  # never fed in full: not verified, whatever ok says
+            c.error = f"only {c.item.fed_bytes} of its {c.item.location.length} bytes were read"
     bad += [_bad(uri, c.index, c.item.location, c.error or c.item.got, c.item.bad_blocks)
             for c in checks if c.error or not c.item.ok]
-    nbytes = sum(c.item.location.length for c in checks)
+    nbytes = sum(c.item.location.length for c in verified)
+    ok = not bad and not skipped and len(verified) == len(md.storage_data)
     if args.json:
-        print_json({"uri": str(uri), "ok": not bad, "items": len(md.storage_data), "checked_items": len(checks),
-                     "unchecked_items": unchecked, "bytes": nbytes, "bad": bad})
+        print_json({"uri": str(uri), "ok": ok, "items": len(md.storage_data), "checked_items": len(checks),
+                     "verified_items": len(verified), "unchecked_items": len(skipped), "bytes": nbytes,
+                     "declared_bytes": declared_bytes, "bad": bad, "unchecked": skipped})
     else:
         for b in bad:
             where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
-            print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
-                  f"expected {b['expected']}, got {b['got']}{where}")
-        if not bad:
-            note = f", {unchecked} without checksums (not checked)" if unchecked else ""
-            print(f"OK: {len(checks)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
-                  f"{len({c.item.location.object_name for c in checks})} object(s) of {uri} verified{note}")
-    if bad:
-        print(f"s3dcp: error: {len(bad)} bad item(s) in {uri}; restore from another checkpoint", file=sys.stderr)
+            if b["reason"]:
+                print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']}: {b['reason']}")
+            else:
+                print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                      f"expected {b['expected']}, got {b['got']}{where}")
+        for b in skipped:
+            print(f"NOT CHECKED {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                  f"{b['reason']}")
+        if ok:
+            print(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
+                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified")
+    if not ok:
+        parts = [f"{len(bad)} bad item(s)"] if bad else []
+        if skipped:
+            parts.append(f"{len(skipped)} item(s) without a checksum, not checked")
+        print(f"s3dcp: error: {', '.join(parts) or 'not every item was verified'} in {uri}: "
+              f"{len(verified)} of {len(md.storage_data)} item(s), {nbytes} of {declared_bytes} bytes verified"
+              + ("; restore from another checkpoint" if bad else ""), file=sys.stderr)
         return 1
     return 0
 
@@ -110,11 +139,13 @@ def _check_run(future, buf: memoryview, start: int, run: list) -> None:
             seg.tag.item.feed(buf[seg.offset - start:seg.end - start])
 
 
-def _bad(uri: S3Uri, index, loc, got: str, bad_blocks: Sequence[int] = ()) -> dict[str, Any]:
+def _bad(uri: S3Uri, index, loc, got: str | None, bad_blocks: Sequence[int] = (), *,
+         reason: str | None = None) -> dict[str, Any]:
+    """One item verify could not pass: its checksum ``got``, or the ``reason`` it was not checked."""
     return {"object": f"s3://{uri.bucket}/{object_key(uri, loc.object_name)}", "fqn": index.fqn,
             "offset": None if index.offset is None else list(index.offset),
             "start": loc.offset, "end": loc.offset + loc.length, "expected": loc.checksum, "got": got,
-            "bad_blocks": list(bad_blocks)}
+            "bad_blocks": list(bad_blocks), "reason": reason}
 
 
 def _chunk(offset) -> str:
@@ -135,8 +166,10 @@ def cmd_download(args) -> int:
     out = args.to_torch_save
     if os.path.exists(out) and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
-    reader = S3StorageReader(str(uri), client=s3_client(args), allow_pickle=args.allow_pickle)
-    reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    client = s3_client(args)
+    reader = S3StorageReader(str(uri), client=client, allow_pickle=args.allow_pickle)
+    md = reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
+    _check_declared_sizes(client, uri, md)
     state_dict: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():
@@ -160,3 +193,42 @@ def cmd_download(args) -> int:
     else:
         print(f"wrote {out}: {len(state_dict)} top-level key(s), {format_size(nbytes)} from {uri}")
     return 0
+
+
+def _check_declared_sizes(client, uri: S3Uri, md) -> None:
+    """Before the planner allocates every tensor at the size the metadata declares: each
+    tensor's chunks tile it exactly, each chunk's stored length is its bytes, and each item lies
+    inside its object (one LIST of the checkpoint, a HEAD for objects elsewhere). So what is
+    allocated is at most what the objects hold."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
+    sizes = {o.key: o.size for o in objects}
+    for fqn, meta in md.state_dict_metadata.items():
+        where = f"{uri}: tensor {fqn!r} of shape {list(meta.size)}" if isinstance(meta, TensorStorageMetadata) \
+            else f"{uri}: item {fqn!r}"
+        if isinstance(meta, TensorStorageMetadata):
+            layout.check_tiling(tuple(meta.size), [(c.offsets, c.sizes) for c in meta.chunks], where)
+            keys = [(MetadataIndex(fqn, c.offsets), c.sizes) for c in meta.chunks]
+        else:
+            keys = [(MetadataIndex(fqn), None)]
+        for index, chunk_sizes in keys:
+            loc = md.storage_data.get(index)
+            if loc is None:
+                continue  # the reader names a missing location when it gets there
+            if chunk_sizes is not None:
+                expected = meta.properties.dtype.itemsize * _prod(chunk_sizes)
+                if loc.length != expected:
+                    raise MetadataFormatError(f"{where}: the chunk at {tuple(index.offset)} is stored in "
+                                              f"{loc.length} bytes, not its {expected}")
+            key = object_key(uri, loc.object_name)
+            if key not in sizes:
+                sizes[key] = client.head(uri.bucket, key).result().size
+            layout.check_in_object(loc, sizes[key], where)
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

@@ -121,6 +121,11 @@ class ItemCheck:
         return self
 
     @property
+    def fed_bytes(self) -> int:
+        """How many bytes of the item were fed (from ``start``)."""
+        return self._pos - self._start
+
+    @property
     def whole(self) -> bool:
         return self._start == 0 and self._pos == self.location.length
 

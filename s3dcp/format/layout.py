@@ -14,10 +14,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ..errors import MetadataFormatError
+
 __all__ = [
     "METADATA_NAME", "PENDING_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
-    "parse_object_name", "is_data_object", "METADATA_HEAD_BYTES", "is_s3dcp_metadata_head", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
-    "coalesce", "Piece", "box_pieces",
+    "parse_object_name", "is_data_object", "METADATA_HEAD_BYTES", "is_s3dcp_metadata_head", "object_sizes",
+    "box_byte_range", "is_contiguous_box", "Segment", "coalesce", "Piece", "box_pieces", "MAX_BYTES_ITEM_BYTES",
+    "check_location", "check_box", "check_in_object", "MAX_TILING_CELLS", "check_tiling",
 ]
 
 # The names of a checkpoint directory's objects, defined here and nowhere else:
@@ -42,6 +45,107 @@ class ItemLocation:
     shape: tuple[int, ...] | None = None  # tensor items: the stored chunk's shape (C-contiguous raw bytes)
     block_size: int = 0  # > 0 when the item also has per-block checksums (large items)
     block_checksums: tuple[str, ...] = ()  # checksum of each block_size slice, the last one shorter
+
+
+# Non-tensor items are the planner's BytesIO values (small pickles: ints, strings, optimizer
+# hyper-parameters) read whole into memory; larger is a damaged or crafted length.
+MAX_BYTES_ITEM_BYTES = 1 << 32
+
+
+# ---------------------------------------------------------------------------- what a location may say
+def check_location(loc: ItemLocation, element_size: int | None, where: str) -> None:
+    """Refuse a location whose numbers cannot describe stored bytes, before anything is
+    allocated or fetched for it: a negative offset or length, a tensor item whose length is not
+    ``element_size`` × the elements of its shape (``element_size``: of ``loc.dtype``; None for a
+    non-tensor item), a non-tensor item over :data:`MAX_BYTES_ITEM_BYTES`, per-block checksums
+    that do not cover the item block by block. ``where`` names the item in the error."""
+    for name in ("offset", "length", "block_size"):
+        value = getattr(loc, name)
+        if type(value) is not int or value < 0:
+            raise MetadataFormatError(
+                f"{where}: {name} {value!r} is not a non-negative int (damaged or crafted metadata)")
+    if element_size is None:
+        if loc.length > MAX_BYTES_ITEM_BYTES:
+            raise MetadataFormatError(
+                f"{where}: length {loc.length} of a non-tensor item is over the {MAX_BYTES_ITEM_BYTES}-byte bound "
+                "(damaged or crafted metadata)")
+    else:
+        shape = loc.shape
+        if shape is None or any(type(n) is not int or n < 0 for n in shape):
+            raise MetadataFormatError(f"{where}: tensor item with shape {shape!r} (damaged or crafted metadata)")
+        expected = element_size * _prod(shape)
+        if loc.length != expected:
+            raise MetadataFormatError(
+                f"{where}: length {loc.length} is not the {expected} bytes of its {loc.dtype}{list(shape)} chunk "
+                f"({element_size}-byte elements; damaged or crafted metadata)")
+    if loc.block_size or loc.block_checksums:
+        blocks = -(-loc.length // loc.block_size) if loc.block_size else None
+        if blocks != len(loc.block_checksums) or loc.checksum is None:
+            raise MetadataFormatError(
+                f"{where}: {len(loc.block_checksums)} block checksum(s) for block_size {loc.block_size} over "
+                f"length {loc.length} (damaged or crafted metadata)")
+
+
+def check_box(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], where: str) -> None:
+    """Refuse a read of the sub-box ``offsets``/``lengths`` that is not inside a stored item of ``shape``."""
+    if len(offsets) != len(shape) or len(lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        raise MetadataFormatError(
+            f"{where}: the box at {tuple(offsets)} of {tuple(lengths)} elements is not inside the stored "
+            f"chunk of shape {tuple(shape)} (damaged or crafted metadata)")
+
+
+def check_in_object(loc: ItemLocation, object_bytes: int, where: str) -> None:
+    """Refuse an item that ends past the end of its object of ``object_bytes`` bytes."""
+    if loc.offset + loc.length > object_bytes:
+        raise MetadataFormatError(
+            f"{where}: bytes {loc.offset}-{loc.offset + loc.length} are past the end of {loc.object_name} "
+            f"({object_bytes} bytes): the object was truncated or replaced, or the metadata is damaged or crafted")
+
+
+# A tensor's chunk boundaries cut it into a grid of cells; a regular sharding has one cell per
+# chunk. More cells than this is not a layout any planner makes.
+MAX_TILING_CELLS = 1 << 22
+
+
+def check_tiling(shape: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]], where: str) -> None:
+    """Refuse chunks (``(offsets, sizes)`` boxes) that do not tile a tensor of ``shape`` exactly:
+    a chunk outside the tensor, two chunks that overlap, or a hole no chunk covers — which an
+    export would otherwise write as whatever its buffer held.
+
+    Work is bounded by the grid the chunk boundaries make (one cell per chunk for a regular
+    sharding), never by the elements; a grid over :data:`MAX_TILING_CELLS` cells is refused."""
+    shape = tuple(shape)
+    for offsets, sizes in chunks:
+        check_box(shape, offsets, sizes, where)
+    if _prod(shape) == 0:
+        return
+    chunks = [(tuple(o), tuple(n)) for o, n in chunks if _prod(n)]
+    bounds = [sorted({0, d} | {o[i] for o, _ in chunks} | {o[i] + n[i] for o, n in chunks})
+              for i, d in enumerate(shape)]
+    cells = _prod(len(b) - 1 for b in bounds)
+    if cells > MAX_TILING_CELLS:
+        raise MetadataFormatError(f"{where}: its {len(chunks)} chunks cut it into {cells} pieces, over the "
+                                  f"{MAX_TILING_CELLS} checked (damaged or crafted metadata)")
+    at = [{v: k for k, v in enumerate(b)} for b in bounds]
+    steps = [_prod(len(b) - 1 for b in bounds[i + 1:]) for i in range(len(shape))]
+    covered = bytearray(cells)
+    for offsets, sizes in chunks:
+        ranges = [range(at[i][o], at[i][o + n]) for i, (o, n) in enumerate(zip(offsets, sizes))]
+        for cell in itertools.product(*ranges):
+            k = sum(c * s for c, s in zip(cell, steps))
+            if covered[k]:
+                raise MetadataFormatError(f"{where}: the chunk at {offsets} overlaps another chunk "
+                                          "(damaged or crafted metadata)")
+            covered[k] = 1
+    if 0 in covered:
+        k = covered.index(0)
+        corner = []
+        for b, s in zip(bounds, steps):
+            corner.append(b[k // s])
+            k %= s
+        raise MetadataFormatError(f"{where}: no chunk holds the elements at {tuple(corner)} "
+                                  "(a hole; damaged or crafted metadata)")
 
 
 # ---------------------------------------------------------------------------- save side

@@ -91,8 +91,8 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
         raise MetadataFormatError(f"{source}: header says {n} bytes, only {len(raw) - HEADER_LENGTH_BYTES} given")
     try:
         doc = json.loads(bytes(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataFormatError(f"{source}: the safetensors header is not JSON ({e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise MetadataFormatError(f"{source}: the safetensors header is not JSON ({_short(str(e))})") from None
     if not isinstance(doc, dict):
         raise MetadataFormatError(f"{source}: the safetensors header is not a JSON object")
     data_start = HEADER_LENGTH_BYTES + n
@@ -100,15 +100,19 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
     entries = []
     for name, spec in doc.items():
         try:
-            dtype_name, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
+            dtype_name, dims, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
-            raise MetadataFormatError(f"{source}: tensor {name!r} has a malformed header entry {spec!r}") from e
+            raise MetadataFormatError(f"{source}: tensor {name!r} has a malformed header entry {_short(spec)}") from e
+        if type(dims) is not list or any(type(d) is not int or d < 0 for d in dims):
+            raise MetadataFormatError(f"{source}: tensor {name!r} has shape {_short(dims)}, not a list of "
+                                      "non-negative ints")
+        shape = tuple(dims)
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
             raise MetadataFormatError(f"{source}: tensor {name!r} has dtype {dtype_name!r}, which this torch "
                                       f"cannot hold (known: {', '.join(sorted(DTYPES))})")
         expected = math.prod(shape) * dtype.itemsize
-        if not (isinstance(begin, int) and isinstance(end, int)) or begin < 0 or end - begin != expected:
+        if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != expected:
             raise MetadataFormatError(f"{source}: tensor {name!r} ({dtype_name} {list(shape)}) has data_offsets "
                                       f"{[begin, end]}, expected a range of {expected} bytes")
         if file_size is not None and data_start + end > file_size:
@@ -116,7 +120,20 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
                                       f"the {file_size}-byte file (truncated upload?)")
         entries.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
     entries.sort(key=lambda e: e.start)
+    previous = None
+    for e in entries:  # as the safetensors library: no two tensors share bytes
+        if previous is not None and e.start < previous.end and e.nbytes and previous.nbytes:
+            raise MetadataFormatError(f"{source}: tensors {previous.name!r} and {e.name!r} overlap "
+                                      f"(bytes {e.start}-{previous.end})")
+        previous = e if previous is None or e.end > previous.end else previous
+    if not isinstance(metadata, dict):
+        raise MetadataFormatError(f"{source}: __metadata__ is not a JSON object")
     return Header(tuple(entries), dict(metadata), data_start)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def parse_index(raw: bytes, *, source: str) -> dict[str, str]:
@@ -179,11 +196,19 @@ def check_shard_set(names: Sequence[str], *, where: str) -> None:
     outside = sorted(k for k in ks if not 1 <= k <= count)
     if outside:
         raise MetadataFormatError(f"{where}: {stem}-{ks[outside[0]]}-of-{n_text}{SUFFIX} is not shard 1..{count}")
-    missing = [f"{stem}-{k:0{width}d}-of-{n_text}{SUFFIX}" for k in range(1, count + 1) if k not in ks]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    # Counted, not listed: N comes from a file name anyone can choose (model-00001-of-99999999999),
+    # so the work here is bounded by the files present, never by N.
+    n_missing = count - len(ks)
+    if n_missing:
+        first: list[str] = []
+        k = 1
+        while len(first) < min(5, n_missing):
+            if k not in ks:
+                first.append(f"{stem}-{k:0{width}d}-of-{n_text}{SUFFIX}")
+            k += 1
+        shown = ", ".join(first) + (f" and {n_missing - len(first)} more" if n_missing > len(first) else "")
         raise IncompleteCheckpointError(
-            f"{where} is incomplete: no {INDEX_NAME} and {len(missing)} of {count} shard file(s) missing "
+            f"{where} is incomplete: no {INDEX_NAME} and {n_missing} of {count} shard file(s) missing "
             f"({shown}). The upload or export that wrote it failed or is still running; upload the whole "
             "model again")
 

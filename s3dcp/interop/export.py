@@ -201,10 +201,11 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
             if loc is None:
                 raise MetadataFormatError(f"{src}: the metadata has no stored location for {fqn!r} "
                                           f"chunk at {tuple(chunk.offsets)}")
+            layout.check_location(loc, meta.properties.dtype.itemsize,
+                                  f"{src}: item {fqn!r} (chunk at {tuple(chunk.offsets)})")
             chunks.append((tuple(chunk.offsets), tuple(chunk.sizes), loc))
         shape = tuple(meta.size)
-        if sum(math.prod(s) for _, s, _ in chunks) != math.prod(shape):
-            raise MetadataFormatError(f"{src}: the chunks of {fqn!r} do not cover its shape {list(shape)} once")
+        layout.check_tiling(shape, [(o, s) for o, s, _ in chunks], f"{src}: tensor {fqn!r} of shape {list(shape)}")
         out.append(_Tensor(fqn, name, meta.properties.dtype, shape, tuple(chunks)))
     return out
 

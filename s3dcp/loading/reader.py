@@ -42,6 +42,7 @@ from ..errors import (
     MetadataFormatError,
     NoSuchKeyError,
     S3ConnectionError,
+    S3DCPError,
     S3ServerError,
     ThrottlingError,
     UnsafePickleError,
@@ -61,6 +62,7 @@ _MAX_RUN_BYTES = 1 << 30  # one coalesced GET at most; the CRT splits it into pa
 _METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries inside
 _METADATA_BACKOFF_S = 0.2
 _MIN_SLOT_BYTES = 1 << 20
+_HEAD_BYTES_ITEM_ABOVE = 1 << 20  # a non-tensor item larger than this is checked against its object first
 
 
 @dataclass
@@ -297,7 +299,7 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 try:
                     if error is None:
                         if f.exception() is not None:
-                            raise f.exception()
+                            raise self._read_error(run, f.exception())
                         if slot is None:
                             for seg in run:
                                 self._finish_read(seg.tag, planner)
@@ -334,16 +336,45 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
                 f"{self._uri}: the metadata has no stored location for {item.storage_index.fqn!r} "
                 f"(chunk at {tuple(item.storage_index.offset or ())})") from None
 
+    def _where(self, item: ReadItem) -> str:
+        return f"{self._uri}: item {item.storage_index.fqn!r} (chunk at {tuple(item.storage_index.offset or ())})"
+
+    def _read_error(self, run: list[Segment], error: BaseException) -> BaseException:
+        """A GET that found its object shorter than the metadata says (a short body, or 416):
+        an IntegrityError naming the first item past the object's end; else ``error``."""
+        if not isinstance(error, IntegrityError) and getattr(error, "status", None) != 416:
+            return error
+        reads = [seg.tag if isinstance(seg.tag, _Read) else seg.tag[0] for seg in run]
+        key = object_key(self._uri, reads[0].location.object_name)
+        try:
+            size = self.client.head(self._uri.bucket, key).result().size
+            for read in reads:
+                layout.check_in_object(read.location, size, self._where(read.item))
+        except MetadataFormatError as e:  # which of the object and the metadata is wrong, no one can tell
+            named = IntegrityError(str(e))
+            named.__cause__ = error
+            return named
+        except S3DCPError:
+            pass
+        return error
+
     def _plan_read(self, item: ReadItem, planner: LoadPlanner, slot_bytes: int) -> _Read:
         loc = self._location(item)
+        where = self._where(item)
         if item.type == LoadItemType.BYTE_IO:
+            layout.check_location(loc, None, where)
+            if loc.length > _HEAD_BYTES_ITEM_ABOVE:  # memory is filled only for bytes the object holds
+                size = self.client.head(self._uri.bucket, object_key(self._uri, loc.object_name)).result().size
+                layout.check_in_object(loc, size, where)
             buf = bytearray(loc.length)
             return _Read(item, loc, 0, loc.length, memoryview(buf), bounce=buf)
 
         dest = planner.resolve_tensor(item).detach()
-        shape = tuple(loc.shape or ())
         dtype = str_to_dtype(loc.dtype)
+        layout.check_location(loc, dtype.itemsize, where)
+        shape = tuple(loc.shape)
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        layout.check_box(shape, offsets, lengths, where)
         if tuple(dest.shape) != lengths:
             raise MetadataFormatError(
                 f"{self._uri}: {item.dest_index.fqn!r}: destination shape {tuple(dest.shape)} does not match "

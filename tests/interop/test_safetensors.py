@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from s3dcp import S3StorageWriter, cli
+from s3dcp import S3StorageReader, S3StorageWriter, cli
 from s3dcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -114,6 +114,48 @@ def test_check_shard_set():
     with pytest.raises(MetadataFormatError, match="not shard 1..2"):
         check_shard_set(["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                          "model-00003-of-00002.safetensors"], where="p")
+
+
+def test_a_shard_count_from_a_file_name_costs_nothing_to_check():
+    """N comes from a name anyone can upload: the missing shards are counted, never listed."""
+    import tracemalloc
+
+    from s3dcp.format.safetensors import check_shard_set
+
+    tracemalloc.start()
+    try:
+        missing = (r"3999999 of 4000000 shard file\(s\) missing "
+                   r"\(model-0000002-of-4000000.safetensors, .* and 3999994 more\)")
+        with pytest.raises(IncompleteCheckpointError, match=missing):
+            check_shard_set(["model-0000001-of-4000000.safetensors"], where="p")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # was ~400 MiB: every missing name built first
+    with pytest.raises(IncompleteCheckpointError, match=r"99999999998 of 99999999999 shard"):
+        check_shard_set(["model-00000000001-of-99999999999.safetensors"], where="p")  # was: hours
+
+
+def test_parse_header_refuses_odd_shapes_and_overlapping_tensors(tmp_path):
+    save_file({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path / "x.safetensors")
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+
+    def edited(change) -> bytes:
+        doc = json.loads(raw[8:8 + n])
+        change(doc)
+        text = json.dumps(doc).encode()
+        return struct.pack("<Q", len(text)) + text
+
+    # -2 x -2 = 4 elements: the byte count alone passes
+    with pytest.raises(MetadataFormatError, match=r"'a' has shape \[-2, -2\]"):
+        parse_header(edited(lambda d: d["a"].update(shape=[-2, -2])), source="x")
+    with pytest.raises(MetadataFormatError, match="'a' has shape '4'"):
+        parse_header(edited(lambda d: d["a"].update(shape="4")), source="x")
+    with pytest.raises(MetadataFormatError, match="overlap"):
+        parse_header(edited(lambda d: d["b"].update(data_offsets=d["a"]["data_offsets"])), source="x")
+    with pytest.raises(MetadataFormatError, match="not JSON"):
+        parse_header(struct.pack("<Q", 200_000) + b"[" * 200_000, source="x")
 
 
 # ------------------------------------------------------------------------------ reader
@@ -427,6 +469,57 @@ def test_an_export_that_cannot_remove_its_shards_says_what_is_left(s3_server, bu
     assert _keys(boto3_client, bucket, "hf/") == [f"hf/model-0000{i}-of-00003.safetensors" for i in (1, 2)]
     with pytest.raises(IncompleteCheckpointError, match=r"hf/ is incomplete.*model-00003-of-00003.safetensors"):
         S3SafetensorsReader(f"s3://{bucket}/hf", config=cfg).fetch_metadata()
+
+
+@pytest.mark.parametrize("second", [(4,), (2,)], ids=["tiled", "overlap-and-hole"])
+def test_export_refuses_chunks_that_do_not_tile_their_tensor(bucket, s3_config, tmp_path, second):
+    """Two chunks of 4 elements each always add up to the 8 of the tensor; only at (0,) and (4,)
+    do they tile it. At (0,) and (2,) they overlap and leave [6, 8) to nobody: refused, not
+    exported as whatever the buffer held."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from s3dcp.format.layout import ItemLocation
+    from s3dcp.format.metadata import encode_metadata
+    from s3dcp.s3.client import S3Client
+
+    uri = f"s3://{bucket}/run/step-1"
+    dcp.save({"w": torch.arange(8, dtype=torch.float32)}, storage_writer=S3StorageWriter(uri, config=s3_config))
+    client = S3Client(s3_config)
+    saved = S3StorageReader(uri, config=s3_config).fetch_metadata()
+    (whole,) = saved.storage_data.values()
+    chunks = [((0,), (4,)), (second, (4,))]
+    md = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size([8]),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in chunks])},
+        storage_data={MetadataIndex("w", torch.Size(o)): ItemLocation(
+            whole.object_name, whole.offset + 16 * i, 16, None, "float32", (4,)) for i, (o, _) in enumerate(chunks)})
+    client.put(bucket, "run/step-1/.metadata", encode_metadata(md)).result()
+    out = tmp_path / "hf"
+    if second == (4,):
+        export_safetensors(uri, str(out), config=s3_config)
+        assert torch.equal(load_file(out / "model-00001-of-00001.safetensors")["w"], torch.arange(8, dtype=torch.float32))
+        return
+    with pytest.raises(MetadataFormatError, match=r"'w'.*(overlap|no chunk holds)"):
+        export_safetensors(uri, str(out), config=s3_config)
+    assert not out.exists() or sorted(os.listdir(out)) == []
+
+
+def test_export_refuses_a_negative_offset_as_a_format_error(bucket, s3_config, tmp_path):
+    from metadata_edit import column, edit_column, header
+
+    from s3dcp.s3.client import S3Client
+
+    uri = f"s3://{bucket}/run/step-1"
+    dcp.save({"w": torch.arange(8, dtype=torch.float32)}, storage_writer=S3StorageWriter(uri, config=s3_config))
+    client = S3Client(s3_config)
+    raw = client.get(bucket, "run/step-1/.metadata").result()
+    row = column(raw, "sd.fqn").index(header(raw)["fqns"].index("w"))
+    edited = edit_column(raw, "sd.offset", lambda vs: [-8 if i == row else v for i, v in enumerate(vs)])
+    client.put(bucket, "run/step-1/.metadata", edited).result()
+    with pytest.raises(MetadataFormatError, match=r"'w'.*offset -8 is not a non-negative int"):
+        export_safetensors(uri, str(tmp_path / "hf"), config=s3_config)
 
 
 def test_export_reports_progress_in_growing_byte_counts(bucket, s3_config, tmp_path):

@@ -15,6 +15,10 @@ first byte, and :func:`encode_metadata` writes version 2 unless asked for 1:
 Both store ``planner_data`` as a tagged tree (:mod:`s3dcp.format.metadata.tree`) and share names,
 the version check and checked access (:mod:`s3dcp.format.metadata.common`).
 
+A decode checks structure and is bounded by the object's size (:mod:`s3dcp.format.metadata.budget`);
+:func:`validate_metadata` (:mod:`s3dcp.format.metadata.validate`) checks what a load relies on: every
+chunk has a location whose dtype, shape and length match it.
+
 Readers refuse another ``format``, a newer ``version`` and any missing or ill-typed field with
 :class:`~s3dcp.errors.MetadataFormatError`. Unknown extra fields (and, in version 2, unknown
 columns) are ignored, so a later writer may add optional ones without bumping the version.
@@ -29,11 +33,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import MetadataFormatError
 from . import v1, v2
+from .validate import validate_metadata
 from .common import _READS, FORMAT_NAME, FORMAT_VERSION, _type_name, dtype_to_str, str_to_dtype  # noqa: F401 (public)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "format_version_of", "dtype_to_str",
-    "str_to_dtype",
+    "str_to_dtype", "validate_metadata",
 ]
 
 

@@ -12,7 +12,12 @@ bytes of offsets and sizes are mostly equal and compress to almost nothing). The
 the smaller of plain and compressed, so incompressible columns (checksums) cost no inflate time.
 
 :class:`ColumnWriter` builds the body; :class:`ColumnReader` checks every entry against the body
-(bounds, type, decompressed size) and raises MetadataFormatError naming the column.
+(bounds, type, decompressed size) and raises MetadataFormatError naming the column. It checks
+before it reads: a column's declared size is charged to the decode's
+:class:`~s3dcp.format.metadata.budget.DecodeBudget` and compared with what its stored bytes can
+hold (a plain column is exactly ``count x width`` bytes; zlib inflates at most ~1,032:1; a JSON
+integer takes at least two bytes) before anything is inflated or parsed, and the inflating itself
+stops at the declared size.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import MetadataFormatError
+from .budget import DecodeBudget
 
 __all__ = ["ColumnWriter", "ColumnReader", "TYPES", "MAX_COUNT", "bounded"]
 
@@ -34,6 +40,8 @@ _CODECS = ("none", "zlib", "shuffle-zlib")
 _MIN_COMPRESS_BYTES = 64  # below this zlib's header eats the gain
 _ZLIB_LEVEL = 6
 MAX_COUNT = 2**32  # no ndim, chunk position or per-item count is this large; sums of them cannot wrap
+_ZLIB_MAX_RATIO = 1032  # deflate's best: 258 bytes per 2-bit code, ~1,032:1; plus a little for headers
+_ZLIB_SLACK_BYTES = 1024
 
 
 def _narrowest(values: Sequence[int]) -> str:
@@ -96,21 +104,21 @@ class ColumnWriter:
 class ColumnReader:
     """Reads the columns a header describes out of ``body``; every access is checked."""
 
-    def __init__(self, entries: Any, body: memoryview) -> None:
+    def __init__(self, entries: Any, body: memoryview, budget: DecodeBudget) -> None:
         if type(entries) is not dict:
             raise MetadataFormatError("metadata.columns: expected a JSON object")
         self._entries = entries
         self._body = body
+        self._budget = budget
 
     def has(self, name: str) -> bool:
         return name in self._entries
 
-    def ints(self, name: str, count: int | None = None) -> np.ndarray:
-        """Column ``name`` as a read-only 1-D numpy array (int64 for ``json`` columns).
+    def count(self, name: str) -> int:
+        """How many values column ``name`` declares, checked to be a non-negative integer; nothing is read."""
+        return self._entry(name)[1]["count"]
 
-        ``count``, when given, is the length the rest of the file implies; a column of another
-        length is an error. Unknown columns are never asked for, so a later writer may add some.
-        """
+    def _entry(self, name: str) -> tuple[dict, dict]:
         where = f"metadata.columns[{name!r}]"
         entry = self._entries.get(name)
         if entry is None:
@@ -123,6 +131,16 @@ class ColumnReader:
             if type(value) is not int or value < 0:
                 raise MetadataFormatError(f"{where}.{key}: expected a non-negative integer, got {value!r}")
             fields[key] = value
+        return entry, fields
+
+    def ints(self, name: str, count: int | None = None) -> np.ndarray:
+        """Column ``name`` as a read-only 1-D numpy array (int64 for ``json`` columns).
+
+        ``count``, when given, is the length the rest of the file implies; a column of another
+        length is an error. Unknown columns are never asked for, so a later writer may add some.
+        """
+        where = f"metadata.columns[{name!r}]"
+        entry, fields = self._entry(name)
         kind, codec = entry.get("type"), entry.get("codec")
         if kind not in TYPES and kind != "json":
             raise MetadataFormatError(f"{where}.type: unknown column type {kind!r}")
@@ -139,7 +157,13 @@ class ColumnReader:
         if kind == "json":
             if codec != "none":
                 raise MetadataFormatError(f"{where}: a json column is never compressed")
-            values = json.loads(bytes(raw))
+            if n > (length + 1) // 2:  # "[1,2]": every value takes a digit and a separator
+                raise MetadataFormatError(f"{where}: {n} values cannot fit in {length} bytes of JSON")
+            self._budget.column(where, n, 8)
+            try:
+                values = json.loads(bytes(raw))
+            except (ValueError, RecursionError) as e:
+                raise MetadataFormatError(f"{where}: not a JSON array ({e})") from None
             if type(values) is not list or len(values) != n or any(type(v) is not int for v in values):
                 raise MetadataFormatError(f"{where}: expected a JSON array of {n} integers")
             if any(not -(2**63) <= v < 2**63 for v in values):
@@ -148,10 +172,17 @@ class ColumnReader:
             return np.array(values, dtype=np.int64)
         dtype = TYPES[kind]
         expected = n * dtype.itemsize
+        if codec == "none" and length != expected:
+            raise MetadataFormatError(f"{where}: {length} bytes, expected {expected} for {n} x {kind}")
+        if codec != "none" and expected > _ZLIB_MAX_RATIO * length + _ZLIB_SLACK_BYTES:
+            raise MetadataFormatError(
+                f"{where}: declares {n} x {kind} = {expected} bytes compressed into {length}: "
+                "more than zlib can inflate to")
+        self._budget.column(where, n, dtype.itemsize)
         if codec != "none":
             try:
                 d = zlib.decompressobj()
-                raw = d.decompress(raw, expected + 1)
+                raw = d.decompress(raw, expected + 1)  # never more than declared, whatever the stream says
                 if not d.eof or d.unused_data:
                     raise MetadataFormatError(f"{where}: compressed stream is incomplete or has trailing bytes")
             except zlib.error as e:
@@ -160,8 +191,7 @@ class ColumnReader:
             raise MetadataFormatError(f"{where}: {len(raw)} bytes, expected {expected} for {n} x {kind}")
         if codec == "shuffle-zlib" and n:
             return np.frombuffer(raw, np.uint8).reshape(dtype.itemsize, n).T.copy().view(dtype).reshape(n)
-        arr = np.frombuffer(raw, dtype)
-        return arr
+        return np.frombuffer(raw, dtype)
 
     def ragged(self, name: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lengths, start of each and the end, flat values) of the column pair ``name.len`` / ``name``."""
@@ -172,7 +202,13 @@ class ColumnReader:
 
 
 def bounded(arr: np.ndarray, limit: int, where: str) -> np.ndarray:
-    """``arr`` as int64 after checking every value is in ``0..limit-1`` (``limit`` <= 2**62)."""
+    """``arr`` after checking every value is in ``0..limit-1`` (``limit`` <= 2**62).
+
+    Narrow unsigned columns stay as they are (widening a u1 column to int64 costs 8x its memory);
+    ``u8``, ``i8`` and ``json`` columns become int64, so no arithmetic with them turns to float.
+    """
     if arr.size and (arr.dtype == object or int(arr.max()) >= limit or int(arr.min()) < 0):
         raise MetadataFormatError(f"{where}: a value is outside 0..{limit - 1}")
+    if arr.dtype in (np.uint8, np.uint16, np.uint32):
+        return arr
     return arr.astype(np.int64, copy=False)

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
+from .budget import DecodeBudget
 from .columns import MAX_COUNT, ColumnReader, bounded
 from .common import _dict, _get, _int, _list, _str
 
@@ -46,15 +47,18 @@ _new_index = _index_fast if [f.name for f in dataclasses.fields(MetadataIndex)] 
 class Rows:
     """The storage_data columns of a v2 object, validated; builds keys and locations on request."""
 
-    def __init__(self, node: Any, cols: ColumnReader, fqns: list[str], chunks: Any) -> None:
+    def __init__(self, node: Any, cols: ColumnReader, fqns: list[str], chunks: Any, budget: DecodeBudget) -> None:
         w = "metadata.storage_data"
         n = self.n = _get(node, "rows", w, _int)
+        if n < 0:
+            raise MetadataFormatError(f"{w}.rows: {n} is negative")
         self.fqns = fqns
         self.names = [_str(s, f"{w}.object_names[{i}]") for i, s in enumerate(_get(node, "object_names", w, _list))]
         self.dtypes = [None] + [_str(s, f"{w}.dtypes[{i}]") for i, s in enumerate(_get(node, "dtypes", w, _list))]
         c = lambda name: f"metadata.columns[{name!r}]"  # noqa: E731
         n_sdm = len(chunks.offsets)
         self.chunk_offsets, self.chunk_shapes, self.has_dups = chunks.offsets, chunks.shapes, chunks.has_dups
+        self.first = chunks.first
         self.fqn = bounded(cols.ints("sd.fqn", n), len(fqns), c("sd.fqn"))
         self.chunk = bounded(cols.ints("sd.chunk", n), MAX_COUNT, c("sd.chunk"))
         odd = bounded(cols.ints("sd.chunk.null", n), 2, c("sd.chunk.null")).astype(bool)
@@ -73,6 +77,7 @@ class Rows:
         self.odd = odd
         # Rows with their own key offset (bytes items: None); few.
         odd_rows = np.flatnonzero(odd).tolist()
+        budget.objects(c("sd.chunk.null"), len(odd_rows), "storage keys of their own")
         key_null = bounded(cols.ints("sd.key.null", len(odd_rows)), 2, c("sd.key.null")).tolist()
         key_len, key_start, key_vals = cols.ragged("sd.key", len(odd_rows))
         self.odd_keys: dict[int, torch.Size | None] = {}
@@ -90,6 +95,7 @@ class Rows:
             raise MetadataFormatError(f"{c('sd.shape.kind')}: a row without a chunk says its shape is the chunk's")
         self.shape_kind = kind
         explicit = np.flatnonzero(kind == 2)
+        budget.objects(c("sd.shape.kind"), len(explicit), "shapes of their own")
         shape_len, shape_start, shape_vals = cols.ragged("sd.shape", len(explicit))
         self.shapes = {row: tuple(shape_vals[shape_start[k]:shape_start[k + 1]].tolist())
                        for k, row in enumerate(explicit.tolist())}
@@ -116,13 +122,17 @@ class Rows:
                     f"metadata.storage_data: two entries for {self.fqns[f]!r} at offset {offset} (duplicate key)")
             seen.add(key)
         # A chunk row must name the first chunk with its offsets, or two rows could hold one key.
-        for f, offsets in enumerate(self.chunk_offsets):
-            if self.has_dups[f]:
-                mask = (self.fqn == f) & ~self.odd
-                for row, j in zip(np.flatnonzero(mask).tolist(), self.chunk[mask].tolist()):
-                    if offsets.index(offsets[j]) != j:
-                        raise MetadataFormatError(
-                            f"metadata.storage_data: two entries for {self.fqns[f]!r} at offset {tuple(offsets[j])}")
+        if any(f is not None for f in self.first):
+            n_sdm = len(self.first)
+            first = np.concatenate([np.ones(0 if o is None else len(o), bool) if f is None else f
+                                    for f, o in zip(self.first, self.chunk_offsets)] + [np.ones(0, bool)])
+            keyed = np.flatnonzero(~self.odd)
+            keyed = keyed[self.fqn[keyed] < n_sdm]
+            bad = keyed[~first[self.base[self.fqn[keyed]] + self.chunk[keyed]]]
+            if bad.size:
+                f, j = int(self.fqn[bad[0]]), int(self.chunk[bad[0]])
+                raise MetadataFormatError(
+                    f"metadata.storage_data: two entries for {self.fqns[f]!r} at offset {tuple(self.chunk_offsets[f][j])}")
 
     def _first_chunk(self, f: int, offset: Any) -> int | None:
         offsets = self.chunk_offsets[f] if f < len(self.chunk_offsets) else None

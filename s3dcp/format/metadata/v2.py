@@ -64,25 +64,23 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
-from .columns import MAX_COUNT, ColumnReader, ColumnWriter, bounded
+from .columns import ColumnReader, ColumnWriter
 from .common import (
-    _DTYPES, _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _bool, _check_version, _decode_storage_meta, _dict,
-    _encode_storage_meta, _from_name, _get, _int, _list, _opt, _reject_constant, _size, _str, _to_name, _type_name,
-    dtype_to_str,
+    _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _check_version, _decode_storage_meta, _encode_storage_meta, _get, _int,
+    _list, _opt, _reject_constant, _str, _to_name, _type_name, dtype_to_str,
 )
+from .budget import DecodeBudget
+from .chunks import Chunks
 from .storage import LazyStorageData, Rows
 from .tree import decode_tree, encode_tree
 
@@ -330,7 +328,8 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     if zlib.crc32(view[:-_TRAILER.size]) != crc:
         raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
                                   "(truncated or damaged object)")
-    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size])
+    budget = DecodeBudget(len(view))
+    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size], budget)
     fqns = _get(header, "fqns", "metadata", _list)
     for i, f in enumerate(fqns):
         _str(f, f"metadata.fqns[{i}]")
@@ -339,10 +338,10 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     n_sdm = _get(header, "state_dict_entries", "metadata", _int)
     if not 0 <= n_sdm <= len(fqns):
         raise MetadataFormatError(f"metadata.state_dict_entries: {n_sdm} is not in 0..{len(fqns)}")
-    chunks = _Chunks(header, cols, fqns[:n_sdm])
+    chunks = Chunks(header, cols, fqns[:n_sdm], budget)
     storage = _get(header, "storage_data", "metadata")
     storage_meta = _get(header, "storage_meta", "metadata")
-    rows = None if storage is None else Rows(storage, cols, fqns, chunks)
+    rows = None if storage is None else Rows(storage, cols, fqns, chunks, budget)
     return Metadata(
         state_dict_metadata=chunks.state_dict_metadata,
         planner_data=decode_tree(_get(header, "planner_data", "metadata"), "planner_data"),
@@ -350,97 +349,3 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
         storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
         version=_get(header, "dcp_version", "metadata", _opt(_str)),
     )
-
-
-class _Sizes:
-    """Interns torch.Size and tuple values: ~920k chunk boxes hold a few thousand distinct ones."""
-
-    def __init__(self) -> None:
-        self._sizes: dict[tuple, torch.Size] = {}
-
-    def rows(self, flat: np.ndarray, count: int, ndim: int) -> list[torch.Size]:
-        cache, out = self._sizes, []
-        for t in map(tuple, flat.reshape(count, ndim).tolist()):
-            s = cache.get(t)
-            if s is None:
-                s = cache[t] = torch.Size(t)
-            out.append(s)
-        return out
-
-
-class _Chunks:
-    """state_dict_metadata of a v2 object, built in full, and each fqn's chunk boxes for storage keys."""
-
-    def __init__(self, header: dict, cols: ColumnReader, fqns: list[str]) -> None:
-        n = len(fqns)
-        table = []
-        for i, p in enumerate(_get(header, "properties", "metadata", _list)):
-            w = f"metadata.properties[{i}]"
-            if type(p) is not list or len(p) != 5:
-                raise MetadataFormatError(f"{w}: expected [dtype, layout, requires_grad, memory_format, pin_memory]")
-            table.append((_from_name(_DTYPES, p[0], "dtype"), _from_name(_LAYOUTS, p[1], "layout"),
-                          _bool(p[2], w), _from_name(_MEMORY_FORMATS, p[3], "memory_format"), _bool(p[4], w)))
-        props = bounded(cols.ints("sdm.properties", n), len(table) + 1, "metadata.columns['sdm.properties']")
-        lay_ndim = cols.ints("layout.ndim")
-        n_layouts = len(lay_ndim)
-        lay_ndim = bounded(lay_ndim, MAX_COUNT, "metadata.columns['layout.ndim']")
-        lay_count = bounded(cols.ints("layout.count", n_layouts), MAX_COUNT, "metadata.columns['layout.count']")
-        total = sum(a * b for a, b in zip(lay_ndim.tolist(), lay_count.tolist()))
-        lay_offs, lay_sizes = cols.ints("layout.offsets", total), cols.ints("layout.sizes", total)
-        layout = bounded(cols.ints("sdm.layout", n), n_layouts + 1, "metadata.columns['sdm.layout']")
-        size_len, size_start, size_vals = cols.ragged("sdm.size", n)
-        odd = _get(header, "odd_chunks", "metadata", _dict)
-
-        sizes = _Sizes()
-        boxes: list[tuple[list, list, list]] = []  # per layout: offsets, sizes, sizes as tuples
-        start = 0
-        for ndim, count in zip(lay_ndim.tolist(), lay_count.tolist()):
-            o = sizes.rows(lay_offs[start:start + ndim * count], count, ndim)
-            s = sizes.rows(lay_sizes[start:start + ndim * count], count, ndim)
-            boxes.append((o, s, [tuple(x) for x in s], len(set(o)) != len(o)))
-            start += ndim * count
-
-        self.offsets: list[list | None] = []  # per fqn: chunk offsets (None: bytes item)
-        self.shapes: list[list | None] = []   # per fqn: chunk sizes as tuples
-        self.has_dups: list[bool] = []         # per fqn: two chunks with equal offsets (never from DCP)
-        self.state_dict_metadata: dict[str, Any] = {}
-        props_l, layout_l, size_l, start_l = props.tolist(), layout.tolist(), size_len.tolist(), size_start.tolist()
-        for pos, fqn in enumerate(fqns):
-            w = f"state_dict_metadata[{fqn!r}]"
-            if props_l[pos] == 0:
-                if layout_l[pos] or size_l[pos]:
-                    raise MetadataFormatError(f"{w}: a bytes item with a size or chunks")
-                self.state_dict_metadata[fqn] = BytesStorageMetadata()
-                self._add(None, None, False)
-                continue
-            size = torch.Size(size_vals[start_l[pos]:start_l[pos] + size_l[pos]].tolist())
-            if layout_l[pos]:
-                o, s, t, dups = boxes[layout_l[pos] - 1]
-            else:
-                o, s = self._odd(odd, pos, w, sizes)
-                t, dups = [tuple(x) for x in s], len(set(o)) != len(o)
-            dtype, lay, grad, mf, pin = table[props_l[pos] - 1]
-            self.state_dict_metadata[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype, lay, grad, mf, pin), size, list(map(ChunkStorageMetadata, o, s)))
-            self._add(o, t, dups)
-        unknown = set(odd) - {str(p) for p in range(n) if layout_l[p] == 0 and props_l[p]}
-        if unknown:
-            raise MetadataFormatError(f"metadata.odd_chunks: entries {sorted(unknown)[:5]} belong to no tensor")
-
-    def _add(self, offsets: list | None, shapes: list | None, has_dups: bool) -> None:
-        self.offsets.append(offsets)
-        self.shapes.append(shapes)
-        self.has_dups.append(has_dups)
-
-    @staticmethod
-    def _odd(odd: dict, pos: int, where: str, sizes: _Sizes) -> tuple[list, list]:
-        boxes = odd.get(str(pos))
-        if type(boxes) is not list:
-            raise MetadataFormatError(f"metadata.odd_chunks: missing the chunks of {where}")
-        o, s = [], []
-        for j, box in enumerate(boxes):
-            if type(box) is not list or len(box) != 2:
-                raise MetadataFormatError(f"{where}.chunks[{j}]: expected [offsets, sizes]")
-            o.append(_size(box[0], f"{where}.chunks[{j}].offsets"))
-            s.append(_size(box[1], f"{where}.chunks[{j}].sizes"))
-        return o, s

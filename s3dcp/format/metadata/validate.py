@@ -1,0 +1,261 @@
+"""Is a decoded Metadata one a load can trust? Semantic checks, after the structural ones of a decode.
+
+A decode (:func:`s3dcp.format.metadata.decode_metadata`) proves the object is well formed: every
+field has its type, every index is in range, nothing is larger than the object can hold. That is
+not enough to load from it: a damaged or crafted object can be well formed and still describe
+bytes that do not match its tensors, and a load would then fill a tensor partly, or from the
+wrong bytes, and call it a success. :func:`validate_metadata` checks what a load relies on:
+
+- every chunk box of ``state_dict_metadata`` has as many offsets and sizes as its tensor has
+  dimensions, none negative, and lies inside the tensor;
+- every chunk (and every bytes item) has a storage location;
+- the location of a tensor chunk stores the tensor's dtype, the chunk's shape, and exactly
+  ``element size x element count`` bytes;
+- every location's offset and length are non-negative and end before 2^63; a checksum names an
+  algorithm s3dcp knows; per-block checksums cover the item exactly
+  (``ceil(length / block_size)`` of them), so a partial read can verify every block it fetches.
+
+It costs O(chunks + items) and runs vectorised over a version-2 lazy ``storage_data`` (no
+ItemLocation is built); chunk boxes shared by tensors of one layout are checked once per layout.
+A version-1 object or a plain dict is checked item by item (it was built in full already).
+Decoding does not call it, so :func:`decode_metadata` keeps giving back exactly what was written
+(also for a Metadata no load could use); a reader calls it once per load, at plan time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+
+from ...errors import MetadataFormatError
+from ..integrity import algorithm_of
+from .common import dtype_to_str
+from .storage import LazyStorageData, Rows
+
+__all__ = ["validate_metadata"]
+
+_END = 2**63  # offsets and ends of stored bytes stay below this
+_HUGE = 2**62  # element counts at or past this are refused before any arithmetic with them
+
+
+def validate_metadata(md: Metadata, *, source: str = "<metadata>") -> None:
+    """Raise MetadataFormatError naming ``source`` and the first problem if a load from ``md`` could
+    read bytes that do not belong to the tensor (or bytes item) it fills; see the module docstring."""
+    try:
+        sdm = md.state_dict_metadata
+        _check_chunks(sdm)
+        sd = md.storage_data
+        if sd is None:
+            if sdm:
+                raise MetadataFormatError("metadata.storage_data: missing, so nothing can be loaded")
+            return
+        if isinstance(sd, LazyStorageData):
+            _check_rows(sdm, sd._rows)
+        else:
+            _check_dict(sdm, sd)
+    except MetadataFormatError as e:
+        raise MetadataFormatError(f"{source}: {e}") from None
+
+
+def _check_chunks(sdm: dict) -> None:
+    seen: dict[tuple, None] = {}  # (size, id of the chunk list's first and last box, length): checked
+    for fqn, item in sdm.items():
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise MetadataFormatError(f"state_dict_metadata[{fqn!r}]: not tensor or bytes storage metadata")
+        size, chunks = tuple(item.size), item.chunks
+        where = f"state_dict_metadata[{fqn!r}]"
+        if any(d < 0 for d in size):
+            raise MetadataFormatError(f"{where}.size: {size} has a negative dimension")
+        if not chunks:
+            continue
+        key = (size, id(chunks[0]), id(chunks[-1]), len(chunks))  # v2 shares the boxes of one layout
+        if key in seen:
+            continue
+        ndim = len(size)
+        for j, c in enumerate(chunks):
+            o, s = c.offsets, c.sizes
+            if len(o) != ndim or len(s) != ndim:
+                raise MetadataFormatError(
+                    f"{where}.chunks[{j}]: {len(o)} offsets and {len(s)} sizes for a {ndim}-d tensor")
+            for d in range(ndim):
+                if o[d] < 0 or s[d] < 0 or o[d] + s[d] > size[d]:
+                    raise MetadataFormatError(
+                        f"{where}.chunks[{j}]: offsets {tuple(o)} sizes {tuple(s)} do not lie inside the tensor's "
+                        f"size {size}")
+        seen[key] = None
+
+
+def _numel(shape: tuple) -> int:
+    n = math.prod(shape)
+    return n if n < _HUGE else _HUGE
+
+
+def _check_location(where: str, loc: Any) -> None:
+    if not 0 <= loc.offset < _END or not 0 <= loc.length < _END or loc.offset + loc.length >= _END:
+        raise MetadataFormatError(f"{where}: bytes at offset {loc.offset}, length {loc.length} are not a valid range")
+    if loc.checksum is not None:
+        _algorithm(where, loc.checksum)
+    _check_blocks(where, loc.length, loc.block_size, len(loc.block_checksums))
+    for c in loc.block_checksums:
+        _algorithm(where, c)
+
+
+def _algorithm(where: str, checksum: str) -> None:
+    try:
+        algorithm_of(checksum)
+    except ValueError as e:
+        raise MetadataFormatError(f"{where}.checksum: {e}") from None
+
+
+def _check_blocks(where: str, length: int, block_size: int, blocks: int) -> None:
+    if block_size < 0:
+        raise MetadataFormatError(f"{where}.block_size: {block_size} is negative")
+    expected = 0 if block_size == 0 else -(-length // block_size)
+    if blocks and blocks != expected:
+        raise MetadataFormatError(
+            f"{where}.block_checksums: {blocks} checksums for {length} bytes in blocks of {block_size} "
+            f"(expected {expected})")
+
+
+def _check_tensor_location(where: str, item: TensorStorageMetadata, chunk_sizes: tuple, loc: Any) -> None:
+    dtype = dtype_to_str(item.properties.dtype)
+    if loc.dtype != dtype:
+        raise MetadataFormatError(f"{where}.dtype: {loc.dtype!r}, but the tensor is {dtype}")
+    if loc.shape is None or tuple(loc.shape) != chunk_sizes:
+        raise MetadataFormatError(f"{where}.shape: {loc.shape}, but the chunk's sizes are {chunk_sizes}")
+    expected = item.properties.dtype.itemsize * _numel(chunk_sizes)
+    if loc.length != expected:
+        raise MetadataFormatError(
+            f"{where}.length: {loc.length} bytes, but {chunk_sizes} x {dtype} is {expected} bytes")
+
+
+def _check_dict(sdm: dict, sd: Any) -> None:
+    for key, loc in sd.items():
+        _check_location(f"storage_data[{key.fqn!r} at {None if key.offset is None else tuple(key.offset)}]", loc)
+    for fqn, item in sdm.items():
+        if isinstance(item, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in sd:
+                raise MetadataFormatError(f"storage_data: no location for the bytes item {fqn!r}")
+            continue
+        for c in item.chunks:
+            loc = sd.get(MetadataIndex(fqn, c.offsets))
+            where = f"storage_data[{fqn!r} at {tuple(c.offsets)}]"
+            if loc is None:
+                raise MetadataFormatError(f"{where}: no location for this chunk of state_dict_metadata")
+            _check_tensor_location(where, item, tuple(c.sizes), loc)
+
+
+def _check_rows(sdm: dict, rows: Rows) -> None:
+    """The same checks as :func:`_check_dict`, over the columns of a lazy version-2 ``storage_data``."""
+    n = rows.n
+    offset, length = rows.offset, rows.length
+    for name, col in (("offset", offset), ("length", length)):
+        if col.size and (col.dtype == object or int(col.min()) < 0 or int(col.max()) >= _END):
+            raise MetadataFormatError(f"storage_data: an item's {name} is negative or past 2^63")
+    if n and float((offset.astype(np.float64) + length.astype(np.float64)).max()) >= float(_END) / 2:
+        ends = [int(o) + int(x) for o, x in zip(offset.tolist(), length.tolist())]  # exact, only when near the edge
+        if max(ends) >= _END:
+            raise MetadataFormatError("storage_data: an item ends past 2^63")
+    _check_row_checksums(rows)
+    _check_row_blocks(rows)
+
+    fqns, n_sdm = rows.fqns, len(rows.chunk_offsets)
+    items = list(sdm.values())
+    is_tensor = np.zeros(len(fqns), bool)
+    is_tensor[:n_sdm] = [isinstance(v, TensorStorageMetadata) for v in items]
+    keyed = ~rows.odd & is_tensor[rows.fqn]
+    # Every chunk (first of its offsets) of every tensor has a row; decode already refused two rows for one.
+    covered = np.zeros(int(rows.base[-1]), bool)
+    k_rows = np.flatnonzero(keyed)
+    gid = rows.base[rows.fqn[k_rows]] + rows.chunk[k_rows]
+    covered[gid] = True
+    for f in range(n_sdm):
+        if not is_tensor[f]:
+            continue
+        lo, hi = int(rows.base[f]), int(rows.base[f + 1])
+        need = covered[lo:hi] if rows.first[f] is None else covered[lo:hi] | ~rows.first[f]
+        if not need.all():
+            j = int(np.flatnonzero(~need)[0])
+            raise MetadataFormatError(
+                f"storage_data[{fqns[f]!r} at {tuple(rows.chunk_offsets[f][j])}]: no location for this chunk of "
+                "state_dict_metadata")
+    bytes_with_rows = {int(rows.fqn[r]) for r, o in rows.odd_keys.items() if o is None}
+    for f in range(n_sdm):
+        if not is_tensor[f] and f not in bytes_with_rows:
+            raise MetadataFormatError(f"storage_data: no location for the bytes item {fqns[f]!r}")
+
+    # dtype, shape and length of the rows of tensor chunks.
+    dtype_ids = {name: i for i, name in enumerate(rows.dtypes)}
+    want_dtype = np.full(len(fqns), -1, np.int64)
+    itemsize = np.zeros(len(fqns), np.int64)
+    numel_of: dict[int, np.ndarray] = {}
+    numels = []
+    for f in range(n_sdm):
+        shapes = rows.chunk_shapes[f]
+        if not is_tensor[f]:
+            numels.append(np.zeros(0, np.int64))
+            continue
+        dtype = items[f].properties.dtype
+        want_dtype[f] = dtype_ids.get(dtype_to_str(dtype), -1)
+        itemsize[f] = dtype.itemsize
+        arr = numel_of.get(id(shapes))
+        if arr is None:  # once per layout: its tensors share the list
+            arr = numel_of[id(shapes)] = np.array([_numel(s) for s in shapes], np.int64)
+        numels.append(arr)
+    numel = np.concatenate(numels + [np.zeros(0, np.int64)])
+    r = k_rows
+    f_r = rows.fqn[r]
+    bad = np.flatnonzero(rows.dtype[r] != want_dtype[f_r])
+    if bad.size:
+        raise _row_error(rows, sdm, int(r[bad[0]]), "dtype")
+    bad = np.flatnonzero(rows.shape_kind[r] != 0)  # 0: the chunk's own sizes; anything else differs from them
+    if bad.size:
+        raise _row_error(rows, sdm, int(r[bad[0]]), "shape")
+    expected = itemsize[f_r] * numel[gid]  # < 2^62 x 16 would wrap: _HUGE caps numel, itemsize <= 16
+    bad = np.flatnonzero((length[r].astype(np.int64) != expected) | (numel[gid] >= _HUGE))
+    if bad.size:
+        raise _row_error(rows, sdm, int(r[bad[0]]), "length")
+
+
+def _row_error(rows: Rows, sdm: dict, row: int, field: str) -> MetadataFormatError:
+    """The message of :func:`_check_tensor_location` for one row (built only for the row that failed)."""
+    key, loc = rows.key(row), rows.location(row)
+    f = int(rows.fqn[row])
+    where = f"storage_data[{key.fqn!r} at {tuple(key.offset)}]"
+    try:
+        _check_tensor_location(where, sdm[key.fqn], tuple(rows.chunk_shapes[f][rows.chunk[row]]), loc)
+    except MetadataFormatError as e:
+        return e
+    return MetadataFormatError(f"{where}.{field}: does not match the chunk")
+
+
+def _check_row_checksums(rows: Rows) -> None:
+    for name, sums in (("checksum", rows.checksum), ("block_checksums", rows.block_checksums)):
+        if sums.fmt is not None:
+            _algorithm(f"storage_data.{name}", sums.fmt.split(":", 1)[0] + ":")
+        else:
+            for s in sums.table[1:]:
+                _algorithm(f"storage_data.{name}", s)
+
+
+def _check_row_blocks(rows: Rows) -> None:
+    size = rows.block_size
+    if size.size and (size.dtype == object or int(size.min()) < 0):
+        raise MetadataFormatError("storage_data: an item's block_size is negative")
+    blocks = np.diff(rows.block_start)
+    has = np.flatnonzero(blocks)
+    if not has.size:
+        return
+    b = size[has].astype(np.int64)
+    length = rows.length[has].astype(np.int64)
+    bad = (b <= 0) | (blocks[has] != -(-length // np.maximum(b, 1)))
+    if bad.any():
+        row = int(has[np.flatnonzero(bad)[0]])
+        loc = rows.location(row)
+        _check_blocks(f"storage_data[{rows.key(row).fqn!r}]", loc.length, loc.block_size, len(loc.block_checksums))
+        raise MetadataFormatError(f"storage_data[{rows.key(row).fqn!r}].block_size: {loc.block_size} is not positive")

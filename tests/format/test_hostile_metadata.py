@@ -1,0 +1,148 @@
+"""Hostile metadata objects: small, hand-edited, with a valid trailer CRC. Each decodes or is refused
+with a MetadataFormatError naming the field, without building what it declares (the issue's table)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from s3dcp.errors import MetadataFormatError
+from s3dcp.format.layout import ItemLocation
+from s3dcp.format.metadata import decode_metadata, encode_metadata
+from tests.format.v2_objects import pack, parts, put_column, put_raw_column
+from tests.rss import peak_rss_sampler
+
+MiB = 2**20
+EXTRA_RSS_LIMIT = 256 * MiB  # the issue's goal for any object of <= 10 MB
+
+
+def scalar_checkpoint() -> bytes:
+    """What dcp.save of {"step": tensor(7), "w": ..., "note": bytes} records: a 0-d tensor among others."""
+    scalar = TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([]),
+                                   [ChunkStorageMetadata(torch.Size([]), torch.Size([]))])
+    w = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4, 4]),
+                              [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4]))])
+    sd = {
+        MetadataIndex("step", torch.Size([]), 0): ItemLocation("__0_0.t.distcp", 0, 8, "crc32c:0badf00d", "int64", ()),
+        MetadataIndex("w", torch.Size([0, 0]), 0): ItemLocation("__0_0.t.distcp", 8, 64, "crc32c:01234567", "float32",
+                                                                (4, 4)),
+        MetadataIndex("note"): ItemLocation("__0_0.t.distcp", 72, 5, "crc32c:89abcdef"),
+    }
+    md = Metadata({"step": scalar, "w": w, "note": BytesStorageMetadata()}, planner_data={
+        f"model.layers.{i}.w": ("model", "layers", str(i), "w") for i in range(12)}, storage_data=sd)
+    return encode_metadata(md)
+
+
+def bounded_decode(data: bytes, limit_bytes: int = EXTRA_RSS_LIMIT) -> MetadataFormatError | Metadata:
+    """Decode ``data`` under an RSS sampler; the result or the MetadataFormatError (anything else fails the test)."""
+    with peak_rss_sampler(0.005) as rss:
+        try:
+            result = decode_metadata(data, source="s3://b/ck/.metadata")
+        except MetadataFormatError as e:
+            result = e
+    assert rss.extra <= limit_bytes, f"decode took {rss.extra / MiB:.0f} MiB more memory"
+    return result
+
+
+def test_scalar_checkpoint_is_small_and_decodes():
+    data = scalar_checkpoint()
+    assert 2_000 < len(data) < 4_000  # the issue's 2.7 KB object
+    md = decode_metadata(data)
+    assert md.state_dict_metadata["step"].size == torch.Size([])
+
+
+@pytest.mark.parametrize("count", [10**6, 3 * 10**6, 2**32 - 1])
+def test_zero_d_layout_with_a_huge_chunk_count(count):
+    """Row 1: layouts with ndim=0 store no values, so nothing in the object pays for the count.
+    Before: 10^6 -> 0.85 s, +420 MiB; 3*10^6 -> +780 MiB; 2^32-1 -> MemoryError."""
+    header, body = parts(scalar_checkpoint())
+    (zero_d,) = [i for i, nd in enumerate(np.frombuffer(_column(header, body, "layout.ndim"), np.uint8)) if nd == 0]
+    counts = np.frombuffer(_column(header, body, "layout.count"), np.uint8).astype(np.uint64)
+    counts[zero_d] = count
+    body = put_column(header, body, "layout.count", counts, "u8")
+    # A chunk that costs nothing in the object may cost a few list slots in memory, no more.
+    result = bounded_decode(pack(header, body), min(EXTRA_RSS_LIMIT, 16 * MiB + 48 * count))
+    if isinstance(result, MetadataFormatError):
+        assert "layout.count" in str(result) or "sdm.layout" in str(result), result
+    else:  # a decode that builds them must have paid almost nothing for each
+        assert len(result.state_dict_metadata["step"].chunks) == count
+    if count == 2**32 - 1:
+        assert isinstance(result, MetadataFormatError)
+        assert "s3://b/ck/.metadata" in str(result) and "more than a metadata object of" in str(result)
+
+
+def _column(header: dict, body: bytes, name: str) -> bytes:
+    entry = header["columns"][name]
+    assert entry["codec"] == "none"
+    return body[entry["offset"]:entry["offset"] + entry["length"]]
+
+
+@pytest.mark.parametrize("name", ["sd.fqn", "sd.length", "sdm.size", "layout.offsets", "layout.ndim"])
+def test_compressed_column_declaring_1e8_values(name):
+    """Row 2: a column that declares 10^8 values, zlib-compressed into ~100 KB: refused before it is
+    inflated (before: inflated and widened first, +860 MiB over 2.3 s, then refused)."""
+    header, body = parts(scalar_checkpoint())
+    n = 10**8
+    raw = zlib.compress(bytes(n), 9)
+    assert len(raw) < 150_000
+    if name == "sd.fqn":
+        header["storage_data"]["rows"] = n  # the rows agree with the column: only the size can tell
+    body = put_raw_column(header, body, name, raw, kind="u1", count=n, codec="zlib")
+    result = bounded_decode(pack(header, body))
+    assert isinstance(result, MetadataFormatError)
+    assert f"metadata.columns[{name!r}]" in str(result), result
+
+
+def test_column_past_zlib_ratio_refused_before_inflating():
+    header, body = parts(scalar_checkpoint())
+    raw = zlib.compress(bytes(10**6), 9)
+    header["storage_data"]["rows"] = 10**7  # 10x what the stream holds: more than deflate can expand to
+    body = put_raw_column(header, body, "sd.fqn", raw, kind="u8", count=10**7, codec="zlib")
+    with pytest.raises(MetadataFormatError, match=r"sd\.fqn.*more than zlib can inflate"):
+        decode_metadata(pack(header, body))
+
+
+def test_budget_scales_with_the_object_not_below_its_floor():
+    """A real object's columns (here: one that inflates ~1,000:1) decode while within the budget."""
+    from s3dcp.format.metadata.budget import MIN_COLUMN_BYTES
+
+    header, body = parts(scalar_checkpoint())
+    n = MIN_COLUMN_BYTES // 2
+    body = put_raw_column(header, body, "unknown.extra", zlib.compress(bytes(n), 9), kind="u1", count=n,
+                          codec="zlib")
+    assert decode_metadata(pack(header, body)).state_dict_metadata.keys() == {"step", "w", "note"}
+
+
+def test_json_column_count_checked_against_its_bytes():
+    from s3dcp.format.metadata.budget import DecodeBudget
+    from s3dcp.format.metadata.columns import ColumnReader
+
+    raw = b"[" + b"1," * 9 + b"1]"
+    entries = {"c": {"type": "json", "count": 10**9, "offset": 0, "length": len(raw), "codec": "none"}}
+    with pytest.raises(MetadataFormatError, match=r"'c'.*cannot fit"):
+        ColumnReader(entries, memoryview(raw), DecodeBudget(len(raw))).ints("c")
+
+
+def test_more_layouts_than_tensors_refused():
+    header, body = parts(scalar_checkpoint())
+    body = put_column(header, body, "layout.ndim", [1] * 4, "u1")
+    with pytest.raises(MetadataFormatError, match=r"layout\.ndim.*4 chunk layouts for 3 state_dict entries"):
+        decode_metadata(pack(header, body))
+
+
+def test_huge_storage_rows_refused_naming_the_field():
+    header, body = parts(scalar_checkpoint())
+    header["storage_data"]["rows"] = 2**40
+    with pytest.raises(MetadataFormatError, match=r"sd\.fqn"):
+        decode_metadata(pack(header, body))

@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -320,13 +321,8 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
 # ---------------------------------------------------------------------- destinations
 def _umask() -> int:
     """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
     return 0o022  # no /proc (macOS): the usual default
 
 

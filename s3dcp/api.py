@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,7 @@ from .s3.client import S3Client
 from .config import S3Config
 from .errors import ConfigError, unwrap_error
 from .loading.reader import S3StorageReader
+from .saving.stats import last_committed, record_committed
 
 if TYPE_CHECKING:
     from .loading.exchange import LoadStats
@@ -47,33 +47,31 @@ if TYPE_CHECKING:
 
 __all__ = ["save", "async_save", "load", "unwrap_error", "last_save_stats", "last_load_stats", "SaveFuture"]
 
-_last_stats: list[Any] = [None]  # the SaveStats of the save that ended last in this process
-_last_stats_lock = threading.Lock()
 _last_load: list[Any] = [None]  # the LoadStats of the load that ended last in this process
+_last_load_lock = threading.Lock()
 
 
 def last_load_stats() -> "LoadStats | None":
     """The :class:`~s3dcp.loading.exchange.LoadStats` of the :func:`load` that ended last in this
     process (unique source bytes, bytes from S3 and from peers, the slowest rank's seconds), or
     None before the first one."""
-    with _last_stats_lock:
+    with _last_load_lock:
         return _last_load[0]
 
 
 def last_save_stats() -> "SaveStats | None":
-    """The :class:`~s3dcp.saving.writer.SaveStats` of the :func:`save` or :func:`async_save` that
-    committed last in this process (this rank's figures), or None before the first one.
+    """The :class:`~s3dcp.saving.writer.SaveStats` of the save that committed last in this process
+    (this rank's figures) — by :func:`save`, :func:`async_save` or a
+    :class:`~s3dcp.CheckpointManager` — or None before the first one.
 
     With DCP's process executor the upload runs in another process, whose figures this
     process does not see: ``stage_s`` only.
     """
-    with _last_stats_lock:
-        return _last_stats[0]
+    return last_committed()
 
 
 def _record(writer: "S3StorageWriter") -> None:
-    with _last_stats_lock:
-        _last_stats[0] = writer.last_stats
+    record_committed(writer.last_stats)
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -222,7 +220,7 @@ def load(
                      no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e)  # chained from DCP's exception
-    with _last_stats_lock:
+    with _last_load_lock:
         _last_load[0] = reader.last_stats
 
 

@@ -5,17 +5,25 @@
                                           runs, one is started in the background first; the
                                           buckets asked for, s3://demo by default, are created
                                           on it when missing)
-    s3dcp server --stop                   stop it
+    s3dcp server --list                   every server that runs, and which one the others name
+    s3dcp server --stop                   stop it (--pid P: that one; --all: every one)
 
-The server is :class:`s3dcp.testing.SeaweedServer` (SeaweedFS ``weed mini`` on 127.0.0.1). A
-running ``s3dcp server`` records its pid, endpoint and keys in a state file that only its
-user can read (``$S3DCP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/s3dcp``, else ``~/.cache/s3dcp``;
-``server.json``), which ``--print-env`` and ``--stop`` read; it removes the file when it
-stops. The keys are those of this throwaway server only: printing them is the point.
+The server is :class:`s3dcp.testing.SeaweedServer` (SeaweedFS ``weed mini`` on 127.0.0.1). Every
+running ``s3dcp server`` records its pid, endpoint and keys in a state file of its own that only
+its user can read (``$S3DCP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/s3dcp``, else ``~/.cache/s3dcp``;
+``server-PID.json``) and removes it when it stops. ``--print-env`` and ``--stop`` name the newest
+server that runs (or the one ``--pid`` names); when it stops, they name the one started before it
+again, so a second server never hides the first. A state file whose process is gone is removed.
+The keys are those of these throwaway servers only: printing them is the point.
+
+The background server (``--print-env`` when none runs) runs the very ``s3dcp`` package of the
+command that starts it, from the state directory and with Python's ``-P`` where it exists: a
+folder named ``s3dcp`` in the current directory (a clone) cannot shadow it.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shlex
@@ -26,38 +34,57 @@ import time
 from contextlib import suppress
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_BUCKET", "state_path", "running_server", "run", "print_env", "stop"]
+__all__ = ["DEFAULT_BUCKET", "state_dir", "servers", "running_server", "run", "print_env", "list_servers",
+           "stop"]
 
 DEFAULT_BUCKET = "demo"
 _DETACH_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 30.0
 _POLL_S = 0.5
+_LEGACY_NAME = "server.json"  # the single state file of earlier versions: still read, never written
 
 
-def state_path() -> str:
-    """Where a running ``s3dcp server`` records how to reach it."""
-    base = os.environ.get("S3DCP_STATE_DIR") or os.path.join(
+def state_dir() -> str:
+    """The directory where every running ``s3dcp server`` records how to reach it."""
+    return os.environ.get("S3DCP_STATE_DIR") or os.path.join(
         os.environ.get("XDG_RUNTIME_DIR") or os.path.expanduser("~/.cache"), "s3dcp")
-    return os.path.join(base, "server.json")
 
 
-def running_server() -> dict[str, Any] | None:
-    """The state of the ``s3dcp server`` that runs now (``pid``, ``env``, ``buckets``...), or None.
+def _state_path(pid: int) -> str:
+    return os.path.join(state_dir(), f"server-{pid}.json")
 
-    A state file whose process is gone (killed with SIGKILL) is removed.
-    """
-    path = state_path()
-    try:
-        with open(path) as f:
-            state = json.load(f)
-        pid = int(state["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not _alive(pid):
-        with suppress(OSError):
-            os.unlink(path)
-        return None
-    return state
+
+def servers() -> list[dict[str, Any]]:
+    """The state of every ``s3dcp server`` that runs now, oldest first (``pid``, ``env``,
+    ``endpoint_url``, ``buckets``, ``data_dir``, ``started_at``...). State files whose process is
+    gone (killed with SIGKILL) are removed."""
+    found = []
+    paths = glob.glob(os.path.join(glob.escape(state_dir()), "server-*.json"))
+    paths.append(os.path.join(state_dir(), _LEGACY_NAME))
+    for path in paths:
+        try:
+            with open(path) as f:
+                state = json.load(f)
+            pid = int(state["pid"])
+            state.setdefault("started_at", os.stat(path).st_mtime)
+            state["state_file"] = path
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if not _alive(pid):
+            with suppress(OSError):
+                os.unlink(path)
+            continue
+        found.append(state)
+    return sorted(found, key=lambda s: (float(s["started_at"]), int(s["pid"])))
+
+
+def running_server(pid: int | None = None) -> dict[str, Any] | None:
+    """The server that ``--print-env`` and ``--stop`` name: the one with ``pid``, else the newest
+    that runs; None when there is none."""
+    running = servers()
+    if pid is not None:
+        return next((s for s in running if int(s["pid"]) == pid), None)
+    return running[-1] if running else None
 
 
 def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, access_key: str,
@@ -68,18 +95,20 @@ def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, acces
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a normal exit: the finally stops weed
     server = SeaweedServer(data_dir=data_dir, access_key=access_key, secret_key=secret_key, s3_port=port)
-    path = state_path()
-    other = running_server()
+    path = _state_path(os.getpid())
+    others = servers()
     try:
         server.start()
         _create_buckets(server, buckets)  # a kept --dir may hold them already
         _write_state(path, {"pid": os.getpid(), "weed_pid": server.pid, "endpoint_url": server.endpoint_url,
-                            "buckets": list(buckets), "data_dir": server.data_dir, "env": server.env()})
+                            "buckets": list(buckets), "data_dir": server.data_dir, "env": server.env(),
+                            "started_at": time.time()})
         kept = "kept" if data_dir else "deleted on exit"
         print(f"# SeaweedFS S3 on {server.endpoint_url} (pid {os.getpid()}), data in {server.data_dir} ({kept})")
-        if other is not None:
-            print(f"# note: another s3dcp server (pid {other['pid']}) runs on {other['endpoint_url']}; "
-                  "--print-env now names this one")
+        if others:
+            listed = ", ".join(f"pid {s['pid']} on {s['endpoint_url']}" for s in others)
+            print(f"# note: {len(others)} other s3dcp server(s) run ({listed}); --print-env and --stop now name "
+                  f"this one, and pid {others[-1]['pid']} again once this one stops (s3dcp server --list)")
         print('# In another shell: eval "$(s3dcp server --print-env)"   or paste:')
         for key, value in server.env().items():
             print(f"export {key}={shlex.quote(value)}")
@@ -97,20 +126,26 @@ def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, acces
         print(f"s3dcp: error: {e}", file=sys.stderr)
         return 1
     finally:
-        _forget_state(path, os.getpid())
+        with suppress(OSError):
+            os.unlink(path)
         server.stop()
 
 
 def print_env(*, buckets: Sequence[str], data_dir: str | None, port: int | None, access_key: str,
-              secret_key: str | None) -> int:
-    """Print ``export`` lines for the running server, starting one in the background if none runs.
+              secret_key: str | None, pid: int | None = None) -> int:
+    """Print ``export`` lines for the newest running server (or the one with ``pid``), starting
+    one in the background if none runs.
 
     ``buckets`` are made sure of: a server that runs already gets those it lacks (created
     there and recorded in its state file), so ``--print-env --bucket X`` always leaves
     ``s3://X`` in place, or fails saying why (exit status 1).
     """
-    state = running_server()
+    state = running_server(pid)
     created: list[str] = []
+    if state is None and pid is not None:
+        print(f"s3dcp: error: no s3dcp server with pid {pid} runs ({_running_pids()}; s3dcp server --list)",
+              file=sys.stderr)
+        return 1
     if state is None:
         state = _start_detached(buckets=buckets, data_dir=data_dir, port=port, access_key=access_key,
                                 secret_key=secret_key)
@@ -129,52 +164,111 @@ def print_env(*, buckets: Sequence[str], data_dir: str | None, port: int | None,
     sys.stdout.flush()
     names = ", ".join(f"s3://{b}" for b in state.get("buckets", [])) or "none (s3dcp mb s3://NAME)"
     made = f" (created now: {', '.join(f's3://{b}' for b in created)})" if created else ""
-    print(f"# s3dcp server {started}: pid {state['pid']}, {state['endpoint_url']}, bucket(s) {names}{made}; "
-          "stop it with: s3dcp server --stop", file=sys.stderr)
+    count = len(servers())
+    which = f"; {count} servers run, this is the newest (s3dcp server --list)" if count > 1 and pid is None else ""
+    print(f"# s3dcp server {started}: pid {state['pid']}, {state['endpoint_url']}, bucket(s) {names}{made}{which}; "
+          f"stop it with: s3dcp server --stop{' --pid ' + str(state['pid']) if pid is not None else ''}",
+          file=sys.stderr)
     return 0
 
 
-def stop() -> int:
-    """Stop the running server (SIGTERM to its pid, then wait for it to clean up)."""
-    state = running_server()
-    if state is None:
+def list_servers(*, as_json: bool = False) -> int:
+    """Print every running server, oldest first; the newest is the one ``--print-env`` names."""
+    running = servers()
+    if as_json:
+        json.dump([{key: s.get(key) for key in ("pid", "endpoint_url", "buckets", "data_dir", "started_at")}
+                   | {"named": i == len(running) - 1} for i, s in enumerate(running)], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if not running:
         print("s3dcp: no s3dcp server is running", file=sys.stderr)
         return 0
-    pid = int(state["pid"])
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_TIMEOUT_S
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            print(f"s3dcp: error: server pid {pid} did not stop within {_STOP_TIMEOUT_S:g} s", file=sys.stderr)
-            return 1
-        time.sleep(0.1)
-    print(f"stopped s3dcp server pid {pid} ({state['endpoint_url']})", file=sys.stderr)
+    rows = [["*" if i == len(running) - 1 else "", str(s["pid"]), s["endpoint_url"],
+             ",".join(s.get("buckets", [])) or "-", s.get("data_dir") or "-",
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(s["started_at"])))]
+            for i, s in enumerate(running)]
+    header = ["", "PID", "ENDPOINT", "BUCKETS", "DATA", "STARTED"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print("# *: the one --print-env and --stop name (the newest)", file=sys.stderr)
     return 0
+
+
+def stop(*, pid: int | None = None, all_servers: bool = False) -> int:
+    """Stop the server ``--print-env`` names (or the one with ``pid``, or every one): SIGTERM to
+    its pid, then wait for it to clean up. Says which stopped and which still run."""
+    running = servers()
+    if all_servers:
+        targets = running[::-1]
+    else:
+        one = running_server(pid)
+        targets = [one] if one is not None else []
+    if not targets:
+        if pid is not None:
+            print(f"s3dcp: error: no s3dcp server with pid {pid} runs ({_running_pids()})", file=sys.stderr)
+            return 1
+        print("s3dcp: no s3dcp server is running", file=sys.stderr)
+        return 0
+    code = 0
+    for state in targets:
+        target = int(state["pid"])
+        with suppress(ProcessLookupError):
+            os.kill(target, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        while _alive(target) and time.monotonic() <= deadline:
+            time.sleep(0.1)
+        if _alive(target):
+            print(f"s3dcp: error: server pid {target} did not stop within {_STOP_TIMEOUT_S:g} s", file=sys.stderr)
+            code = 1
+        else:
+            print(f"stopped s3dcp server pid {target} ({state['endpoint_url']})", file=sys.stderr)
+    left = servers()
+    if left:
+        print(f"# still running: {_running_pids(left)}; --print-env and --stop now name pid {left[-1]['pid']}",
+              file=sys.stderr)
+    return code
 
 
 # ---------------------------------------------------------------------- internals
+def _running_pids(running: list[dict[str, Any]] | None = None) -> str:
+    running = servers() if running is None else running
+    return ", ".join(f"pid {s['pid']} on {s['endpoint_url']}" for s in running) or "none runs"
+
+
 def _start_detached(*, buckets, data_dir, port, access_key, secret_key) -> dict[str, Any]:
-    """Start ``s3dcp server`` in its own session, logging to server.log; wait for its state file."""
+    """Start ``s3dcp server`` in its own session, logging to server.log; wait for its state file.
+
+    It runs this very s3dcp package: its parent directory leads PYTHONPATH, the current directory
+    is the state directory and Python's ``-P`` (3.11+) keeps the working directory off sys.path,
+    so a folder named ``s3dcp`` where the user stands (a clone) cannot shadow it.
+    """
     from .errors import S3DCPError
 
-    argv = [sys.executable, "-m", "s3dcp.cli", "server", "--access-key", access_key]
+    isolate = ["-P"] if sys.version_info >= (3, 11) else []
+    argv = [sys.executable, *isolate, "-m", "s3dcp.cli", "server", "--access-key", access_key]
     for name in buckets:
         argv += ["--bucket", name]
     if not buckets:
         argv += ["--no-bucket"]
+    if data_dir is not None:
+        data_dir = os.path.abspath(data_dir)  # it runs from the state directory
     for flag, value in (("--dir", data_dir), ("--port", port), ("--secret-key", secret_key)):
         if value is not None:
             argv += [flag, str(value)]
-    path = state_path()
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    log_path = os.path.join(os.path.dirname(path), "server.log")
+    directory = state_dir()
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    log_path = os.path.join(directory, "server.log")
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # outlives this command and its terminal
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=directory, start_new_session=True)  # outlives this command and its terminal
     deadline = time.monotonic() + _DETACH_TIMEOUT_S
     while True:
-        state = running_server()
-        if state is not None and int(state["pid"]) == proc.pid:
+        state = running_server(proc.pid)
+        if state is not None:
             return state
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
@@ -203,9 +297,8 @@ def _create_missing_buckets(state: dict[str, Any], buckets: Sequence[str]) -> li
     known = list(state.get("buckets", []))
     if any(name not in known for name in buckets):
         state["buckets"] = known + [name for name in buckets if name not in known]
-        current = running_server()
-        if current is not None and current["pid"] == state["pid"]:  # its file lists what --print-env names
-            _write_state(state_path(), state)
+        if running_server(int(state["pid"])) is not None and state.get("state_file"):
+            _write_state(state["state_file"], state)  # its file lists what --print-env names
     return created
 
 
@@ -228,20 +321,13 @@ def _tail(path: str | None, lines: int = 40) -> str:
 
 
 def _write_state(path: str, state: dict[str, Any]) -> None:
+    state = {key: value for key, value in state.items() if key != "state_file"}
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     partial = f"{path}.{os.getpid()}"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
     os.replace(partial, path)
-
-
-def _forget_state(path: str, pid: int) -> None:
-    """Remove the state file if it is still ours (a newer server may have replaced it)."""
-    with suppress(OSError, ValueError, KeyError, TypeError):
-        with open(path) as f:
-            if int(json.load(f)["pid"]) == pid:
-                os.unlink(path)
 
 
 def _alive(pid: int) -> bool:

@@ -74,3 +74,22 @@ def s3_config(s3_server):
 def uri(bucket) -> str:
     """``s3://<fresh bucket>/ckpt``: a checkpoint location nobody has written to."""
     return f"s3://{bucket}/ckpt"
+
+
+@pytest.fixture
+def demo_bucket(s3_server, boto3_client) -> str:
+    """``s3://demo`` on the session server, as ``eval "$(s3dcp server --print-env)"`` leaves one, for
+    the examples' default locations; emptied and removed after the test (other tests expect no
+    ``demo`` there)."""
+    existed = "demo" in [b["Name"] for b in boto3_client.list_buckets().get("Buckets", [])]
+    if not existed:
+        s3_server.create_bucket("demo")
+    yield "demo"
+    if existed:
+        return
+    for upload in boto3_client.list_multipart_uploads(Bucket="demo").get("Uploads", []):
+        boto3_client.abort_multipart_upload(Bucket="demo", Key=upload["Key"], UploadId=upload["UploadId"])
+    for page in boto3_client.get_paginator("list_objects_v2").paginate(Bucket="demo"):
+        for item in page.get("Contents", []):
+            boto3_client.delete_object(Bucket="demo", Key=item["Key"])
+    boto3_client.delete_bucket(Bucket="demo")

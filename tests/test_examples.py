@@ -1,4 +1,6 @@
-"""The scripts in examples/ run as a user runs them (each starts its own embedded server)."""
+"""The scripts in examples/ run as a user runs them: with no endpoint configured (each starts its own
+embedded server) and with one configured (as "Try it locally" leaves it: they use its s3://demo),
+without a warning."""
 
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _configured_env(s3_server) -> dict[str, str]:
+    """An endpoint and its credentials in the environment, as ``eval "$(s3dcp server --print-env)"`` leaves."""
+    return {**_env(), **s3_server.env()}
+
+
+def _no_warnings(output: str) -> None:
+    assert "Warning" not in output, output  # our examples print none of torch's (or anyone's) warnings
+
+
 def _losses(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -36,11 +47,17 @@ def test_train_fsdp2_is_killed_and_resumes_with_identical_losses(tmp_path):
                 os.path.join(EXAMPLES, "train_fsdp2.py"), "--server-dir", str(tmp_path / "data"),
                 "--steps", "8", "--every", "3"]
     crashed = subprocess.run([*torchrun, "--crash-at-step", "8", "--loss-log", str(tmp_path / "first.jsonl")],
-                             capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), timeout=300,
+                             cwd=tmp_path)  # one stream, as a terminal shows it
     # The embedded server goes within its stop grace of its starter's death (weed's volume server
     # can wait ~30 s for the killed ranks' connections; the reaper SIGKILLs it after the grace).
     server_gone_by = time.monotonic() + _STOP_GRACE_S + 5
-    assert crashed.returncode != 0 and "killed at step 8" in crashed.stderr, crashed.stdout + crashed.stderr
+    lines = crashed.stdout.splitlines()
+    killed = [i for i, line in enumerate(lines) if "killed at step" in line]
+    assert crashed.returncode != 0 and len(killed) == 1, crashed.stdout
+    # its own line, after the loss line of step 8 (it used to land in the middle of it)
+    assert lines[killed[0]] == "# every rank is killed at step 8 (--crash-at-step)", lines[killed[0]]
+    assert any(line.startswith("step   8  loss") and line.endswith(")") for line in lines[:killed[0]]), lines
     first = {r["step"]: r["loss"] for r in _losses(tmp_path / "first.jsonl")}
     assert sorted(first) == list(range(1, 9))
 
@@ -53,7 +70,27 @@ def test_train_fsdp2_is_killed_and_resumes_with_identical_losses(tmp_path):
     assert [r["step"] for r in second] == list(range(start + 1, 9))
     assert {r["step"]: r["loss"] for r in second} == {s: first[s] for s in range(start + 1, 9)}  # bit for bit
     assert "latest checkpoint s3://demo/fsdp2/step-00000006" in resumed.stdout
+    _no_warnings(resumed.stdout + resumed.stderr)
     no_process_mentions(tmp_path, by=server_gone_by)
+
+
+@pytest.mark.multiproc
+def test_train_fsdp2_uses_a_configured_endpoint_and_says_why_another_width_cannot_resume(tmp_path, s3_server,
+                                                                                        demo_bucket):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                os.path.join(EXAMPLES, "train_fsdp2.py"), "--steps", "3", "--every", "3"]
+    env = _configured_env(s3_server)
+    first = subprocess.run(torchrun, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"the configured S3 endpoint {s3_server.endpoint_url}" in first.stdout
+    assert "latest checkpoint s3://demo/fsdp2/step-00000003" in first.stdout
+    assert not (tmp_path / "s3dcp-example-data").exists()  # no embedded server was started
+    _no_warnings(first.stdout + first.stderr)
+    other = subprocess.run([*torchrun, "--width", "32", "--steps", "6"], capture_output=True, text=True, env=env,
+                           timeout=300, cwd=tmp_path)
+    assert other.returncode != 0
+    assert "cannot resume from s3://demo/fsdp2/step-00000003" in other.stderr, other.stderr
+    assert "kept between runs" in other.stderr and "another --width" in other.stderr
 
 
 def test_process_executor_example(tmp_path):
@@ -61,3 +98,15 @@ def test_process_executor_example(tmp_path):
                           text=True, env=_env(), timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("reloaded: identical") == 2 and "process executor: OK" in done.stdout
+    assert "# embedded S3 server on" in done.stdout
+    _no_warnings(done.stdout + done.stderr)
+
+
+def test_process_executor_example_uses_a_configured_endpoint(tmp_path, s3_server, demo_bucket):
+    done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "process_executor.py")], capture_output=True,
+                          text=True, env=_configured_env(s3_server), timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr  # it used to exit 1 asking for --uri
+    assert f"the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under s3://demo/process-executor" \
+        in done.stdout
+    assert done.stdout.count("reloaded: identical") == 2 and "process executor: OK" in done.stdout
+    _no_warnings(done.stdout + done.stderr)

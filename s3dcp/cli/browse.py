@@ -6,9 +6,12 @@ from __future__ import annotations
 import re
 import sys
 import time
+from concurrent.futures import wait
 from typing import Any
 
-from ..format.layout import METADATA_NAME, is_data_object, parse_object_name
+from ..format.layout import (METADATA_HEAD_BYTES, METADATA_NAME, is_data_object, is_s3dcp_metadata_head,
+                             parse_object_name)
+from ..errors import S3Error
 from ..uri import parse_s3_uri
 from .common import s3_client
 from .output import format_age, format_size, print_json, print_table
@@ -18,33 +21,52 @@ __all__ = ["cmd_ls", "cmd_inspect"]
 
 # ---------------------------------------------------------------------- ls
 def cmd_ls(args) -> int:
+    """Every directory below the prefix that holds what a checkpoint stores, as a row: committed,
+    INCOMPLETE (a save that failed or still runs, unfinished multipart uploads included), kept
+    only because other checkpoints reference its objects, or committed by another writer (a
+    ``.metadata`` that is not s3dcp's). Everything stored there is counted: it is paid for."""
     from ..lifecycle.deletion import held_for_references
     from ..lifecycle.directories import scan_directories
 
     base = parse_s3_uri(args.uri)
     now = time.time()
-    rows = []
     client = s3_client(args)
     by_dir = scan_directories(client, base)
+    uploads_future = client.list_uploads(base.bucket, base.dir_prefix)
     held = held_for_references(client, base.bucket, by_dir)  # deleted; objects kept for incremental ones
-    for directory, objects in by_dir.items():
-        if directory in held:
-            continue
+    foreign = _foreign_metadata(client, base.bucket, by_dir)
+    uploads: dict[str, list] = {}
+    for upload in _unfinished_uploads(uploads_future, base):
+        directory = upload.key.rpartition("/")[0]
+        uploads.setdefault(f"{directory}/" if directory else "", []).append(upload)
+    parts = {u.upload_id: client.upload_parts(base.bucket, u.key, u.upload_id)  # their stored bytes
+             for found in uploads.values() for u in found}
+    wait(list(parts.values()))
+    rows = []
+    for directory in sorted(set(by_dir) | set(uploads)):
+        objects = by_dir.get(directory, [])
         names = {o.key.rpartition("/")[2] for o in objects}
         committed = METADATA_NAME in names
-        if not committed and not any(is_data_object(n) for n in names):
+        if not committed and not any(is_data_object(n) for n in names) and directory not in uploads:
             continue
         relative = directory[len(base.dir_prefix):].rstrip("/") if directory != base.dir_prefix else ""
         last = (relative or base.prefix).rpartition("/")[2]
         step = re.search(r"(\d+)$", last)
         stamps = [o.last_modified for o in objects if o.last_modified is not None]
+        stamps += [u.initiated for u in uploads.get(directory, []) if u.initiated is not None]
         newest = max(stamps) if stamps else None
         run = relative.rpartition("/")[0]  # the checkpoint's parent, relative to the listed prefix
+        pending = [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated,
+                    **_parts_of(parts[u.upload_id])} for u in uploads.get(directory, [])]
+        state = ("foreign" if directory in foreign else "committed" if committed
+                 else "kept_for_references" if directory in held else "incomplete")
         rows.append({
             "name": relative or ".", "uri": str(base.child(relative)) if relative else str(base),
             "run": str(base.child(run)) if run else str(base),
-            "step": int(step.group(1)) if step else None, "committed": committed,
-            "bytes": sum(o.size for o in objects), "objects": len(objects),
+            "step": int(step.group(1)) if step else None, "committed": committed, "state": state,
+            "held_by": [f"s3://{base.bucket}/{d.rstrip('/')}" for d in sorted(held.get(directory, ()))],
+            "bytes": sum(o.size for o in objects) + sum(u["bytes"] or 0 for u in pending), "objects": len(objects),
+            "uploads": pending,
             "last_modified": newest, "age_s": None if newest is None else max(0.0, now - newest),
         })
     rows.sort(key=lambda r: (r["run"], r["step"] is None, r["step"] or 0, r["name"]))
@@ -61,16 +83,86 @@ def cmd_ls(args) -> int:
     headed = len(runs) > 1 or next(iter(runs)) != str(base)
     for i, (run, group) in enumerate(runs.items()):
         if headed:  # one table per run (the checkpoints' parent prefix)
-            committed = [r for r in group if r["committed"] and r["step"] is not None]
+            committed = [r for r in group if r["state"] == "committed" and r["step"] is not None]
             latest = f", latest committed step {max(r['step'] for r in committed)}" if committed else ""
             print(f"{'' if i == 0 else chr(10)}{run}/  ({len(group)} checkpoint(s), "
                   f"{format_size(sum(r['bytes'] for r in group))}{latest})")
         cut = len(run) - len(str(base)) if run != str(base) else 0  # "a/" of "a/step-1"
         print_table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], format_size(r["bytes"]),
-                              r["objects"], "committed" if r["committed"] else "INCOMPLETE", format_age(r["age_s"])]
+                              r["objects"], _ls_state(r, run), format_age(r["age_s"])]
                              for r in group],
                     indent=2 if headed else 0)
+        for note in _ls_notes(group, run, cut):
+            print(f"{'  ' if headed else ''}# {note}")
     return 0
+
+
+def _ls_state(row: dict[str, Any], run: str) -> str:
+    uploads = f", {len(row['uploads'])} unfinished upload(s)" if row["uploads"] else ""
+    if row["state"] == "kept_for_references":
+        return f"kept for {', '.join(u[len(run) + 1:] for u in row['held_by'])}{uploads}"
+    if row["state"] == "foreign":
+        return f"not s3dcp's{uploads}"
+    return ("committed" if row["state"] == "committed" else "INCOMPLETE") + uploads
+
+
+def _ls_notes(group: list[dict[str, Any]], run: str, cut: int) -> list[str]:
+    """What the STATE column abbreviates: what is kept and why, and what to do about it."""
+    notes = []
+    for r in group:
+        name = r["name"][cut:]
+        if r["state"] == "kept_for_references":
+            notes.append(f"{name}: deleted; its {r['objects']} object(s) ({format_size(r['bytes'])}) stay while "
+                         f"{', '.join(u[len(run) + 1:] for u in r['held_by'])} reference them (they go with the "
+                         "last of those; s3dcp materialize copies them into one)")
+        elif r["state"] == "foreign":
+            notes.append(f"{name}: its {METADATA_NAME} is not s3dcp's (DCP's own pickle, say): s3dcp cannot load it, "
+                         f"and rm, gc and retention delete nothing under {run}/ that it might reference")
+    pending = [u for r in group for u in r["uploads"]]
+    if pending:
+        unknown = " and more: ListParts was refused" if any(u["bytes"] is None for u in pending) else ""
+        notes.append(f"{len(pending)} unfinished multipart upload(s), counted in SIZE: their parts "
+                     f"({format_size(sum(u['bytes'] or 0 for u in pending))}{unknown}) are stored (and billed) until "
+                     "aborted; "
+                     f"s3dcp gc {run}/ aborts those of saves that are no longer running")
+    return notes
+
+
+def _unfinished_uploads(future, base) -> list:
+    """The uploads ListMultipartUploads gave, or none (said on stderr) where it is refused:
+    listing checkpoints must not need that permission."""
+    try:
+        return future.result()
+    except S3Error as e:
+        print(f"s3dcp: note: unfinished multipart uploads under {base} not listed: {e}", file=sys.stderr)
+        return []
+
+
+def _parts_of(future) -> dict[str, int | None]:
+    """An upload's parts and bytes (None, None where ListParts is refused)."""
+    if isinstance(future.exception(), S3Error):
+        return {"parts": None, "bytes": None}
+    found = future.result()
+    return {"parts": found.parts, "bytes": found.bytes}
+
+
+def _foreign_metadata(client, bucket: str, by_dir: dict[str, list]) -> set[str]:
+    """The directories of ``by_dir`` whose ``.metadata`` is not s3dcp's (its first bytes: one
+    small ranged GET each, in parallel)."""
+    heads = {}
+    for directory, objects in by_dir.items():
+        for o in objects:
+            if o.key.rpartition("/")[2] == METADATA_NAME:
+                buf = bytearray(min(o.size, METADATA_HEAD_BYTES))
+                heads[directory] = (buf, client.get_range_into(bucket, o.key, 0, buf) if buf else None)
+    wait([f for _, f in heads.values() if f is not None])
+    foreign = set()
+    for directory, (buf, future) in heads.items():
+        if future is not None and future.exception() is not None:
+            continue  # deleted since the listing (or unreadable): not ours to judge here
+        if not is_s3dcp_metadata_head(bytes(buf)):
+            foreign.add(directory)
+    return foreign
 
 
 # ---------------------------------------------------------------------- inspect

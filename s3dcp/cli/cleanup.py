@@ -37,10 +37,15 @@ def cmd_rm(args) -> int:
     if args.json:
         print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
                      "other_objects_left": others, "kept_referenced": result.kept,
-                     "kept_referenced_bytes": result.kept_bytes, "released": result.released})
+                     "kept_referenced_bytes": result.kept_bytes, "released": result.released,
+                     "unreadable_metadata": result.unreadable})
     else:
         left = f"; {others} other object(s) left in place" if others else ""
-        if result.kept:
+        if result.kept and result.unreadable:  # the reason is not a reference: say the real one
+            left += (f"; kept its {len(result.kept)} data object(s) ({format_size(result.kept_bytes)}): "
+                     f"{', '.join(f's3://{uri.bucket}/{k}' for k in result.unreadable)} is not s3dcp metadata "
+                     "(another writer's, say) or is unreadable, so what it references is unknown")
+        elif result.kept:
             left += (f"; kept {len(result.kept)} object(s) ({format_size(result.kept_bytes)}) that other checkpoints "
                      "reference (deleted with the last of them)")
         print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
@@ -92,10 +97,14 @@ def cmd_gc(args) -> int:
         what = f"upload {s['upload_id']}" if "upload_id" in s else f"{s['objects']} object(s)" \
             if s["objects"] is not None else "metadata"
         print(f"skipped: {s['prefix']} ({what}): {s['reason']}")
+    # the summary counts what the lines above list
+    recent = f"skipped {len(report.kept_recent)} object(s) and {len(report.kept_recent_uploads)} upload(s) of " \
+             f"saves active in the last {format_age(args.older_than)}"
+    unreadable = (f"; {len(report.unreadable_metadata)} {METADATA_NAME} not s3dcp's or unreadable: nothing under "
+                  "its run deleted") if report.unreadable_metadata else ""
     print(f"gc {uri}: {verb} {len(report.deleted)} object(s) ({format_size(report.deleted_bytes)}), "
           f"{'would abort' if args.dry_run else 'aborted'} {len(report.aborted_uploads)} upload(s); "
-          f"skipped {len(report.kept_recent)} recent unreferenced object(s)"
-          f"{f' and {len(report.unreadable_metadata)} checkpoint(s) with unreadable metadata' if report.unreadable_metadata else ''}")
+          f"{recent}{unreadable}")
     return 0
 
 
@@ -110,7 +119,14 @@ def _gc_skipped(uri: S3Uri, report, older_than_s: float) -> list[dict[str, Any]]
                 "it; rerun gc later (or with a smaller --older-than once no save runs)"}
                for d, n in sorted(recent.items())]
     skipped += [{"prefix": f"s3://{uri.bucket}/{key.rpartition('/')[0]}/", "objects": None, "reason":
-                 f"its {METADATA_NAME} is unreadable (not s3dcp metadata, or corrupt): nothing next to it is "
-                 "deleted; look at it with s3dcp inspect"}
+                 f"its {METADATA_NAME} is not s3dcp metadata (DCP's own pickle, say) or is corrupt: what it "
+                 f"references is unknown, so nothing under s3://{uri.bucket}/{_parent(key)} is deleted; look at it "
+                 "with s3dcp inspect"}
                 for key in report.unreadable_metadata]
     return skipped
+
+
+def _parent(key: str) -> str:
+    """``"run/step-1/.metadata"`` -> ``"run/"`` (the run whose references that metadata may hold)."""
+    parent = key.rpartition("/")[0].rpartition("/")[0]
+    return f"{parent}/" if parent else ""

@@ -15,6 +15,7 @@ __all__ = ["cmd_export"]
 
 
 def cmd_export(args) -> int:
+    from ..errors import CheckpointExistsError
     from ..format.safetensors import INDEX_NAME
     from ..interop.export import export_safetensors
 
@@ -31,6 +32,9 @@ def cmd_export(args) -> int:
             args.uri, args.to_safetensors, shard_size_bytes=args.shard_size, only=args.only,
             strip_prefix=args.strip_prefix, client=client, window_bytes=args.window, overwrite=args.force,
             on_progress=progress if bar is not None else None)
+    except CheckpointExistsError as e:  # its message names the library's overwrite=True
+        raise CheckpointExistsError(f"{args.to_safetensors} already holds a safetensors export; pass --force to "
+                                    "replace it (its index and *.safetensors files are deleted first)") from e
     finally:
         if bar is not None:
             bar.close()

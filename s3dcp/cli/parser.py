@@ -130,12 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("server", cmd_server,
                 "run a local S3 server (SeaweedFS) on 127.0.0.1 that creates s3://demo, until Ctrl-C", s3=False)
     p.epilog = ('In another shell, eval "$(s3dcp server --print-env)" points AWS SDKs and s3dcp at it '
-                "(and starts one in the background when none runs); s3dcp server --stop stops it.")
+                "(and starts one in the background when none runs); s3dcp server --stop stops it. With several "
+                "servers running, --print-env and --stop name the newest (the one before it once it stops); "
+                "s3dcp server --list shows them all.")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--print-env", action="store_true",
                         help="print export lines for the running server (start one in the background if none "
                              "runs) and exit: eval \"$(s3dcp server --print-env)\"")
     action.add_argument("--stop", action="store_true", help="stop the server that --print-env names")
+    action.add_argument("--list", action="store_true",
+                        help="list every running s3dcp server (* marks the one --print-env and --stop name)")
+    p.add_argument("--pid", type=int, metavar="PID",
+                   help="with --print-env or --stop: that server (from --list), not the newest")
+    p.add_argument("--all", action="store_true", help="with --stop: stop every running s3dcp server")
+    p.add_argument("--json", action="store_true", help="with --list: print JSON")
     p.add_argument("--bucket", action="append", default=None, metavar="NAME",
                    help=f"create this bucket (repeatable; default: {DEFAULT_BUCKET}); with --print-env also on a "
                         "server that runs already")

@@ -21,12 +21,22 @@ def cmd_server(args) -> int:
     from .. import localserver
 
     buckets = [] if args.no_bucket else (args.bucket or [DEFAULT_BUCKET])
+    if args.pid is not None and not (args.stop or args.print_env):
+        raise UsageError("--pid goes with --print-env or --stop (s3dcp server --list shows the pids)")
+    if args.all and not args.stop:
+        raise UsageError("--all goes with --stop")
+    if args.json and not args.list:
+        raise UsageError("--json goes with --list")
+    if args.list:
+        return localserver.list_servers(as_json=args.json)
     if args.stop:
-        return localserver.stop()
+        if args.all and args.pid is not None:
+            raise UsageError("--stop takes --pid or --all, not both")
+        return localserver.stop(pid=args.pid, all_servers=args.all)
     options = dict(buckets=buckets, data_dir=args.dir, port=args.port, access_key=args.access_key,
                    secret_key=args.secret_key)
     if args.print_env:
-        return localserver.print_env(**options)
+        return localserver.print_env(**options, pid=args.pid)
     return localserver.run(**options)
 
 

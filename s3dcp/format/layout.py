@@ -18,9 +18,9 @@ from ..errors import MetadataFormatError
 
 __all__ = [
     "METADATA_NAME", "PENDING_NAME", "DATA_SUFFIX", "ItemLocation", "pack", "new_save_id", "object_name", "ObjectName",
-    "parse_object_name", "is_data_object", "object_sizes", "box_byte_range", "is_contiguous_box", "Segment",
-    "coalesce", "Piece", "box_pieces", "MAX_BYTES_ITEM_BYTES", "check_location", "check_box", "check_in_object",
-    "MAX_TILING_CELLS", "check_tiling",
+    "parse_object_name", "is_data_object", "METADATA_HEAD_BYTES", "is_s3dcp_metadata_head", "object_sizes",
+    "box_byte_range", "is_contiguous_box", "Segment", "coalesce", "Piece", "box_pieces", "MAX_BYTES_ITEM_BYTES",
+    "check_location", "check_box", "check_in_object", "MAX_TILING_CELLS", "check_tiling",
 ]
 
 # The names of a checkpoint directory's objects, defined here and nowhere else:
@@ -211,6 +211,18 @@ def parse_object_name(name: str) -> ObjectName | None:
 def is_data_object(name: str) -> bool:
     """Whether ``name`` (relative to the checkpoint directory) is a data object s3dcp wrote."""
     return parse_object_name(name) is not None
+
+
+METADATA_HEAD_BYTES = 8  # enough of a .metadata object to tell s3dcp's from another writer's
+
+
+def is_s3dcp_metadata_head(head: bytes) -> bool:
+    """Whether the first :data:`METADATA_HEAD_BYTES` of a ``.metadata`` object are s3dcp's:
+    format 2's magic (``0x89 S3DCPMD``, :mod:`s3dcp.format.metadata.v2`) or format 1's JSON
+    (``{``). DCP's own writers pickle their metadata (``0x80``...): not s3dcp's, and neither
+    is anything else. A True here is a first look only; decoding is what validates."""
+    head = bytes(head[:METADATA_HEAD_BYTES])
+    return head.startswith(b"\x89S3DCPMD") or head.lstrip()[:1] == b"{"
 
 
 def object_sizes(locations: Iterable[ItemLocation]) -> dict[str, int]:

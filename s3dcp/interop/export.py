@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -318,6 +319,13 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
 
 
 # ---------------------------------------------------------------------- destinations
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
+    with suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    return 0o022  # no /proc (macOS): the usual default
+
+
 class _Destination:
     """A local directory, or an S3 prefix with a local spool directory for the shard files.
 
@@ -358,7 +366,7 @@ class _Destination:
             return
         if not self.overwrite:
             raise CheckpointExistsError(f"{self.where} already holds safetensors files ({', '.join(clash[:3])}"
-                                        f"{', ...' if len(clash) > 3 else ''}); pass overwrite=True (--force)")
+                                        f"{', ...' if len(clash) > 3 else ''}); pass overwrite=True to replace them")
         log.info("export: removing the earlier export at %s (%d file(s))", self.where, len(clash))
         if self.uri is not None:
             if INDEX_NAME in clash:
@@ -375,6 +383,9 @@ class _Destination:
 
     def finish_file(self, name: str, path: str) -> None:
         if self.uri is None:
+            # safetensors creates its file 0600; an export gets the mode of any file the user
+            # creates (0644 under umask 022), as its index does.
+            os.chmod(path, 0o666 & ~_umask())
             os.replace(path, os.path.join(self.dir, name))
             self._written.append(name)
             return
@@ -425,7 +436,7 @@ class _Destination:
             raise IncompleteCheckpointError(
                 f"export to {self.where} failed ({type(error).__name__}: {error}) and the {len(left)} file(s) it "
                 f"had written could not be removed ({why}): {', '.join(left)}. They are an incomplete model "
-                "(no index); delete them, or export again with --force") from error
+                "(no index); delete them, or export again replacing them (overwrite=True; s3dcp export --force)") from error
 
     def close(self) -> None:
         if self.uri is not None:

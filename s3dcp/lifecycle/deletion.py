@@ -31,16 +31,17 @@ __all__ = ["held_for_references", "DeleteResult", "delete_checkpoint", "release_
 log = logging.getLogger("s3dcp")
 
 
-def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]:
+def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> dict[str, set[str]]:
     """The directories of ``by_dir`` (listing prefix -> its objects, as
     :func:`s3dcp.lifecycle.directories.scan_directories` gives) that are deleted checkpoints kept only for
-    their references: no ``.metadata``, and every data object referenced by a committed
-    sibling. ``ls`` and :meth:`CheckpointManager.list` do not show them. Reads references only
-    when there is such a candidate."""
+    their references — no ``.metadata``, and every data object referenced by a committed
+    sibling — each with the sibling directories that reference them. :meth:`CheckpointManager.list`
+    does not show them; ``s3dcp ls`` shows them as kept. Reads references only when there is
+    such a candidate."""
     candidates = {d: objs for d, objs in by_dir.items()
                   if all(o.key.rpartition("/")[2] != METADATA_NAME for o in objs)
                   and any(is_data_object(o.key.rpartition("/")[2]) for o in objs)}
-    held: set[str] = set()
+    held: dict[str, set[str]] = {}
     cache: dict[str, References] = {}
     for directory, objs in candidates.items():
         parent = directory.rstrip("/").rpartition("/")[0]
@@ -50,7 +51,7 @@ def held_for_references(client: S3Client, bucket: str, by_dir: dict) -> set[str]
         refs = cache[parent]
         data = [o for o in objs if is_data_object(o.key.rpartition("/")[2])]
         if all(refs.users(o.key) for o in data):
-            held.add(directory)
+            held[directory] = set().union(*(refs.users(o.key) for o in data))
     return held
 
 
@@ -77,6 +78,9 @@ class DeleteResult:
     deleted_bytes: int = 0
     kept: list[str] = field(default_factory=list)  # keys of its objects other checkpoints reference
     kept_bytes: int = 0
+    # .metadata / marker keys under the parent that could not be read (another writer's, say): what
+    # they reference is unknown, so every data object was kept (``kept``), referenced or not
+    unreadable: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # objects of deleted checkpoints only it referenced
 
     def __iter__(self):
@@ -113,6 +117,7 @@ def delete_checkpoint(client: S3Client, uri: S3Uri, *,
     if refs.unreadable:
         result.kept = sorted(o.key for o in data)
         result.kept_bytes = sum(o.size for o in data)
+        result.unreadable = list(refs.unreadable)
         log.warning("deleted %s's metadata but kept its %d data object(s): %s cannot be read, so what it "
                     "references is unknown", uri, len(data), ", ".join(refs.unreadable))
         return result

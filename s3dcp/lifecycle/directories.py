@@ -1,16 +1,30 @@
-"""A run's checkpoint directories: the pattern that names them by step (``name_format``) and the
-scan of every object under the run, grouped by directory (``s3dcp ls`` and the manager)."""
+"""A run's checkpoint directories: the pattern that names them by step (``name_format``), the
+scan of every object under the run, grouped by directory (``s3dcp ls`` and the manager), and
+what the manager tells of one (:class:`CheckpointInfo`)."""
 
 from __future__ import annotations
 
 import re
 import string
+from dataclasses import dataclass
 
 from ..s3.client import ObjectInfo, S3Client
 from ..errors import ConfigError
 from ..uri import S3Uri
 
-__all__ = ["scan_directories", "name_pattern"]
+__all__ = ["scan_directories", "name_pattern", "CheckpointInfo"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under the manager's base URI."""
+
+    step: int
+    uri: str
+    committed: bool  # its .metadata exists
+    bytes: int  # total size of the objects directly in the directory
+    objects: int
+    last_modified: float | None  # newest object, seconds since the epoch
 
 
 def scan_directories(client: S3Client, base: S3Uri) -> dict[str, list[ObjectInfo]]:

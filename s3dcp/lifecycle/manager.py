@@ -20,16 +20,14 @@ With ``incremental=True`` each save uses the newest committed checkpoint as its 
 checkpoint's metadata and only those of its objects that no kept checkpoint references; the
 rest go when the last checkpoint referencing them goes. Choosing the base:
 
-- one process: the newest checkpoint committed when :meth:`save` is called (one LIST), without
-  waiting for saves still uploading: with ``max_inflight_checkpoints=2`` the base of a save may
-  be the one before the save in flight (correct; it only uploads more). Retention never deletes
-  a checkpoint a save in flight uses as its base: base choice and retention's choice of what
-  to delete take one lock, so neither can pick what the other just claimed;
-- several ranks: every rank must use the same base, so the coordinator chooses and broadcasts
-  it (:meth:`latest`), and that collective must not run while a save's collectives run on
-  DCP's background thread — so :meth:`save` first waits for the save in flight (its commit and
-  retention). Multi-rank jobs keep one save in flight anyway (staging waits for the previous
-  upload), so this adds only the previous save's commit and retention to the wait.
+- one save in flight (``max_inflight_checkpoints=1``, the default; always with several
+  ranks): :meth:`save` waits for it (commit and retention; staging waits for its upload
+  anyway), then takes the newest committed step, so back-to-back saves build on each other.
+  Several ranks agree through the coordinator (:meth:`latest`, a collective that must not run
+  beside a save's collectives on DCP's background thread);
+- more in flight, one process: the newest step committed when :meth:`save` is called (one
+  LIST), maybe the one before the save in flight (it only uploads more). Retention never
+  deletes a base of a save in flight: base choice and retention's choice take one lock.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..s3.client import S3Client
@@ -49,10 +46,12 @@ from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
 from ..format.references import check_base
 from ..uri import S3Uri, parse_s3_uri
-from .directories import name_pattern, scan_directories
+from .directories import CheckpointInfo, name_pattern, scan_directories
 from .retention import Doomed, steps_to_delete
+from ..saving.stats import record_committed
 
 if TYPE_CHECKING:
+    from ..saving.stats import SaveStats
     from ..saving.writer import S3StorageWriter
 
 # torch (and the writer and reader, which need it) is imported where it is used, so listing and
@@ -61,18 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointManager", "CheckpointInfo", "delete_checkpoint", "METADATA_NAME"]
 
 log = logging.getLogger("s3dcp")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint directory under the manager's base URI."""
-
-    step: int
-    uri: str
-    committed: bool  # its .metadata exists
-    bytes: int  # total size of the objects directly in the directory
-    objects: int
-    last_modified: float | None  # newest object, seconds since the epoch
 
 
 class CheckpointManager:
@@ -94,10 +81,11 @@ class CheckpointManager:
         name_format: directory name of a step; must hold ``{step}`` once (a format spec is fine).
         incremental: save each checkpoint as an incremental one on the newest committed
             checkpoint (unchanged items are references to it, not uploaded); every checkpoint
-            records CRC64NVME item checksums so that the next one can compare. In one process
-            the base is the newest step committed when :meth:`save` is called (saves still
-            uploading are not waited for); with several ranks it is chosen collectively after
-            the save in flight has ended (see the module docstring).
+            records CRC64NVME item checksums so that the next one can compare. A save waits
+            for the save in flight and builds on it (module docstring: more in flight).
+
+    :attr:`last_save_stats`: this rank's :class:`~s3dcp.saving.writer.SaveStats` of the save that
+    committed last (bytes uploaded and inherited, seconds), as ``s3dcp.last_save_stats()``.
 
     Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
@@ -141,6 +129,7 @@ class CheckpointManager:
         self.async_mode = async_mode
         self.process_group = process_group
         self.last_writer: S3StorageWriter | None = None
+        self.last_save_stats: SaveStats | None = None  # this rank's, of the save that committed last
         self._pending: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()  # _pending, _bases_in_use, _doomed
         self._retention_lock = threading.Lock()
@@ -204,6 +193,7 @@ class CheckpointManager:
             raise unwrap_error(e)  # chained from DCP's exception
         if not self.async_mode:
             self._release_base(step)
+            self._committed(writer)
             elapsed = time.perf_counter() - started
             self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
             return None
@@ -224,6 +214,7 @@ class CheckpointManager:
                 outer.set_exception(error)
                 return
             upload_s = time.perf_counter() - returned
+            self._committed(writer)
             self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
             outer.set_result(metadata)
 
@@ -242,6 +233,9 @@ class CheckpointManager:
                 if base is not None:
                     self._bases_in_use[step] = base
             return base
+        if self.config.max_inflight_checkpoints <= 1:  # build on the save in flight, not the one before
+            self._drain()
+            self._raise_finished_errors()
         with self._lock:
             listing = self._doomed.listing_started()
         try:
@@ -297,6 +291,10 @@ class CheckpointManager:
         with self._lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending)
+
+    def _committed(self, writer: S3StorageWriter) -> None:
+        self.last_save_stats = writer.last_stats
+        record_committed(writer.last_stats)  # s3dcp.last_save_stats()
 
     def _after_commit(self, step: int, writer: S3StorageWriter, metadata: Any, *,
                       stall_s: float, upload_s: float) -> None:

@@ -40,13 +40,13 @@ from ..config import S3Config
 from ..errors import IntegrityError, NoSuchKeyError, S3Error
 from . import compat, listing
 from .copies import copy_object
-from .listing import ObjectInfo, UploadInfo
+from .listing import ObjectInfo, UploadInfo, UploadParts
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
 from .responses import children, parse_http_date, text, xml_result
 from .streams import BufferStream, chain, finalizer, gather
 
-__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "PutResult"]
+__all__ = ["S3Client", "ObjectInfo", "UploadInfo", "UploadParts", "PutResult"]
 
 log = logging.getLogger("s3dcp")
 
@@ -268,6 +268,10 @@ class S3Client:
     def upload_activity(self, bucket: str, key: str, upload_id: str) -> "Future[float | None]":
         """When an unfinished multipart upload last received a part (seconds since the epoch;
         None when it has no parts yet), from ListParts, every page."""
+        return gather([self.upload_parts(bucket, key, upload_id)], lambda found: found[0].newest)
+
+    def upload_parts(self, bucket: str, key: str, upload_id: str) -> "Future[UploadParts]":
+        """The parts an unfinished multipart upload holds (count, bytes, newest), from ListParts."""
         return listing.upload_activity(self._default, bucket, key, upload_id, self._owner_headers())
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":

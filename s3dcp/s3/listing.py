@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from .responses import children, parse_iso, text, xml_result
 from .streams import chain
 
-__all__ = ["ObjectInfo", "UploadInfo", "list_objects", "list_uploads", "upload_activity"]
+__all__ = ["ObjectInfo", "UploadInfo", "UploadParts", "list_objects", "list_uploads", "upload_activity"]
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,20 @@ def list_uploads(send: Callable[..., Future], bucket: str, prefix: str,
     return outer
 
 
+@dataclass(frozen=True)
+class UploadParts:
+    """What an unfinished multipart upload holds so far (ListParts, every page)."""
+
+    parts: int = 0
+    bytes: int = 0  # stored, and billed, until the upload is completed or aborted
+    newest: float | None = None  # when its last part arrived (seconds since the epoch)
+
+
 def upload_activity(send: Callable[..., Future], bucket: str, key: str, upload_id: str,
-                    headers: Sequence[tuple[str, str]]) -> "Future[float | None]":
-    """When an unfinished multipart upload last received a part (seconds since the epoch; None
-    when it has no parts yet), from ListParts, every page."""
-    newest: list[float | None] = [None]
+                    headers: Sequence[tuple[str, str]]) -> "Future[UploadParts]":
+    """The parts an unfinished multipart upload has received (count, bytes, the newest one's
+    time), from ListParts, every page."""
+    found = {"parts": 0, "bytes": 0, "newest": None}
     outer: Future = Future()
 
     def page(marker: str) -> None:
@@ -115,14 +124,16 @@ def upload_activity(send: Callable[..., Future], bucket: str, key: str, upload_i
 
     def handle(root) -> None:
         for part in children(root, "Part"):
+            found["parts"] += 1
+            found["bytes"] += int(text(part, "Size") or 0)
             stamp = parse_iso(text(part, "LastModified"))
-            if stamp is not None and (newest[0] is None or stamp > newest[0]):
-                newest[0] = stamp
+            if stamp is not None and (found["newest"] is None or stamp > found["newest"]):
+                found["newest"] = stamp
         marker = text(root, "NextPartNumberMarker")
         if text(root, "IsTruncated") == "true" and marker:
             page(marker)
         else:
-            outer.set_result(newest[0])
+            outer.set_result(UploadParts(**found))
 
     page("")
     return outer

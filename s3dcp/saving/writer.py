@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from ..format.metadata import decode_metadata, encode_metadata
 from .base import BaseIndex
 from .referenced import references
 from .staging import StagingMixin
+from .stats import SaveStats
 from .uploads import SavePlanData, Uploads, resolve, save_identity
 from ..s3.location import S3CheckpointPath
 from ..uri import object_key, parent_prefix, parse_s3_uri
@@ -55,23 +56,6 @@ from ..format.tensors import to_host_contiguous
 __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
 
 log = logging.getLogger("s3dcp")
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """Figures of the last save on this rank (for logs and benchmarks)."""
-
-    stage_s: float = 0.0  # time the caller was blocked copying into the staging pool (async_save)
-    upload_s: float = 0.0  # write_data: resolve + checksum + upload of this rank's objects
-    bytes: int = 0  # bytes this rank uploaded
-    objects: int = 0
-    inherited_bytes: int = 0  # bytes of unchanged items referenced in the base (incremental saves)
-    inherited_items: int = 0
-
-    @property
-    def upload_gbps(self) -> float:
-        """Upload throughput in GB/s (10^9 bytes per second)."""
-        return self.bytes / self.upload_s / 1e9 if self.upload_s > 0 else 0.0
 
 
 class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):

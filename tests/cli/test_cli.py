@@ -166,6 +166,99 @@ def test_ls_of_a_bucket_groups_checkpoints_by_run(capsys, bucket, s3_config):
         (f"s3://{bucket}/a", "a/step-1"), (f"s3://{bucket}/a", "a/step-2"), (f"s3://{bucket}/b/x", "b/x/step-5")]
 
 
+def test_ls_shows_what_is_stored_for_a_removed_base_and_who_holds_it(capsys, bucket, s3_config):
+    """After ``rm`` of an incremental checkpoint's base, its kept objects are a row of their own
+    (they used to vanish from ls while still stored, and paid for)."""
+    import s3dcp
+
+    run_uri = f"s3://{bucket}/run"
+    state = {"frozen": torch.arange(300_000, dtype=torch.float32), "head": torch.zeros(4)}
+    s3dcp.save(state, f"{run_uri}/step-1", config=s3_config, item_checksum="crc64nvme")
+    state["head"] += 1
+    s3dcp.save(state, f"{run_uri}/step-2", config=s3_config, incremental_from=f"{run_uri}/step-1")
+    code, out, _ = run(capsys, "rm", "--yes", f"{run_uri}/step-1")
+    assert code == 0 and "that other checkpoints reference" in out
+    code, out, _ = run(capsys, "ls", run_uri)
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if not line.startswith("#")}
+    assert set(rows) == {"step-1", "step-2"}, out
+    assert "kept for step-2" in rows["step-1"] and "1.1 MiB" in rows["step-1"]
+    assert "# step-1: deleted; its 1 object(s) (1.1 MiB) stay while step-2 reference them" in out
+    by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_uri)[1])}
+    assert by_name["step-1"]["state"] == "kept_for_references" and by_name["step-1"]["committed"] is False
+    assert by_name["step-1"]["held_by"] == [f"{run_uri}/step-2"] and by_name["step-1"]["bytes"] >= 1_200_000
+    assert by_name["step-2"]["state"] == "committed" and by_name["step-2"]["held_by"] == []
+
+
+def test_ls_shows_unfinished_multipart_uploads(capsys, run_dir, bucket, boto3_client):
+    """A save killed mid-upload leaves multipart uploads and maybe no object: ls shows them."""
+    key = "run/step-40/__0_0.bbbbbbbbbbbb.distcp"
+    upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    boto3_client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"y" * (5 << 20))
+    try:
+        code, out, _ = run(capsys, "ls", run_dir)
+        assert code == 0
+        row = next(line for line in out.splitlines() if line.startswith("step-40"))
+        assert row.split()[2:5] == ["5.0", "MiB", "0"] and "INCOMPLETE, 1 unfinished upload(s)" in row, out
+        assert f"# 1 unfinished multipart upload(s), counted in SIZE: their parts (5.0 MiB) are stored (and " \
+               f"billed) until aborted; s3dcp gc {run_dir}/ aborts" in out
+        by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
+        assert by_name["step-40"]["state"] == "incomplete"
+        assert [(u["key"], u["upload_id"], u["parts"], u["bytes"]) for u in by_name["step-40"]["uploads"]] == \
+            [(key, upload_id, 1, 5 << 20)]
+        assert by_name["step-40"]["bytes"] == 5 << 20
+        assert by_name["step-10"]["uploads"] == []
+    finally:
+        boto3_client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+
+
+def test_ls_without_permission_to_list_uploads_still_lists_checkpoints(capsys, run_dir, s3_server):
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        proxy.add_rule(Rule("error", method="GET", query_has="uploads", status=403, code="AccessDenied"))
+        code, out, err = run(capsys, "ls", run_dir, "--endpoint-url", proxy.endpoint_url)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["step-10", "step-20", "step-30"]
+    assert f"unfinished multipart uploads under {run_dir} not listed" in err and "AccessDenied" in err
+
+
+def _put_dcp_pickled_metadata(boto3_client, bucket: str, key: str) -> None:
+    """A ``.metadata`` as DCP's FileSystemWriter / fsspec writer make it: a pickle."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    boto3_client.put_object(Bucket=bucket, Key=key, Body=pickle.dumps(Metadata(state_dict_metadata={})))
+
+
+def test_ls_and_gc_say_when_a_run_holds_foreign_metadata(capsys, run_dir, bucket, boto3_client):
+    _put_dcp_pickled_metadata(boto3_client, bucket, "run/dcp-7/.metadata")
+    boto3_client.put_object(Bucket=bucket, Key="run/dcp-7/__0_0.distcp", Body=b"z" * 10)
+    code, out, _ = run(capsys, "ls", run_dir)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("dcp-7"))
+    assert "not s3dcp's" in row
+    assert f"# dcp-7: its .metadata is not s3dcp's (DCP's own pickle, say): s3dcp cannot load it, and rm, gc and " \
+           f"retention delete nothing under {run_dir}/ that it might reference" in out
+    by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
+    assert by_name["dcp-7"]["state"] == "foreign" and by_name["step-10"]["state"] == "committed"
+    # gc: data stays safe, and the output (not only a log line) says why
+    before = _keys(boto3_client, bucket)
+    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "0s")
+    assert code == 0 and _keys(boto3_client, bucket) == before  # step-30's leftover too: what dcp-7 uses is unknown
+    assert f"skipped: s3://{bucket}/run/dcp-7/ (metadata): its .metadata is not s3dcp metadata" in out
+    assert f"nothing under s3://{bucket}/run/ is deleted" in out
+    assert out.rstrip().endswith("1 .metadata not s3dcp's or unreadable: nothing under its run deleted")
+    # rm of an s3dcp checkpoint there: its metadata goes, its data stays, and rm says why
+    code, out, _ = run(capsys, "rm", "--yes", f"{run_dir}/step-20")
+    assert code == 0 and "kept its 1 data object(s)" in out, out
+    assert f"s3://{bucket}/run/dcp-7/.metadata is not s3dcp metadata" in out and "other checkpoints" not in out
+    assert len(_keys(boto3_client, bucket, "run/step-20/")) == 1
+
+
 # ------------------------------------------------------------------------------ inspect
 def test_inspect(capsys, bucket, s3_config):
     uri = f"s3://{bucket}/run/step-1000"
@@ -264,7 +357,8 @@ def test_rm(capsys, run_dir, bucket, boto3_client):
 def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     before = _keys(boto3_client, bucket)
     code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
-    assert code == 0 and "deleted 0 object(s)" in out and "skipped 1 recent unreferenced" in out
+    assert code == 0 and "deleted 0 object(s)" in out
+    assert "skipped 1 object(s) and 0 upload(s) of saves active in the last 1h" in out
     assert f"skipped: s3://{bucket}/run/step-30/ (1 object(s)): unreferenced data newer than --older-than 1h" in out
     report = json.loads(run(capsys, "gc", "--json", run_dir, "--older-than", "1h")[1])
     assert [(s["prefix"], s["objects"]) for s in report["skipped"]] == [(f"s3://{bucket}/run/step-30/", 1)]
@@ -273,6 +367,7 @@ def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
     assert f"skipped: s3://{bucket}/run/step-40/__0_0.bbbbbbbbbbbb.distcp (upload {upload_id}): its save was active " \
            "less than --older-than 1h ago" in out
+    assert "skipped 1 object(s) and 1 upload(s) of saves active" in out  # the summary counts the lines it lists
     time.sleep(1.1)  # S3 times have one-second resolution
     code, out, _ = run(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
     assert code == 0 and f"would delete: s3://{bucket}/run/step-30/__0_0.aaaaaaaaaaaa.distcp" in out
@@ -370,9 +465,10 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
         again = subprocess.run([*CLI, "server", "--print-env", "--bucket", "more"], capture_output=True, text=True,
                                env=env, timeout=60)
         assert again.returncode == 0 and "created now" not in again.stderr and "s3://more" in again.stderr
+        assert oct((tmp_path / f"server-{proc.pid}.json").stat().st_mode & 0o777) == "0o600"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-        assert not (tmp_path / "server.json").exists()  # it forgot itself
+        assert not (tmp_path / f"server-{proc.pid}.json").exists()  # it forgot itself
     finally:
         if proc.poll() is None:  # a failed assertion: stop it the way that lets it stop its server
             proc.terminate()
@@ -383,25 +479,111 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
                 proc.wait()
 
 
+def _state_files(state_dir) -> list:
+    return sorted(state_dir.glob("server-*.json"))
+
+
 def test_server_print_env_starts_one_in_the_background_and_stop_ends_it(tmp_path):
     env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
     done = subprocess.run(["bash", "-c", 'eval "$("$@" server --print-env --bucket first)" && '
                                          '"$@" mb s3://second && "$@" ls s3://first/ && echo "$AWS_REGION"',
                            "_", *CLI], capture_output=True, text=True, env=env, timeout=120)
-    state = json.loads((tmp_path / "server.json").read_text()) if (tmp_path / "server.json").exists() else None
+    files = _state_files(tmp_path)
+    state = json.loads(files[0].read_text()) if files else None
     try:
         assert done.returncode == 0, done.stderr
         assert "created: s3://second" in done.stdout and done.stdout.rstrip().endswith("us-east-1")
         assert "no checkpoints under s3://first" in done.stderr and "s3dcp server --stop" in done.stderr
-        assert oct((tmp_path / "server.json").stat().st_mode & 0o777) == "0o600"
+        assert len(files) == 1 and oct(files[0].stat().st_mode & 0o777) == "0o600"
     finally:
         stopped = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
     assert state is not None and stopped.returncode == 0 and f"pid {state['pid']}" in stopped.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(state["weed_pid"], 0)
-    assert not (tmp_path / "server.json").exists()
+    assert _state_files(tmp_path) == []
     again = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
     assert again.returncode == 0 and "no s3dcp server is running" in again.stderr
+
+
+def _stop_all(env) -> None:
+    """Stop every server these tests started (by the state files of their own state directory)."""
+    subprocess.run([*CLI, "server", "--stop", "--all"], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_second_server_never_orphans_the_first(tmp_path):
+    """The newcomer's afternoon: a background server, then ``s3dcp server`` in a second terminal;
+    once that one stops, --print-env and --stop name the first again (it used to start a new,
+    empty one, and the first could only be killed by pid)."""
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
+    second = None
+    try:
+        first = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=120)
+        assert first.returncode == 0, first.stderr
+        first_exports = _read_exports(first.stdout.splitlines(keepends=True))
+        first_pid = int(re.search(r"started: pid (\d+)", first.stderr).group(1))
+        second = subprocess.Popen([*CLI, "server"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env)
+        lines: list[str] = []
+        second_exports = _read_exports(second.stdout, lines)
+        assert second_exports and second_exports != first_exports
+        note = next(line for line in lines if "note:" in line)
+        assert f"pid {first_pid}" in note and "--print-env and --stop now name this one" in note, note
+        # both are listed; the newest is the one named
+        listed = subprocess.run([*CLI, "server", "--list", "--json"], capture_output=True, text=True, env=env,
+                                timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert [(s["pid"], s["named"]) for s in json.loads(listed.stdout)] == [(first_pid, False),
+                                                                              (second.pid, True)]
+        table = subprocess.run([*CLI, "server", "--list"], capture_output=True, text=True, env=env, timeout=60)
+        rows = table.stdout.splitlines()[1:]
+        assert len(rows) == 2 and rows[1].startswith("*") and str(second.pid) in rows[1]
+        assert str(first_pid) in rows[0] and not rows[0].startswith("*")
+        named = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=60)
+        assert _read_exports(named.stdout.splitlines(keepends=True)) == second_exports
+        assert f"pid {second.pid}" in named.stderr and "2 servers run" in named.stderr
+        chosen = subprocess.run([*CLI, "server", "--print-env", "--pid", str(first_pid)], capture_output=True,
+                                text=True, env=env, timeout=60)
+        assert _read_exports(chosen.stdout.splitlines(keepends=True)) == first_exports
+        # the second stops (Ctrl-C in its terminal): the first is named again, no new server starts
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=30) == 0
+        again = subprocess.run([*CLI, "server", "--print-env"], capture_output=True, text=True, env=env, timeout=60)
+        assert again.returncode == 0 and f"running: pid {first_pid}" in again.stderr, again.stderr
+        assert _read_exports(again.stdout.splitlines(keepends=True)) == first_exports
+        stopped = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
+        assert stopped.returncode == 0 and f"stopped s3dcp server pid {first_pid}" in stopped.stderr
+        assert _state_files(tmp_path) == []
+        missing = subprocess.run([*CLI, "server", "--stop", "--pid", str(first_pid)], capture_output=True,
+                                 text=True, env=env, timeout=60)
+        assert missing.returncode == 1 and f"no s3dcp server with pid {first_pid}" in missing.stderr
+    finally:
+        if second is not None and second.poll() is None:
+            second.terminate()
+            second.wait(timeout=30)
+        _stop_all(env)
+
+
+def test_print_env_from_a_folder_holding_a_clone_starts_the_installed_package(tmp_path):
+    """A folder named ``s3dcp`` in the current directory (the clone, seen from its parent) does
+    not shadow the package the background server runs."""
+    here = tmp_path / "work"
+    (here / "s3dcp").mkdir(parents=True)
+    (here / "s3dcp" / "__init__.py").write_text("raise ImportError('the s3dcp folder of the current directory')")
+    env = _cli_env(S3DCP_STATE_DIR=str(tmp_path / "state"))
+    env.pop("PYTHONPATH")  # this checkout comes from the starter's sys.path alone
+    # -P: the starter itself does not see the folder, as the installed `s3dcp` script does not
+    starter = [sys.executable, "-P", "-c", f"import sys; sys.path.insert(0, {ROOT!r}); from s3dcp.cli import main; "
+                                           "sys.exit(main())"]
+    try:
+        done = subprocess.run([*starter, "server", "--print-env", "--dir", "data"], capture_output=True, text=True,
+                              env=env, timeout=120, cwd=here)
+        assert done.returncode == 0, done.stderr + (tmp_path / "state" / "server.log").read_text()
+        assert "AWS_ENDPOINT_URL_S3" in done.stdout
+        (state,) = [json.loads(p.read_text()) for p in _state_files(tmp_path / "state")]
+        assert state["data_dir"] == str(here / "data")  # a relative --dir is the caller's, not the server's
+        assert "started_at" in state  # written by this checkout's server, not the one the venv installed
+    finally:
+        _stop_all(env)
 
 
 def test_server_with_a_kept_data_dir_starts_again_with_its_buckets(tmp_path):

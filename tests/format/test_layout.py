@@ -176,3 +176,20 @@ def test_box_pieces_of_a_column_range_skip_the_other_columns():
                       gap_bytes=mib, max_bytes=32 * mib)
     assert [(p.start, p.end) for p in flat] == [(s, s + 32 * mib) for s in range(32 * mib, 192 * mib, 32 * mib)]
     assert all(p.flat for p in flat)
+
+
+def test_the_head_of_a_metadata_object_tells_s3dcp_metadata_from_another_writers():
+    """``s3dcp ls`` reads only these bytes of each .metadata to mark a foreign one."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from s3dcp.format.layout import METADATA_HEAD_BYTES, is_s3dcp_metadata_head
+    from s3dcp.format.metadata import encode_metadata
+
+    md = Metadata(state_dict_metadata={})
+    for version in (1, 2):
+        assert is_s3dcp_metadata_head(encode_metadata(md, version=version)[:METADATA_HEAD_BYTES]), version
+    assert not is_s3dcp_metadata_head(pickle.dumps(md)[:METADATA_HEAD_BYTES])  # DCP's own .metadata
+    assert not is_s3dcp_metadata_head(b"")
+    assert not is_s3dcp_metadata_head(b"\x89PNG\r\n\x1a\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -211,3 +212,24 @@ def _tensors(tree) -> list[torch.Tensor]:
         return [t for v in tree for t in _tensors(v)]
     return []
 
+
+
+@pytest.mark.multiproc
+def test_example_uses_a_configured_endpoint_and_runs_again(s3_server, demo_bucket, tmp_path):
+    """With an endpoint configured (as "Try it locally" leaves one) and no --root: s3://demo, a new
+    run prefix each time (it used to exit 1 asking for --root)."""
+    env = {**_env(), **s3_server.env()}
+    roots = []
+    for _ in range(2):  # a second run on the same store starts from nothing too
+        done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "lightning_s3.py"), "--width", "64"],
+                              capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        line = next(x for x in done.stdout.splitlines() if x.startswith("# the configured S3 endpoint"))
+        assert line.startswith(f"# the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under "
+                               "s3://demo/lightning/"), line
+        roots.append(line.rpartition(" ")[2])
+        assert "# last.ckpt: step 8, 6 tensors identical to the trained model" in out
+        assert "# resumed and trained to step 12" in out
+        time.sleep(1.1)  # the run prefix has one-second resolution
+    assert roots[0] != roots[1]

@@ -356,7 +356,12 @@ def test_export_local_shards_load_with_safetensors_and_the_reader(bucket, s3_con
     assert sorted(report.skipped) == ["optim.lr", "optim.state.proj.weight.exp_avg", "step"]
     assert report.peak_buffered_bytes <= 120_000 + 256 * 2**20
 
-    with pytest.raises(CheckpointExistsError, match="already holds safetensors files"):
+    # every file with the mode of any file the user makes (safetensors alone makes its files 0600)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {name: oct((out / name).stat().st_mode & 0o777) for name in names} == \
+        {name: oct(0o666 & ~umask) for name in names}
+    with pytest.raises(CheckpointExistsError, match="already holds safetensors files .*; pass overwrite=True to"):
         export_safetensors(f"s3://{bucket}/run/step-1000", str(out), config=s3_config)
 
 
@@ -571,7 +576,8 @@ def test_export_cli_json(capsys, monkeypatch, s3_server, bucket, s3_config, tmp_
     assert summary["tensors"] == 5 and summary["skipped"] == ["optim.lr", "step"]  # non-tensor, filtered out
     assert [f["name"] for f in summary["files"]] == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "o")])
-    assert code == 1 and "--force" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 1 and "pass --force to replace it" in err and "overwrite=True" not in err, err
     code = cli.main(["export", f"s3://{bucket}/run/step-7", "--to-safetensors", str(tmp_path / "p"),
                      "--shard-size", "lots"])
     assert code == 2

@@ -306,3 +306,14 @@ def test_example_is_killed_and_resumes_with_identical_losses(tmp_path):
     assert [r["step"] for r in second] == list(range(start + 1, 7))
     assert {r["step"]: r["loss"] for r in second if r["step"] <= 5} == {s: first[s] for s in range(start + 1, 6)}
     assert "s3dcp: checkpoint step 6 committed" in resumed.stdout + resumed.stderr
+
+
+def test_example_uses_a_configured_endpoint(s3_server, demo_bucket, tmp_path):
+    """With an endpoint configured and no --folder: s3://demo/torchtitan there (it used to exit 1)."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(EXAMPLES, "torchtitan_s3.py"), "--steps", "4", "--interval", "2"],
+                          capture_output=True, text=True, env={**_env(), **s3_server.env()}, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"# the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under s3://demo/torchtitan" \
+        in done.stdout
+    assert not (tmp_path / "s3dcp-example-data").exists()  # no embedded server was started

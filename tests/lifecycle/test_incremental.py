@@ -598,10 +598,14 @@ def test_rm_of_a_base_keeps_what_others_reference_and_gc_never_deletes_it(chain,
     assert code == 0 and report["kept_referenced"] == [k for k in before if not k.endswith(".metadata")]
     with pytest.raises(IncompleteCheckpointError):  # gone as a checkpoint (objects without metadata)...
         S3StorageReader(f"{run}/step-1", client=client).fetch_metadata()
-    # ...not listed any more, but what step-2 and step-3 reference is still there
+    # ...not a checkpoint of the manager any more, but what step-2 and step-3 reference is still
+    # there, and ls shows it (it is stored, and paid for) with who holds it
     assert [c.step for c in CheckpointManager(run, client=client, name_format="step-{step}").list()] == [2, 3]
     assert cli.main(["ls", run, "--json"]) == 0
-    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["step-2", "step-3"]
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["state"]) for r in rows] == [
+        ("step-1", "kept_for_references"), ("step-2", "committed"), ("step-3", "committed")]
+    assert rows[0]["held_by"] == [f"{run}/step-2", f"{run}/step-3"]
     # gc, however old everything looks, keeps referenced objects
     report = gc(run, older_than_s=0, client=client, now=4e9)
     assert not [k for k in report.deleted if k.startswith("run/step-1/")]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 

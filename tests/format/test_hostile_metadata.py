@@ -196,3 +196,19 @@ def test_densest_ten_megabyte_objects_stay_bounded(tensors, decodes):
         validate_metadata(result)
     else:
         assert isinstance(result, MetadataFormatError) and "metadata.columns['sd." in str(result), result
+
+
+def _v1(planner_data: bytes) -> bytes:
+    return (b'{"format":"s3dcp-metadata","version":1,"dcp_version":null,"state_dict_metadata":{},'
+            b'"storage_data":null,"storage_meta":null,"planner_data":' + planner_data + b"}")
+
+
+def test_v1_document_of_empty_arrays_refused_before_parsing():
+    """'[],' is 3 bytes of text and ~120 bytes once parsed and decoded: 10 MB of it took +483 MiB."""
+    result = bounded_decode(_v1(b"[" + b"[]," * (10**7 // 3) + b"[]]"), 16 * MiB)
+    assert isinstance(result, MetadataFormatError) and "JSON arrays and objects" in str(result), result
+
+
+def test_v1_densest_document_accepted_stays_bounded():
+    result = bounded_decode(_v1(b"[" + b"[0,0,0,0,0]," * (10**7 // 12 - 20) + b"[]]"))
+    assert len(result.planner_data) == 10**7 // 12 - 19

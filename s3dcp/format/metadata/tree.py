@@ -77,7 +77,7 @@ def decode_tree(node: Any, where: str) -> Any:
             try:
                 out[key] = decode_tree(pair[1], f"{where}[{i}]")
             except TypeError:  # a list can be a value, never a key: encode_tree writes keys as tuples
-                raise MetadataFormatError(f"{where} key {i}: a {_type_name(key)} cannot be a dict key") from None
+                raise MetadataFormatError(f"{where} key {i}: corrupt __dict__: a {_type_name(key)} cannot be a dict key") from None
         return out
     if tag == "__bytes__":
         return base64.b64decode(_str(body, where), validate=True)

@@ -21,8 +21,9 @@ every declared count is charged to a :class:`DecodeBudget` whose size follows th
 
 So an object of at most 10 MB holds at most ~80 MB of columns and builds ~80 MB of objects,
 whatever it declares (measured in ``tests/format/test_hostile_metadata.py``). Real checkpoints
-stay below both: the first to meet a limit would be one saved without checksums with more than
-~2.5 M storage items (4,096 ranks x 600 tensors), refused by name rather than decoded slowly.
+stay below both: the first to meet a limit would be one saved without checksums
+(``checksum=None``) with more than ~2.7 M storage items, refused by name rather than decoded
+slowly; with crc32c or crc64nvme checksums the checksums alone pay for every item's columns.
 A count over budget is refused with :class:`~s3dcp.errors.MetadataFormatError` naming the field,
 before anything of that size exists.
 """

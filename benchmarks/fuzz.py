@@ -323,6 +323,9 @@ def mutate(src: Source, data: bytes) -> tuple[bytes, str]:
 # The oracle
 
 
+_last_error = [""]  # the message of the last refusal, for the report
+
+
 class Finding(AssertionError):
     """A decode or lookup that ended in anything but a result or an S3DCPError."""
 
@@ -348,6 +351,7 @@ def check(data: bytes) -> str:
     except MetadataFormatError as e:
         if stage == "lookups":
             raise Finding(f"lookup after a successful decode raised {e!r}") from e
+        _last_error[0] = str(e)[:300]
         return "safety-net" if SAFETY_NET in str(e) else f"refused-{stage}"
     except Exception as e:  # noqa: BLE001 - what the fuzzer exists to find
         raise Finding(f"{stage}: {type(e).__name__}: {e}"[:500]) from e
@@ -370,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     objects = seeds()
     counts: Counter = Counter()
     findings: list[dict] = []
+    nets: list[dict] = []
     slowest = (0.0, "")
     end = time.monotonic() + args.minutes * 60
     n = 0
@@ -387,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
             findings.append({"seed": name, "mutation": what, "error": str(e)})
             print(f"FINDING [{name}] {what}\n    {e}", flush=True)
         seconds = time.perf_counter() - t0
+        if outcome == "safety-net" and len(nets) < 50:
+            nets.append({"seed": name, "mutation": what, "error": _last_error[0]})
+            print(f"SAFETY NET [{name}] {what}\n    {_last_error[0]}", flush=True)
         if seconds > slowest[0]:
             slowest = (seconds, f"[{name}] {what}")
         if seconds > args.slow_s:
@@ -401,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"findings: {len(findings)}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"examples": n, "counts": dict(counts), "slowest_s": slowest[0], "findings": findings}, f, indent=1)
+        json.dump({"examples": n, "counts": dict(counts), "slowest_s": slowest[0], "findings": findings,
+                   "safety_net": nets}, f, indent=1)
     return 1 if findings else 0
 
 

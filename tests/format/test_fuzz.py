@@ -59,7 +59,7 @@ def test_seeds_are_real_checkpoints_of_every_shape():
         assert s3dcp.format.metadata.decode_metadata(data, lazy=False) == md
 
 
-@settings(max_examples=400, deadline=None, derandomize=True,
+@settings(max_examples=1500, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_mutated_metadata_decodes_or_is_refused(data):

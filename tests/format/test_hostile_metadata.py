@@ -101,14 +101,15 @@ def test_compressed_column_declaring_1e8_values(name):
     body = put_raw_column(header, body, name, raw, kind="u1", count=n, codec="zlib")
     result = bounded_decode(pack(header, body))
     assert isinstance(result, MetadataFormatError)
-    assert f"metadata.columns[{name!r}]" in str(result), result
+    field = "metadata.storage_data.rows" if name == "sd.fqn" else f"metadata.columns[{name!r}]"
+    assert field in str(result), result
 
 
 def test_column_past_zlib_ratio_refused_before_inflating():
     header, body = parts(scalar_checkpoint())
-    raw = zlib.compress(bytes(10**6), 9)
-    header["storage_data"]["rows"] = 10**7  # 10x what the stream holds: more than deflate can expand to
-    body = put_raw_column(header, body, "sd.fqn", raw, kind="u8", count=10**7, codec="zlib")
+    raw = zlib.compress(bytes(10**4), 9)  # ~30 bytes
+    header["storage_data"]["rows"] = 10**6  # 8 MB from 30 bytes: more than deflate can expand to
+    body = put_raw_column(header, body, "sd.fqn", raw, kind="u8", count=10**6, codec="zlib")
     with pytest.raises(MetadataFormatError, match=r"sd\.fqn.*more than zlib can inflate"):
         decode_metadata(pack(header, body))
 
@@ -144,5 +145,70 @@ def test_more_layouts_than_tensors_refused():
 def test_huge_storage_rows_refused_naming_the_field():
     header, body = parts(scalar_checkpoint())
     header["storage_data"]["rows"] = 2**40
-    with pytest.raises(MetadataFormatError, match=r"sd\.fqn"):
+    with pytest.raises(MetadataFormatError, match=r"storage_data\.rows: declares 1099511627776 storage items"):
         decode_metadata(pack(header, body))
+
+
+# ---------------------------------------------------------------------------------------------
+# The goal: any object of <= 10 MB decodes or is refused within 256 MiB of extra memory. The
+# densest objects the budget lets through: E tensors sharing one layout of C chunks, a storage
+# row for every chunk, every column compressed, padded to 10 MB with incompressible bytes.
+
+
+def _zcol(header: dict, body: bytes, name: str, values, kind: str) -> bytes:
+    return put_column(header, body, name, np.asarray(values), kind, codec="zlib")
+
+
+def dense_object(tensors: int, chunks: int, size_bytes: int = 10 * 10**6) -> bytes:
+    one = [ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))]
+    sdm = {f"t{i}": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([1]), list(one))
+           for i in range(tensors)}
+    sd = {MetadataIndex(f"t{i}", torch.Size([0]), 0): ItemLocation("o", 4 * i, 4, None, "float32", (1,))
+          for i in range(tensors)}
+    header, body = parts(encode_metadata(Metadata(sdm, storage_data=sd)))
+    c, rows = chunks, tensors * chunks
+    for name, values, kind in [
+        ("layout.ndim", [1], "u1"), ("layout.count", [c], "u4"), ("layout.offsets", np.arange(c), "u4"),
+        ("layout.sizes", np.ones(c), "u1"), ("sdm.size", np.full(tensors, c), "u4"),
+        ("sd.fqn", np.repeat(np.arange(tensors), c), "u2"), ("sd.chunk", np.tile(np.arange(c), tensors), "u4"),
+        ("sd.dtype", np.ones(rows), "u1"), ("sd.offset", np.arange(rows) * 4, "u4"), ("sd.length", np.full(rows, 4), "u1"),
+    ] + [(name, np.zeros(rows), "u1") for name in ("sd.chunk.null", "sd.index", "sd.index.null", "sd.object",
+                                                   "sd.shape.kind", "sd.block_size", "sd.blocks", "sd.checksum.null",
+                                                   "sd.checksum")]:
+        body = _zcol(header, body, name, values, kind)
+    header["storage_data"].update(rows=rows, checksum={"algorithm": "crc32c", "hex_digits": 8})
+    pad = size_bytes - len(pack(header, body)) - 200
+    body = put_raw_column(header, body, "padding", np.random.default_rng(0).bytes(pad), kind="u1", count=pad)
+    data = pack(header, body)
+    assert len(data) <= size_bytes
+    return data
+
+
+@pytest.mark.parametrize("tensors, decodes", [(3000, True), (4000, False)])
+def test_densest_ten_megabyte_objects_stay_bounded(tensors, decodes):
+    """3 M storage rows in 10 MB decode (a checkpoint without checksums is about that dense);
+    4 M are refused, naming the column; neither takes more than 256 MiB."""
+    from s3dcp.format.metadata import validate_metadata
+
+    result = bounded_decode(dense_object(tensors, 1000))
+    if decodes:
+        assert len(result.storage_data) == tensors * 1000
+        validate_metadata(result)
+    else:
+        assert isinstance(result, MetadataFormatError) and "metadata.columns['sd." in str(result), result
+
+
+def _v1(planner_data: bytes) -> bytes:
+    return (b'{"format":"s3dcp-metadata","version":1,"dcp_version":null,"state_dict_metadata":{},'
+            b'"storage_data":null,"storage_meta":null,"planner_data":' + planner_data + b"}")
+
+
+def test_v1_document_of_empty_arrays_refused_before_parsing():
+    """'[],' is 3 bytes of text and ~120 bytes once parsed and decoded: 10 MB of it took +483 MiB."""
+    result = bounded_decode(_v1(b"[" + b"[]," * (10**7 // 3) + b"[]]"), 16 * MiB)
+    assert isinstance(result, MetadataFormatError) and "JSON arrays and objects" in str(result), result
+
+
+def test_v1_densest_document_accepted_stays_bounded():
+    result = bounded_decode(_v1(b"[" + b"[0,0,0,0,0]," * (10**7 // 12 - 20) + b"[]]"))
+    assert len(result.planner_data) == 10**7 // 12 - 19

@@ -83,6 +83,13 @@ def _chunk(md: Metadata, fqn: str, offsets, sizes) -> Metadata:
                                                         fqn: dataclasses.replace(item, chunks=chunks)})
 
 
+def _extra_chunk(md: Metadata, fqn: str) -> Metadata:
+    item = md.state_dict_metadata[fqn]
+    chunks = list(item.chunks) * 2
+    return dataclasses.replace(md, state_dict_metadata={**md.state_dict_metadata,
+                                                        fqn: dataclasses.replace(item, chunks=chunks)})
+
+
 BROKEN = [
     pytest.param(lambda md: _loc(md, "a", 2, length=63), ["'a'", "length", "64"], id="length-short"),
     pytest.param(lambda md: _loc(md, "b", 2, length=129), ["'b'", "length"], id="length-long"),
@@ -101,6 +108,9 @@ BROKEN = [
     pytest.param(lambda md: _chunk(md, "a", [0, 1], [4, 8]), ["'a'", "chunks[0]", "inside"], id="chunk-outside"),
     pytest.param(lambda md: _chunk(md, "a", [0], [4]), ["'a'", "chunks[0]", "2-d"], id="chunk-ndim"),
     pytest.param(lambda md: dataclasses.replace(md, storage_data=None), ["storage_data", "missing"], id="no-storage"),
+    pytest.param(lambda md: _chunk(md, "a", [0, 0], [3, 8]), ["'a'", "chunks", "88 elements", "96"], id="hole"),
+    pytest.param(lambda md: _chunk(md, "b", [4, 0], [4, 8]), ["'b'", "same offsets"], id="same-offsets"),
+    pytest.param(lambda md: _extra_chunk(md, "step"), ["'step'", "2 chunks hold 2 elements"], id="0-d-twice"),
 ]
 
 
@@ -112,6 +122,16 @@ def test_refuses_what_a_load_cannot_trust(mutate, words, form):
         validate_metadata(md, source="s3://b/ck/.metadata")
     for w in ["s3://b/ck/.metadata", *words]:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_empty_chunks_may_share_offsets():
+    """A DTensor of 0 rows sharded over ranks: every rank's empty shard starts at (0, 0)."""
+    empty = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([0, 8])) for _ in range(4)]
+    item = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([0, 8]), empty)
+    md = Metadata({"e": item}, storage_data={
+        MetadataIndex("e", torch.Size([0, 0]), 0): ItemLocation("o", 0, 0, None, "float32", (0, 8))})
+    for form in FORMS:
+        validate_metadata(decoded(md, form))
 
 
 @pytest.mark.parametrize("form", ["v1"])

@@ -39,5 +39,5 @@ def put_column(header: dict, body: bytes, name: str, values, kind: str = "u4", c
     """Replace column ``name`` with ``values`` stored as ``kind`` (``codec`` "none" or "zlib"); returns the new body."""
     raw = np.asarray(values, dtype=columns.TYPES[kind]).tobytes()
     if codec == "zlib":
-        raw = zlib.compress(raw, 9)
+        raw = zlib.compress(raw, 6)
     return put_raw_column(header, body, name, raw, kind=kind, count=len(values), codec=codec)

@@ -8,19 +8,24 @@ without end: a 2.7 KB object could declare four billion 0-d chunks (they store n
 every declared count is charged to a :class:`DecodeBudget` whose size follows the object's:
 
 - ``column_bytes``: bytes of column values held after inflating them, at most
-  ``max(64 MiB, 16 x the object's bytes)``. A real checkpoint holds ~25 bytes of columns per
-  storage item and pays >= 4 bytes per item (its checksum; ~0.6 bytes without checksums):
-  1,024 ranks x 900 tensors with crc32c is 4.3 MB of metadata and ~30 MB of columns.
-- ``objects``: Python objects a decode builds, weighted by what they cost: 1 per chunk of
-  ``state_dict_metadata`` (a list slot; chunks of one layout share their objects), 16 per
-  distinct chunk box or per-row key or shape (a torch.Size / tuple / ChunkStorageMetadata), at
-  most ``max(2^22, 2 x the object's bytes)``. 1,024 x 900 needs ~1 M.
+  ``max(64 MiB, 8 x the object's bytes)``. A real checkpoint holds ~25 bytes of columns per
+  storage item and pays ~4.6 bytes per item in the object with crc32c checksums (the checksum is
+  incompressible), ~0.6 without: 1,024 ranks x 900 tensors is 4.3 MB of metadata and ~25 MB of
+  columns. Before the storage columns are read, their row count is checked against what is
+  left (every row takes at least a byte in each of the 15 columns every object has).
+- ``objects``: what a decode builds in Python, in units of about 8 bytes (a list slot): 1 per
+  chunk of a tensor in ``state_dict_metadata`` (the tensors of one layout share its chunk
+  objects), 4 per chunk of a layout, 16 more per distinct chunk box and per storage row with a
+  key or shape of its own (a torch.Size, tuple or ChunkStorageMetadata), at most
+  ``max(2^22, the object's bytes)``. 1,024 x 900 needs ~1 M.
 
-With both, an object of at most 10 MB builds at most ~160 MB of columns and ~20 M units of
-objects, whatever it declares; real checkpoints stay far below either (a checkpoint saved
-without checksums at more than ~4 M chunks would be the first to meet the floor). A count over
-budget is refused with :class:`~s3dcp.errors.MetadataFormatError` naming the field, before
-anything of that size exists.
+So an object of at most 10 MB holds at most ~80 MB of columns and builds ~80 MB of objects,
+whatever it declares (measured in ``tests/format/test_hostile_metadata.py``). Real checkpoints
+stay below both: the first to meet a limit would be one saved without checksums
+(``checksum=None``) with more than ~2.7 M storage items, refused by name rather than decoded
+slowly; with crc32c or crc64nvme checksums the checksums alone pay for every item's columns.
+A count over budget is refused with :class:`~s3dcp.errors.MetadataFormatError` naming the field,
+before anything of that size exists.
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ __all__ = ["DecodeBudget", "MIN_COLUMN_BYTES", "COLUMN_BYTES_PER_BYTE", "MIN_OBJ
            "OBJECT_COST"]
 
 MIN_COLUMN_BYTES = 64 * 2**20
-COLUMN_BYTES_PER_BYTE = 16
+COLUMN_BYTES_PER_BYTE = 8
 MIN_OBJECTS = 2**22
-OBJECTS_PER_BYTE = 2
-OBJECT_COST = 16  # units per built object (a chunk reference costs 1)
+OBJECTS_PER_BYTE = 1
+OBJECT_COST = 16  # units per built object (a list slot costs 1)
 
 
 class DecodeBudget:
@@ -55,6 +60,13 @@ class DecodeBudget:
                 f"{where}: declares {count} values ({count * width} bytes), more than a metadata object of "
                 f"{self.object_bytes} bytes can describe (its columns may hold {self.column_bytes_limit} bytes "
                 "in all); the object is damaged or crafted")
+
+    def fits(self, where: str, count: int, width: int, what: str) -> None:
+        """Refuse ``count`` rows of at least ``width`` column bytes each if they cannot fit what is left."""
+        if self._column_bytes + count * width > self.column_bytes_limit:
+            raise MetadataFormatError(
+                f"{where}: declares {count} {what}, more than a metadata object of {self.object_bytes} bytes can "
+                "describe; the object is damaged or crafted")
 
     def objects(self, where: str, count: int, what: str, cost: int = OBJECT_COST) -> None:
         """Charge ``count`` built objects (``what``, for the message) of ``cost`` units each."""

@@ -103,7 +103,7 @@ class Chunks:
         # What the chunk lists will hold, charged before any is built: the layouts' boxes (0-d
         # ones are one shared box), then a list slot per chunk of every tensor.
         budget.objects(c("layout.count"), sum(k if d else 1 for d, k in zip(lay_ndim, lay_count)), "chunk boxes")
-        budget.objects(c("layout.count"), sum(k if d else 0 for d, k in zip(lay_ndim, lay_count)), "chunks", 1)
+        budget.objects(c("layout.count"), sum(lay_count), "chunks", 4)  # offsets, sizes, shapes, chunks lists
         budget.objects(c("sdm.layout"), sum(lay_count[k - 1] for k in layout if k), "chunks of tensors", 1)
         total = sum(a * b for a, b in zip(lay_ndim, lay_count))
         lay_offs, lay_sizes = cols.ints("layout.offsets", total), cols.ints("layout.sizes", total)

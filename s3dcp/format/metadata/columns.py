@@ -142,6 +142,8 @@ class ColumnReader:
         where = f"metadata.columns[{name!r}]"
         entry, fields = self._entry(name)
         kind, codec = entry.get("type"), entry.get("codec")
+        if type(kind) is not str or type(codec) is not str:
+            raise MetadataFormatError(f"{where}: type and codec must be JSON strings, got {kind!r}, {codec!r}"[:300])
         if kind not in TYPES and kind != "json":
             raise MetadataFormatError(f"{where}.type: unknown column type {kind!r}")
         if codec not in _CODECS:

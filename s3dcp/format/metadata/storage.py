@@ -44,6 +44,9 @@ _new_index = _index_fast if [f.name for f in dataclasses.fields(MetadataIndex)] 
     else MetadataIndex
 
 
+_MIN_ROW_BYTES = 15  # a row has a value in each of 15 columns (sd.fqn ... sd.checksum), each at least a byte
+
+
 class Rows:
     """The storage_data columns of a v2 object, validated; builds keys and locations on request."""
 
@@ -52,6 +55,7 @@ class Rows:
         n = self.n = _get(node, "rows", w, _int)
         if n < 0:
             raise MetadataFormatError(f"{w}.rows: {n} is negative")
+        budget.fits(f"{w}.rows", n, _MIN_ROW_BYTES, "storage items")
         self.fqns = fqns
         self.names = [_str(s, f"{w}.object_names[{i}]") for i, s in enumerate(_get(node, "object_names", w, _list))]
         self.dtypes = [None] + [_str(s, f"{w}.dtypes[{i}]") for i, s in enumerate(_get(node, "dtypes", w, _list))]

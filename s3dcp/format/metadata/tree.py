@@ -73,7 +73,11 @@ def decode_tree(node: Any, where: str) -> Any:
         for i, pair in enumerate(_list(body, where)):
             if type(pair) is not list or len(pair) != 2:
                 raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
-            out[decode_tree(pair[0], f"{where} key {i}")] = decode_tree(pair[1], f"{where}[{i}]")
+            key = decode_tree(pair[0], f"{where} key {i}")
+            try:
+                out[key] = decode_tree(pair[1], f"{where}[{i}]")
+            except TypeError:  # a list can be a value, never a key: encode_tree writes keys as tuples
+                raise MetadataFormatError(f"{where} key {i}: corrupt __dict__: a {_type_name(key)} cannot be a dict key") from None
         return out
     if tag == "__bytes__":
         return base64.b64decode(_str(body, where), validate=True)

@@ -127,6 +127,14 @@ def decode(data: bytes) -> Metadata:
     """Decode a format-1 document; the caller (:func:`~s3dcp.format.metadata.decode_metadata`) names the source."""
     if not data.strip():
         raise MetadataFormatError("not s3dcp metadata: the object is empty")
+    # Parsing is bounded by the object's size, except that an array or object costs ~60 bytes of
+    # memory for its 2 or 3 bytes of text ("[],"), and decoding copies the tree once more. What
+    # s3dcp writes has one per >= 30 bytes; refuse a document made of them before parsing it.
+    containers = data.count(b"[") + data.count(b"{")
+    if containers > max(_MIN_CONTAINERS, len(data) // _BYTES_PER_CONTAINER):
+        raise MetadataFormatError(
+            f"corrupt s3dcp metadata: {containers} JSON arrays and objects in {len(data)} bytes, more than "
+            "s3dcp writes (one per 30 bytes or more); the object is damaged or crafted")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:  # a pickle, for one, starts with byte 0x80
@@ -154,6 +162,9 @@ def decode(data: bytes) -> Metadata:
         version=_get(doc, "dcp_version", "metadata", _opt(_str)),
     )
 
+
+_MIN_CONTAINERS = 2**18
+_BYTES_PER_CONTAINER = 12
 
 _V1_PREFIX = re.compile(rb'\s*\{\s*"format"\s*:\s*"s3dcp-metadata"\s*,\s*"version"\s*:\s*(\d{1,9})\s*[,}]')
 

@@ -46,7 +46,11 @@ and one width (``crc32c:1a2b3c4d`` -> u4, ``crc64nvme`` -> u8; header ``{"algori
 interned string table (``{"strings": [...]}``, column value 0 = None). Every item keeps its checksum.
 
 Decoding validates everything before returning: lengths, bounds, types, duplicate keys, the
-trailer CRC; a bad object raises MetadataFormatError. ``state_dict_metadata`` is always built in
+trailer CRC; a bad object raises MetadataFormatError. It is bounded by the object's size: every
+declared count is charged to a :class:`~s3dcp.format.metadata.budget.DecodeBudget` before
+anything of that size is inflated or built (layouts and compression let a small object declare a
+lot). Whether the decoded Metadata is one a load can trust (each chunk's location holds its dtype,
+shape and byte count) is :func:`~s3dcp.format.metadata.validate.validate_metadata`'s question. ``state_dict_metadata`` is always built in
 full: DCP's load planner matches every chunk box against the rank's tensors. ``storage_data`` is
 either a plain dict (``lazy=False``) or a :class:`LazyStorageData` mapping that builds an
 ItemLocation only when the storage reader asks for it (one rank reads only its own items).

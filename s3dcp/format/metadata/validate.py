@@ -7,7 +7,9 @@ bytes that do not match its tensors, and a load would then fill a tensor partly,
 wrong bytes, and call it a success. :func:`validate_metadata` checks what a load relies on:
 
 - every chunk box of ``state_dict_metadata`` has as many offsets and sizes as its tensor has
-  dimensions, none negative, and lies inside the tensor;
+  dimensions, none negative, and lies inside the tensor; no two non-empty boxes start at the same
+  offsets, and the boxes' volumes add up to the tensor's (DCP's save planner refuses any other
+  plan; partial overlaps that cancel out holes in volume are not looked for, as that is quadratic);
 - every chunk (and every bytes item) has a storage location;
 - the location of a tensor chunk stores the tensor's dtype, the chunk's shape, and exactly
   ``element size x element count`` bytes;
@@ -71,23 +73,44 @@ def _check_chunks(sdm: dict) -> None:
         where = f"state_dict_metadata[{fqn!r}]"
         if any(d < 0 for d in size):
             raise MetadataFormatError(f"{where}.size: {size} has a negative dimension")
-        if not chunks:
+        key = (size, id(chunks[0]), id(chunks[-1]), len(chunks)) if chunks else (size,)
+        if key in seen:  # v2 shares the boxes of one layout between its tensors
             continue
-        key = (size, id(chunks[0]), id(chunks[-1]), len(chunks))  # v2 shares the boxes of one layout
-        if key in seen:
-            continue
-        ndim = len(size)
-        for j, c in enumerate(chunks):
-            o, s = c.offsets, c.sizes
-            if len(o) != ndim or len(s) != ndim:
-                raise MetadataFormatError(
-                    f"{where}.chunks[{j}]: {len(o)} offsets and {len(s)} sizes for a {ndim}-d tensor")
-            for d in range(ndim):
-                if o[d] < 0 or s[d] < 0 or o[d] + s[d] > size[d]:
-                    raise MetadataFormatError(
-                        f"{where}.chunks[{j}]: offsets {tuple(o)} sizes {tuple(s)} do not lie inside the tensor's "
-                        f"size {size}")
+        _check_boxes(where, size, chunks)
         seen[key] = None
+
+
+def _check_boxes(where: str, size: tuple, chunks: list) -> None:
+    """The boxes lie inside the tensor, none twice, and their volumes add up to the tensor's: every
+    element is loaded from some chunk (DCP's save planner refuses any other plan)."""
+    ndim = len(size)
+    for j, c in enumerate(chunks):  # lengths first: a ragged box would make the arrays below fail
+        if len(c.offsets) != ndim or len(c.sizes) != ndim:
+            raise MetadataFormatError(
+                f"{where}.chunks[{j}]: {len(c.offsets)} offsets and {len(c.sizes)} sizes for a {ndim}-d tensor")
+    try:
+        offs = np.array([tuple(c.offsets) for c in chunks], np.int64).reshape(len(chunks), ndim)
+        lens = np.array([tuple(c.sizes) for c in chunks], np.int64).reshape(len(chunks), ndim)
+        dims = np.array(size, np.int64).reshape(ndim)
+    except OverflowError:
+        raise MetadataFormatError(f"{where}: a chunk offset or size does not fit in 64 bits") from None
+    bad = (offs < 0) | (lens < 0) | (offs > dims) | (lens > dims - offs)
+    if bad.any():
+        j = int(np.flatnonzero(bad.any(axis=1))[0])
+        raise MetadataFormatError(
+            f"{where}.chunks[{j}]: offsets {tuple(chunks[j].offsets)} sizes {tuple(chunks[j].sizes)} do not lie "
+            f"inside the tensor's size {size}")
+    numel = math.prod(size)
+    if numel >= _HUGE:  # exact, in Python ints (no tensor of 2^62 elements is ever loaded anyway)
+        volume = sum(math.prod(c.sizes) for c in chunks)
+    else:  # every box is inside, so every volume is at most numel < 2^62; the sum in Python ints
+        volume = sum(np.prod(lens, axis=1).tolist())
+    if volume != numel:
+        raise MetadataFormatError(
+            f"{where}.chunks: {len(chunks)} chunks hold {volume} elements, the tensor of size {size} has {numel}")
+    nonempty = offs[lens.all(axis=1)] if ndim else offs[:min(len(chunks), 1)]
+    if len(nonempty) > 1 and len(np.unique(nonempty, axis=0)) != len(nonempty):
+        raise MetadataFormatError(f"{where}.chunks: two chunks at the same offsets")
 
 
 def _numel(shape: tuple) -> int:

@@ -45,7 +45,7 @@ from ..errors import (
     ThrottlingError,
 )
 from ..format.layout import METADATA_NAME, ItemLocation, Segment, is_data_object
-from ..format.metadata import decode_metadata
+from ..format.metadata import decode_metadata, validate_metadata
 from ..memory.pool import HostBufferPool
 from ..s3.location import S3CheckpointPath, UnreadableMetadata
 from ..format.tensors import byte_view
@@ -141,7 +141,11 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         Use :meth:`fetch_metadata` to read the metadata yourself.
         """
         try:
-            return self.fetch_metadata()
+            metadata = self.fetch_metadata()
+            # Well formed is not enough to load from: every chunk needs a location that stores
+            # exactly its bytes. (fetch_metadata does not refuse them: `s3dcp verify` lists each.)
+            validate_metadata(metadata, source=str(self._require_uri().child(METADATA_NAME)))
+            return metadata
         except Exception as e:  # noqa: BLE001 - raised again, typed, in set_up_storage_reader
             return UnreadableMetadata(e)
 

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ...errors import MetadataFormatError
 from ..integrity import algorithm_of
-from .common import dtype_to_str
+from .. import layout
+from .common import dtype_to_str, str_to_dtype
 from .storage import LazyStorageData, Rows
 
 __all__ = ["validate_metadata"]
@@ -118,12 +119,18 @@ def _numel(shape: tuple) -> int:
     return n if n < _HUGE else _HUGE
 
 
-def _check_location(where: str, loc: Any) -> None:
-    if not 0 <= loc.offset < _END or not 0 <= loc.length < _END or loc.offset + loc.length >= _END:
-        raise MetadataFormatError(f"{where}: bytes at offset {loc.offset}, length {loc.length} are not a valid range")
+def _check_location(where: str, loc: Any, element_size: int | None = -1) -> None:
+    """One location by the rule every reader of locations uses (:func:`s3dcp.format.layout.check_location`:
+    non-negative numbers, a tensor's length its elements' bytes, bytes items bounded, block
+    checksums covering the item), plus what only a whole-metadata check asks: ends below 2^63 and
+    known checksum algorithms. ``element_size`` -1: the size of ``loc.dtype``'s elements."""
+    if element_size == -1:
+        element_size = None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize
+    layout.check_location(loc, element_size, where)
+    if loc.offset + loc.length >= _END:
+        raise MetadataFormatError(f"{where}: bytes at offset {loc.offset}, length {loc.length} end past 2^63")
     if loc.checksum is not None:
         _algorithm(where, loc.checksum)
-    _check_blocks(where, loc.length, loc.block_size, len(loc.block_checksums))
     for c in loc.block_checksums:
         _algorithm(where, c)
 
@@ -135,42 +142,36 @@ def _algorithm(where: str, checksum: str) -> None:
         raise MetadataFormatError(f"{where}.checksum: {e}") from None
 
 
-def _check_blocks(where: str, length: int, block_size: int, blocks: int) -> None:
-    if block_size < 0:
-        raise MetadataFormatError(f"{where}.block_size: {block_size} is negative")
-    expected = 0 if block_size == 0 else -(-length // block_size)
-    if blocks and blocks != expected:
-        raise MetadataFormatError(
-            f"{where}.block_checksums: {blocks} checksums for {length} bytes in blocks of {block_size} "
-            f"(expected {expected})")
-
-
 def _check_tensor_location(where: str, item: TensorStorageMetadata, chunk_sizes: tuple, loc: Any) -> None:
     dtype = dtype_to_str(item.properties.dtype)
     if loc.dtype != dtype:
         raise MetadataFormatError(f"{where}.dtype: {loc.dtype!r}, but the tensor is {dtype}")
     if loc.shape is None or tuple(loc.shape) != chunk_sizes:
         raise MetadataFormatError(f"{where}.shape: {loc.shape}, but the chunk's sizes are {chunk_sizes}")
-    expected = item.properties.dtype.itemsize * _numel(chunk_sizes)
-    if loc.length != expected:
-        raise MetadataFormatError(
-            f"{where}.length: {loc.length} bytes, but {chunk_sizes} x {dtype} is {expected} bytes")
+    _check_location(where, loc, item.properties.dtype.itemsize)  # its length: the chunk's bytes
 
 
 def _check_dict(sdm: dict, sd: Any) -> None:
-    for key, loc in sd.items():
-        _check_location(f"storage_data[{key.fqn!r} at {None if key.offset is None else tuple(key.offset)}]", loc)
+    checked = set()  # the keys of state_dict_metadata's items: checked against their tensors
     for fqn, item in sdm.items():
         if isinstance(item, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in sd:
+            key = MetadataIndex(fqn)
+            if key not in sd:
                 raise MetadataFormatError(f"storage_data: no location for the bytes item {fqn!r}")
+            _check_location(f"storage_data[{fqn!r}]", sd[key], None)
+            checked.add(key)
             continue
         for c in item.chunks:
-            loc = sd.get(MetadataIndex(fqn, c.offsets))
+            key = MetadataIndex(fqn, c.offsets)
+            loc = sd.get(key)
             where = f"storage_data[{fqn!r} at {tuple(c.offsets)}]"
             if loc is None:
                 raise MetadataFormatError(f"{where}: no location for this chunk of state_dict_metadata")
             _check_tensor_location(where, item, tuple(c.sizes), loc)
+            checked.add(key)
+    for key, loc in sd.items():  # locations no item names: never read, but not trusted either
+        if key not in checked:
+            _check_location(f"storage_data[{key.fqn!r} at {None if key.offset is None else tuple(key.offset)}]", loc)
 
 
 def _check_rows(sdm: dict, rows: Rows) -> None:
@@ -179,6 +180,8 @@ def _check_rows(sdm: dict, rows: Rows) -> None:
     offset, length = rows.offset, rows.length
     for name, col in (("offset", offset), ("length", length)):
         if col.size and (col.dtype == object or int(col.min()) < 0 or int(col.max()) >= _END):
+            if col.dtype != object:
+                raise _first_row_error(rows, int(np.flatnonzero((col < 0) | (col >= _END))[0]), name)
             raise MetadataFormatError(f"storage_data: an item's {name} is negative or past 2^63")
     if n and float((offset.astype(np.float64) + length.astype(np.float64)).max()) >= float(_END) / 2:
         ends = [int(o) + int(x) for o, x in zip(offset.tolist(), length.tolist())]  # exact, only when near the edge
@@ -257,6 +260,17 @@ def _row_error(rows: Rows, sdm: dict, row: int, field: str) -> MetadataFormatErr
     return MetadataFormatError(f"{where}.{field}: does not match the chunk")
 
 
+def _first_row_error(rows: Rows, row: int, field: str) -> MetadataFormatError:
+    """The per-item rule's message for the row the vectorised check found first."""
+    key, loc = rows.key(row), rows.location(row)
+    where = f"storage_data[{key.fqn!r} at {None if key.offset is None else tuple(key.offset)}]"
+    try:
+        _check_location(where, loc)
+    except MetadataFormatError as e:
+        return e
+    return MetadataFormatError(f"{where}.{field}: not a valid {field}")
+
+
 def _check_row_checksums(rows: Rows) -> None:
     for name, sums in (("checksum", rows.checksum), ("block_checksums", rows.block_checksums)):
         if sums.fmt is not None:
@@ -269,6 +283,8 @@ def _check_row_checksums(rows: Rows) -> None:
 def _check_row_blocks(rows: Rows) -> None:
     size = rows.block_size
     if size.size and (size.dtype == object or int(size.min()) < 0):
+        if size.dtype != object:
+            raise _first_row_error(rows, int(np.flatnonzero(size < 0)[0]), "block_size")
         raise MetadataFormatError("storage_data: an item's block_size is negative")
     blocks = np.diff(rows.block_start)
     has = np.flatnonzero(blocks)
@@ -278,7 +294,4 @@ def _check_row_blocks(rows: Rows) -> None:
     length = rows.length[has].astype(np.int64)
     bad = (b <= 0) | (blocks[has] != -(-length // np.maximum(b, 1)))
     if bad.any():
-        row = int(has[np.flatnonzero(bad)[0]])
-        loc = rows.location(row)
-        _check_blocks(f"storage_data[{rows.key(row).fqn!r}]", loc.length, loc.block_size, len(loc.block_checksums))
-        raise MetadataFormatError(f"storage_data[{rows.key(row).fqn!r}].block_size: {loc.block_size} is not positive")
+        raise _first_row_error(rows, int(has[np.flatnonzero(bad)[0]]), "block_size")

@@ -71,3 +71,52 @@ def clocked(plugin: Any, phases: dict[str, str]) -> tuple[Any, PhaseCpu]:
 
         setattr(plugin, name, wrapped)
     return plugin, clock
+
+
+def floor_cpu_s_per_gib(nbytes: int = 256 * 1024 * 1024) -> dict[str, float]:
+    """CPU seconds per GiB of what a save cannot avoid, measured here on ``nbytes``: one copy
+    into warm part buffers (``memcpy``), the wire checksum of every part (``crc32c``), the item
+    checksum (``crc64nvme``), and the socket copies of sending the bytes over loopback
+    (``send``: the sending thread's CPU; the receiver stands for the server). A load pays the
+    same terms the other way round (socket receive, a copy into the tensors, the checksums).
+    ``save_floor`` is their sum."""
+    import socket
+    import threading
+
+    import torch
+    from awscrt import checksums
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm: the pages are there, as in the CRT's reused buffers
+    view = memoryview(src.numpy()).cast("B")
+    out: dict[str, float] = {}
+
+    def cpu_of(fn) -> float:
+        c0 = time.thread_time()
+        fn()
+        return (time.thread_time() - c0) / (nbytes / 2**30)
+
+    out["memcpy"] = cpu_of(lambda: dst.copy_(src))
+    out["crc32c"] = cpu_of(lambda: checksums.crc32c(view))
+    out["crc64nvme"] = cpu_of(lambda: checksums.crc64nvme(view))
+    a, b = socket.socketpair()
+    drained = threading.Thread(target=lambda: _drain(b, nbytes), daemon=True)
+    drained.start()
+    step = 1 << 20
+    out["send"] = cpu_of(lambda: [a.sendall(view[i:i + step]) for i in range(0, nbytes, step)])
+    drained.join()
+    a.close()
+    b.close()
+    out["save_floor"] = out["memcpy"] + out["crc32c"] + out["crc64nvme"] + out["send"]
+    return out
+
+
+def _drain(sock, nbytes: int) -> None:
+    sink = bytearray(1 << 20)
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(sink)
+        if n == 0:
+            return
+        got += n

@@ -41,6 +41,9 @@ raw, s3dcp, ...); medians are reported.
 
 On the embedded SeaweedFS (which shares the CPUs with the ranks) writes are server-bound;
 client CPU s/GiB is the figure that shows how much of the machine each path costs the trainer.
+For s3dcp and s3tc it is also printed by phase of DCP's call order (benchmarks/phases.py), next
+to the floor of a save measured in the same run (one memcpy, the wire and item checksums, the
+socket copies).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from phases import LOAD_ORDER, LOAD_PHASES, SAVE_ORDER, SAVE_PHASES, clocked  # noqa: E402
+from phases import LOAD_ORDER, LOAD_PHASES, SAVE_ORDER, SAVE_PHASES, clocked, floor_cpu_s_per_gib  # noqa: E402
 
 MODES = ("s3dcp", "s3dcp-cast", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3", "s3tc")
 
@@ -704,16 +707,22 @@ def main(argv=None) -> int:
                 title="cost: client CPU summed over ranks; server CPU of the local S3 server; RSS+ = peak RSS rise "
                       "over the step, worst rank, relative to its shard")
     phased = [r for r in rows if "save_cpu_write_s_per_gib" in r]
+    floor = floor_cpu_s_per_gib()  # in this process, after the ranks have ended
+    for row in phased:
+        row["save_cpu_x_floor"] = row["save_cpu_s_per_gib"] / row["nproc"] / floor["save_floor"]
     if phased:
         print()
         print_table(phased, [("nproc", "ranks"), ("mode", "mode"),
                              *[(f"save_cpu_{p}_s_per_gib", f"save {p}", ".3f") for p in SAVE_ORDER],
                              ("save_cpu_s_per_gib", "save all", ".3f"),
                              *[(f"load_cpu_{p}_s_per_gib", f"load {p}", ".3f") for p in LOAD_ORDER],
-                             ("load_cpu_s_per_gib", "load all", ".3f")],
+                             ("load_cpu_s_per_gib", "load all", ".3f"), ("save_cpu_x_floor", "save/floor", ".1f")],
                     title="client CPU s/GiB by phase, summed over ranks (plan: the plugin's planning calls; "
                           "write/read: write_data/read_data until done; commit: finish; meta: read_metadata; "
                           "dcp: the rest, DCP's own planner and collectives; see benchmarks/phases.py)")
+        print(f"# save floor, measured here: {floor['save_floor']:.3f} CPU s/GiB = one memcpy into warm buffers "
+              f"{floor['memcpy']:.3f} + wire crc32c {floor['crc32c']:.3f} + item crc64nvme {floor['crc64nvme']:.3f} "
+              f"+ loopback socket send {floor['send']:.3f}; save/floor: a rank's save CPU over it")
     path = write_json(results_path(args, "throughput"), {
         "benchmark": "throughput",
         "params": {"state_mib": args.state_mib, "nproc": args.nproc, "modes": args.modes, "repeats": args.repeats,
@@ -722,6 +731,7 @@ def main(argv=None) -> int:
         "target": target.describe(),
         "environment": environment_info(),
         "results": rows,
+        "floor_cpu_s_per_gib": floor,
         "raw": {str(k): v for k, v in report.items()},
         "elapsed_s": time.perf_counter() - started,
         "units": {"gbps": "1e9 bytes/s", "cpu_s_per_gib": "CPU seconds per GiB (2^30 bytes)",

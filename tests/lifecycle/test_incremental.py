@@ -256,7 +256,8 @@ def test_a_checkpoint_saved_with_the_defaults_is_a_base(bucket, client, caplog):
     run = f"s3://{bucket}/run"
     sd = _state(5)
     _save(sd, f"{run}/step-1", client)
-    assert all(loc.checksum.startswith("crc64nvme:") for loc in _metadata(f"{run}/step-1", client).storage_data.values())
+    stored = _metadata(f"{run}/step-1", client).storage_data.values()
+    assert all(loc.checksum.startswith("crc64nvme:") for loc in stored)
     sd["lora.a"].add_(1.0)
     sd["step"] = 2
     with caplog.at_level(logging.WARNING, logger="s3dcp"):

@@ -239,10 +239,24 @@ def sample() -> dict:
         "arenas": pool.allocations,
         "arena_bytes": pool.bytes_allocated,
         "arenas_in_use": pool.in_use,
+        **_rss_kinds(),  # Linux: anonymous vs file-backed (evictable, shared libraries) resident bytes
         "malloc": malloc_arenas(),  # glibc: its arenas, to tell the allocator's memory from ours
         "os_thread_names": dict(sorted(names.items())),  # Linux: which threads, to tell what grew
         "fd_kinds": kinds,  # Linux: sockets, pipes, files..., to tell what grew
     }
+
+
+def _rss_kinds() -> dict[str, int]:
+    """``rss_anon_bytes`` and ``rss_file_bytes`` from /proc/self/status (empty elsewhere): file
+    pages (the code of torch and the CRT) come and go with the machine's memory pressure, so a
+    loaded machine moves the RSS by tens of MiB that are neither ours nor a leak."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            key = {"RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes"}.get(line.split(":")[0] + ":")
+            if key:
+                out[key] = int(line.split()[1]) * 1024
+    return out
 
 
 def malloc_arenas() -> dict[str, int] | None:

@@ -709,7 +709,7 @@ def main(argv=None) -> int:
     phased = [r for r in rows if "save_cpu_write_s_per_gib" in r]
     floor = floor_cpu_s_per_gib()  # in this process, after the ranks have ended
     for row in phased:
-        row["save_cpu_x_floor"] = row["save_cpu_s_per_gib"] / row["nproc"] / floor["save_floor"]
+        row["save_cpu_x_floor"] = row["save_cpu_s_per_gib"] / floor["save_floor"]  # both per GiB of the state
     if phased:
         print()
         print_table(phased, [("nproc", "ranks"), ("mode", "mode"),
@@ -722,7 +722,7 @@ def main(argv=None) -> int:
                           "dcp: the rest, DCP's own planner and collectives; see benchmarks/phases.py)")
         print(f"# save floor, measured here: {floor['save_floor']:.3f} CPU s/GiB = one memcpy into warm buffers "
               f"{floor['memcpy']:.3f} + wire crc32c {floor['crc32c']:.3f} + item crc64nvme {floor['crc64nvme']:.3f} "
-              f"+ loopback socket send {floor['send']:.3f}; save/floor: a rank's save CPU over it")
+              f"+ loopback socket send {floor['send']:.3f}; save/floor: the save's CPU per GiB over it")
     path = write_json(results_path(args, "throughput"), {
         "benchmark": "throughput",
         "params": {"state_mib": args.state_mib, "nproc": args.nproc, "modes": args.modes, "repeats": args.repeats,

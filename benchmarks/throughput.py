@@ -41,6 +41,9 @@ raw, s3dcp, ...); medians are reported.
 
 On the embedded SeaweedFS (which shares the CPUs with the ranks) writes are server-bound;
 client CPU s/GiB is the figure that shows how much of the machine each path costs the trainer.
+For s3dcp and s3tc it is also printed by phase of DCP's call order (benchmarks/phases.py), next
+to the floor of a save measured in the same run (one memcpy, the wire and item checksums, the
+socket copies).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ from common import (  # noqa: E402
     s3_target,
     write_json,
 )
+
+from phases import LOAD_ORDER, LOAD_PHASES, SAVE_ORDER, SAVE_PHASES, clocked, floor_cpu_s_per_gib  # noqa: E402
 
 MODES = ("s3dcp", "s3dcp-cast", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3", "s3tc")
 
@@ -242,17 +247,21 @@ class S3DCPPath(Path):
         import torch.distributed.checkpoint as dcp
         from s3dcp import S3StorageWriter
 
-        writer = S3StorageWriter(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"])
+        writer, clock = clocked(S3StorageWriter(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"]),
+                                SAVE_PHASES)
+        clock.start()
         dcp.save(self.state, storage_writer=writer)
-        return {"upload_s": writer.last_stats.upload_s, "objects": writer.last_stats.objects}
+        return {"upload_s": writer.last_stats.upload_s, "objects": writer.last_stats.objects, "phases": clock.stop()}
 
     def load(self, where):
         import torch.distributed.checkpoint as dcp
         from s3dcp import S3StorageReader
 
-        reader = S3StorageReader(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"])
+        reader, clock = clocked(S3StorageReader(f"s3://{self.ctx['bucket']}/{where}", config=self.ctx["cfg"]),
+                                LOAD_PHASES)
+        clock.start()
         dcp.load(self.dest, storage_reader=reader)
-        return {"read_s": reader.last_read_s}
+        return {"read_s": reader.last_read_s, "phases": clock.stop()}
 
 
 class S3DCPCastPath(S3DCPPath):
@@ -450,14 +459,22 @@ class S3TorchConnectorPath(Path):
     """s3torchconnector's DCP writer and reader (see benchmarks/compare.py)."""
 
     def save(self, where):
-        from compare import s3tc_save
+        import torch.distributed.checkpoint as dcp
+        from compare import s3tc_writer
 
-        s3tc_save(self.state, f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"])
+        writer, clock = clocked(s3tc_writer(f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"]), SAVE_PHASES)
+        clock.start()
+        dcp.save(self.state, storage_writer=writer)  # as compare.s3tc_save, clocked
+        return {"phases": clock.stop()}
 
     def load(self, where):
-        from compare import s3tc_load
+        import torch.distributed.checkpoint as dcp
+        from compare import s3tc_reader
 
-        s3tc_load(self.dest, f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"])
+        reader, clock = clocked(s3tc_reader(f"s3://{self.ctx['bucket']}/{where}", self.ctx["cfg"]), LOAD_PHASES)
+        clock.start()
+        dcp.load(self.dest, storage_reader=reader)  # as compare.s3tc_load, clocked
+        return {"phases": clock.stop()}
 
 
 PATHS = {"s3dcp": S3DCPPath, "s3dcp-cast": S3DCPCastPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
@@ -582,6 +599,12 @@ def summarize_mode(runs: list[dict], total: int, shards: list[int]) -> dict:
         out[f"{op}_peak_rss_mib"] = [p / MiB for p in peak]
         out[f"{op}_rss_extra_mib"] = [e / MiB for e in extra]
         out[f"{op}_rss_extra_x_shard"] = [e / s for e, s in zip(extra, shards)]
+        # client CPU by phase (summed over ranks), for the paths that clock them
+        infos = [r[f"{op}_info"] for r in runs]
+        if all(isinstance(i, dict) and "phases" in i for info in infos for i in info):
+            for phase in SAVE_ORDER if op == "save" else LOAD_ORDER:
+                out[f"{op}_cpu_{phase}_s_per_gib"] = per_gib(
+                    median(sum(i["phases"][phase] for i in info) for info in infos), total)
     return out
 
 
@@ -683,6 +706,23 @@ def main(argv=None) -> int:
                        ("save_rss_extra_x_shard_max", "save RSS+ /shard", ".2f")],
                 title="cost: client CPU summed over ranks; server CPU of the local S3 server; RSS+ = peak RSS rise "
                       "over the step, worst rank, relative to its shard")
+    phased = [r for r in rows if "save_cpu_write_s_per_gib" in r]
+    floor = floor_cpu_s_per_gib()  # in this process, after the ranks have ended
+    for row in phased:
+        row["save_cpu_x_floor"] = row["save_cpu_s_per_gib"] / floor["save_floor"]  # both per GiB of the state
+    if phased:
+        print()
+        print_table(phased, [("nproc", "ranks"), ("mode", "mode"),
+                             *[(f"save_cpu_{p}_s_per_gib", f"save {p}", ".3f") for p in SAVE_ORDER],
+                             ("save_cpu_s_per_gib", "save all", ".3f"),
+                             *[(f"load_cpu_{p}_s_per_gib", f"load {p}", ".3f") for p in LOAD_ORDER],
+                             ("load_cpu_s_per_gib", "load all", ".3f"), ("save_cpu_x_floor", "save/floor", ".1f")],
+                    title="client CPU s/GiB by phase, summed over ranks (plan: the plugin's planning calls; "
+                          "write/read: write_data/read_data until done; commit: finish; meta: read_metadata; "
+                          "dcp: the rest, DCP's own planner and collectives; see benchmarks/phases.py)")
+        print(f"# save floor, measured here: {floor['save_floor']:.3f} CPU s/GiB = one memcpy into warm buffers "
+              f"{floor['memcpy']:.3f} + wire crc32c {floor['crc32c']:.3f} + item crc64nvme {floor['crc64nvme']:.3f} "
+              f"+ loopback socket send {floor['send']:.3f}; save/floor: the save's CPU per GiB over it")
     path = write_json(results_path(args, "throughput"), {
         "benchmark": "throughput",
         "params": {"state_mib": args.state_mib, "nproc": args.nproc, "modes": args.modes, "repeats": args.repeats,
@@ -691,6 +731,7 @@ def main(argv=None) -> int:
         "target": target.describe(),
         "environment": environment_info(),
         "results": rows,
+        "floor_cpu_s_per_gib": floor,
         "raw": {str(k): v for k, v in report.items()},
         "elapsed_s": time.perf_counter() - started,
         "units": {"gbps": "1e9 bytes/s", "cpu_s_per_gib": "CPU seconds per GiB (2^30 bytes)",

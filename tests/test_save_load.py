@@ -222,7 +222,7 @@ def test_a_flipped_byte_is_caught_and_named(uri, bucket, small_parts, boto3_clie
     err = _root(e.value)
     assert isinstance(err, IntegrityError)
     assert "'second'" in str(err) and "checksum mismatch" in str(err) and ".distcp" in str(err)
-    assert "expected crc32c:" in str(err) and "got crc32c:" in str(err)
+    assert "expected crc64nvme:" in str(err) and "got crc64nvme:" in str(err)  # the default item checksum
 
 
 def test_a_truncated_object_is_caught(uri, bucket, small_parts, boto3_client):

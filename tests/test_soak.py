@@ -125,3 +125,31 @@ def test_a_failed_operation_fails_the_run():
     cycles = _cycles([400.0] * 20)
     cycles[5].gc_deleted = 3  # gc must never delete a committed checkpoint's objects
     assert not _verdict(cycles)["every checkpoint verified"]
+
+
+def test_a_long_run_tells_glibcs_plateau_from_a_leak():
+    """Without MALLOC_ARENA_MAX the RSS of a 300-cycle run steps up for ~90 cycles and then
+    stays (memory left in glibc's thread arenas); a leak keeps rising. Judged on the run's second
+    half and on the arenas' own figures, never on a short run."""
+    settings = soak.SoakSettings(cycles=300, state_bytes=128 * MiB)
+
+    def verdict(rss: list[float], thread_heaps: list[float], settings=settings) -> bool:
+        cycles = _cycles(rss)
+        for c, heap in zip(cycles, thread_heaps):
+            c.sample["malloc"] = {"arenas": 16, "heap_bytes": int((240 + heap) * MiB), "main_heap_bytes": 240 * MiB,
+                                  "thread_heap_bytes": int(heap * MiB)}
+        summary = soak.summarize(cycles, settings)
+        return {c.name: c.passed for c in soak.judge(summary)}["RSS growth after cycle 2"]
+
+    ramp = [min(1.0, i / 90) for i in range(300)]  # a step each load, up to cycle 90, then none
+    plateau = [575 + 45 * r for r in ramp]
+    arenas = [20 + 80 * r for r in ramp]
+    assert verdict(plateau, arenas)
+    assert not verdict(plateau, [20.0] * 300)  # RSS held that glibc's arenas do not account for
+    leak = [575 + 0.1 * i for i in range(300)]  # 100 KiB a cycle, all along, arenas growing with it
+    assert not verdict(leak, [20 + 0.2 * i for i in range(300)])
+    late_step = [575 + 45 * r + (12 if i >= 250 else 0) for i, r in enumerate(ramp)]  # still rising late
+    assert not verdict(late_step, [a + (24 if i >= 250 else 0) for i, a in enumerate(arenas)])
+    # a short run cannot tell: 40 MiB kept from cycle 6 on fails, arenas or not
+    big_step = [400.0 + (40 if i >= 5 else 0) for i in range(20)]
+    assert not verdict(big_step, [20.0 + (80 if i >= 5 else 0) for i in range(20)], settings=SETTINGS)

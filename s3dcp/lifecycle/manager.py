@@ -44,7 +44,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwr
 from .deletion import DeleteResult, held_for_references
 from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
-from ..format.references import check_base
+from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..uri import S3Uri, parse_s3_uri
 from .directories import CheckpointInfo, name_pattern, scan_directories
 from .retention import Doomed, steps_to_delete
@@ -178,7 +178,8 @@ class CheckpointManager:
         try:
             writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client,
                                      incremental_from=None if base is None else self.uri(base),
-                                     item_checksum="crc64nvme" if self.incremental else None)
+                                     # the default; said for config.checksum=None, which records none
+                                     item_checksum=REFERENCE_CHECKSUM if self.incremental else None)
             self.last_writer = writer
             no_dist = not _dist_on()
             started = time.perf_counter()

@@ -14,7 +14,7 @@ without importing torch).
 
 **Deciding "unchanged".** Only from the bytes staged for this save: FQN and chunk offsets (the
 :class:`MetadataIndex`), stored dtype and shape, byte length, and a CRC64NVME of the bytes
-(the item checksum that every incremental-capable save records; the base must hold one).
+(the item checksum every save records by default; the base must hold one).
 Never from tensor version counters, ``requires_grad`` or identity, which miss writes through
 ``.data`` and other aliases. The chance that a changed item of equal length has the same
 CRC64 is 2^-64 ≈ 5.4e-20 per changed item (for data that is not chosen adversarially; a change
@@ -59,9 +59,10 @@ class BaseIndex:
         self._locations = storage_data  # a dict, or metadata v2's lazy mapping: only looked-up items are built
         first = storage_data[next(iter(storage_data))] if storage_data else None
         if first is not None and not (first.checksum or "").startswith(REFERENCE_CHECKSUM + ":"):
-            log.warning("incremental base %s records no %s item checksums (saved by a full save with item "
-                        "checksum %r?): items without one are uploaded; save the first checkpoint of an incremental "
-                        "run with item_checksum=%r", base, REFERENCE_CHECKSUM,
+            log.warning("incremental base %s records no %s item checksums (its items have %r: saved by an "
+                        "earlier s3dcp, or with item_checksum=%r or checksums off?): items without one are "
+                        "uploaded; checkpoints saved with the default item checksum (%r) can be bases", base,
+                        REFERENCE_CHECKSUM, (first.checksum or "none").split(":")[0],
                         (first.checksum or "none").split(":")[0], REFERENCE_CHECKSUM)
 
     @classmethod

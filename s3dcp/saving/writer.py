@@ -93,11 +93,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             directory as ``path``: items whose staged bytes are unchanged since it (same FQN,
             chunk, dtype, shape, length and CRC64NVME) are stored as references to it, not
             uploaded. The result is a complete checkpoint, loaded like any other.
-        item_checksum: the algorithm of the per-item checksums (``"crc32c"``,
-            ``"crc64nvme"``). Default: ``"crc64nvme"`` for an incremental save, else
-            ``config.checksum``. Only items recorded with ``"crc64nvme"`` can be inherited by
-            a later incremental save, so save the first checkpoint of an incremental run with
-            ``item_checksum="crc64nvme"`` (:class:`s3dcp.CheckpointManager` does).
+        item_checksum: the algorithm of the per-item checksums recorded in the metadata
+            (``"crc64nvme"``, ``"crc32c"``). Default: ``"crc64nvme"``, the checksum incremental
+            saves compare, so every checkpoint saved with the defaults can be the base of a
+            later incremental save (CRC64NVME is also the faster of the two in awscrt); none
+            when ``config.checksum`` is None (checksums off), unless the save is incremental.
+            Items recorded with ``"crc32c"`` are never inherited. The wire checksum of each
+            part is ``config.checksum``, whatever this is.
     """
 
     def __init__(
@@ -119,8 +121,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             check_base(self._uri, self.incremental_from)  # refused at once, before any save starts
         if item_checksum is not None and item_checksum not in ("crc32c", REFERENCE_CHECKSUM):
             raise ConfigError(f"item_checksum={item_checksum!r} must be 'crc32c', '{REFERENCE_CHECKSUM}' or None")
-        self.item_checksum = item_checksum or (REFERENCE_CHECKSUM if incremental_from is not None
-                                               else self.config.checksum)
+        self.item_checksum = item_checksum or default_item_checksum(self.config.checksum,
+                                                                    incremental=incremental_from is not None)
         self._base: BaseIndex | None = None  # the base's locations, read in set_up_storage_writer
         self._base_etag: str | None = None  # the coordinator's: which base .metadata set-up read
         self._rank = 0
@@ -402,6 +404,15 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         except S3DCPError:
             log.warning("committed %s, but could not delete %d object(s) of the checkpoint it replaced; "
                         "`s3dcp gc` will", uri, len(names), exc_info=True)
+
+
+def default_item_checksum(wire_checksum: str | None, *, incremental: bool) -> str | None:
+    """The per-item checksum a save records when not told: the one incremental saves compare
+    (so every default checkpoint is a base), unless checksums are off (``wire_checksum`` None)
+    for a save that needs none to decide what is unchanged."""
+    if wire_checksum is None and not incremental:
+        return None
+    return REFERENCE_CHECKSUM
 
 
 def _own_names(locations) -> set[str]:

@@ -315,7 +315,7 @@ def test_verify_passes_then_names_a_corrupted_item(capsys, bucket, s3_config, bo
     assert code == 1 and "2 bad item(s)" in err
     bad = {line.split()[1]: line for line in out.splitlines() if line.startswith("BAD ")}
     assert set(bad) == {"big", "model.w"}
-    assert big.object_name in bad["big"] and f"expected {big.checksum}, got crc32c:" in bad["big"]
+    assert big.object_name in bad["big"] and f"expected {big.checksum}, got crc64nvme:" in bad["big"]
     assert "bad blocks [1]" in bad["big"]
 
     code, out, _ = run(capsys, "verify", "--json", uri)

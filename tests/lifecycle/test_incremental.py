@@ -81,6 +81,10 @@ def _locations(uri: str, client: S3Client) -> dict[str, str]:
     return {index.fqn: loc.object_name for index, loc in md.storage_data.items()}
 
 
+def _metadata(uri: str, client: S3Client):
+    return S3StorageReader(uri, client=client).fetch_metadata()
+
+
 def _dangling(client: S3Client, boto3_client, bucket: str, run: str) -> list[str]:
     """Keys that a committed checkpoint under ``run`` references and that do not exist."""
     present = set(_keys(boto3_client, bucket, ""))
@@ -246,14 +250,40 @@ def test_manager_async_incremental_does_not_wait_for_saves_in_flight(bucket, s3_
     assert _locations(f"{run}/step-00000002", client)["base.weight"].startswith("../step-00000000/")
 
 
+def test_a_checkpoint_saved_with_the_defaults_is_a_base(bucket, client, caplog):
+    """No item_checksum anywhere: the first save records CRC64NVME item checksums (the wire
+    checksum stays CRC32C), so the next one inherits every unchanged item, without a warning."""
+    run = f"s3://{bucket}/run"
+    sd = _state(5)
+    _save(sd, f"{run}/step-1", client)
+    stored = _metadata(f"{run}/step-1", client).storage_data.values()
+    assert all(loc.checksum.startswith("crc64nvme:") for loc in stored)
+    sd["lora.a"].add_(1.0)
+    sd["step"] = 2
+    with caplog.at_level(logging.WARNING, logger="s3dcp"):
+        writer = _save(sd, f"{run}/step-2", client, incremental_from=f"{run}/step-1")
+    assert "item checksums" not in caplog.text
+    frozen = sd["base.weight"].nbytes + sd["base.embed"].nbytes
+    assert writer.last_stats.inherited_bytes == frozen and writer.last_stats.inherited_items == 2
+    locations = _locations(f"{run}/step-2", client)
+    assert locations["base.weight"].startswith("../step-1/") and locations["base.embed"].startswith("../step-1/")
+    assert "/" not in locations["lora.a"] and "/" not in locations["step"]
+    _check(_load(sd, f"{run}/step-2", client), sd)
+
+
 def test_a_base_without_crc64_checksums_uploads_everything(bucket, client, caplog):
+    """A checkpoint of an earlier s3dcp (CRC32C item checksums, its default then) still loads
+    bit for bit, and as a base it is accepted with a warning and everything is uploaded."""
     run = f"s3://{bucket}/run"
     sd = _state(4)
-    _save(sd, f"{run}/step-1", client)  # default crc32c item checksums: 32 bits cannot decide
+    _save(sd, f"{run}/step-1", client, item_checksum="crc32c")  # 32 bits cannot decide
+    assert all(loc.checksum.startswith("crc32c:") for loc in _metadata(f"{run}/step-1", client).storage_data.values())
+    _check(_load(sd, f"{run}/step-1", client), sd)
     with caplog.at_level(logging.WARNING, logger="s3dcp"):
         writer = _save(sd, f"{run}/step-2", client, incremental_from=f"{run}/step-1")
     assert writer.last_stats.inherited_bytes == 0 and "no crc64nvme item checksums" in caplog.text
     assert all("/" not in name for name in _locations(f"{run}/step-2", client).values())
+    _check(_load(sd, f"{run}/step-2", client), sd)
 
 
 def _two_rank_worker(rank: int, world: int, bucket: str, cfg) -> dict:

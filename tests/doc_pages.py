@@ -65,3 +65,29 @@ def aws_env(monkeypatch, s3_server):
         monkeypatch.delenv(name, raising=False)
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
+
+
+def tiny_lightning_model(samples: int, batch_size: int, lr: float):
+    """A LightningModule the trainer snippets fit: a linear layer on ``samples`` fixed rows,
+    logging ``train_loss`` (what their ModelCheckpoint monitors)."""
+    import pytorch_lightning as pl
+    import torch
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+        def train_dataloader(self):
+            x = torch.randn(samples, 4, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2]), batch_size=batch_size)
+
+    return Model()

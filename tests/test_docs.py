@@ -21,7 +21,7 @@ import s3dcp
 from s3dcp import CheckpointManager, S3StorageReader, S3StorageWriter, cli
 from s3dcp.config import S3Config
 
-from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket, read  # noqa: F401
+from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket, read, tiny_lightning_model  # noqa: F401
 
 PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
          "docs/troubleshooting.md", "docs/errors.md",
@@ -248,35 +248,15 @@ def test_the_torchtitan_config(aws_env, s3_server):
 
 
 def test_the_lightning_snippet_saves_every_100_steps_and_resumes_from_last(aws_env, s3_server, boto3_client):
-    import pytorch_lightning as pl
-
     (snippet,) = blocks("Lightning", "python", "docs/trainers.md")
     bucket = fresh_bucket(s3_server)
-
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            x = torch.randn(50, 4, generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2]), batch_size=1)
-
-    first: dict = {"model": Model()}
+    first: dict = {"model": tiny_lightning_model(50, batch_size=1, lr=0.01)}
     exec(in_bucket(snippet, bucket), first)  # noqa: S102 - 3 epochs of 50 steps: saved at step 100
     assert first["trainer"].global_step == 150
     keys = [o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]]
     committed = {key.split("/")[-2] for key in keys if key.endswith("/.metadata")}
     assert "last.ckpt" in committed and any("step=100" in name for name in committed), committed
-    again: dict = {"model": Model()}
+    again: dict = {"model": tiny_lightning_model(50, batch_size=1, lr=0.01)}
     exec(in_bucket(snippet, bucket), again)  # noqa: S102 - resumes from last.ckpt (step 100, an epoch's end)
     assert again["trainer"].global_step == 150
     assert torch.equal(again["model"].net.weight, first["model"].net.weight)

@@ -17,7 +17,7 @@ import torch
 import s3dcp
 from s3dcp import cli
 
-from doc_pages import ROOT, aws_env, blocks as _blocks, fresh_bucket as _fresh_bucket, in_bucket as _in  # noqa: F401
+from doc_pages import ROOT, aws_env, blocks as _blocks, fresh_bucket as _fresh_bucket, in_bucket as _in, tiny_lightning_model  # noqa: F401,E501
 
 
 # ------------------------------------------------------------------ Quick start
@@ -172,8 +172,6 @@ def test_every_cli_line_runs(aws_env, s3_server, tmp_path, monkeypatch, capsys):
 
 # ------------------------------------------------------------------ Trainers
 def test_the_trainer_snippets_run_as_written(aws_env, s3_server):
-    import pytorch_lightning as pl
-
     titan, lightning = _blocks("Trainers: torchtitan", "python")
     bucket = _fresh_bucket(s3_server)
     found: dict = {}
@@ -181,27 +179,10 @@ def test_the_trainer_snippets_run_as_written(aws_env, s3_server):
     config = found["checkpoint"]
     assert (config.folder, config.keep_latest_k, config.incremental) == (f"s3://{bucket}/run", 3, True)
 
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :2]), batch_size=4)
-
-    first: dict = {"model": Model()}
+    first: dict = {"model": tiny_lightning_model(8, batch_size=4, lr=0.1)}
     exec(_in(lightning, bucket), first)  # noqa: S102 - 3 epochs, checkpoints in the bucket
     assert first["trainer"].global_step == 6
-    again: dict = {"model": Model()}
+    again: dict = {"model": tiny_lightning_model(8, batch_size=4, lr=0.1)}
     exec(_in(lightning, bucket), again)  # noqa: S102 - resumes from last: nothing left to train
     assert again["trainer"].global_step == 6
     assert torch.equal(again["model"].net.weight, first["model"].net.weight)

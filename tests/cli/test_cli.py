@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3dcp import S3StorageWriter, __version__, cli
+from s3dcp import S3StorageWriter, __version__
 from s3dcp.cli.parser import parse_duration
 from s3dcp.config import MiB
+
+from cli_run import run_cli
 
 BIN = os.path.join(os.path.dirname(sys.executable), "s3dcp")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,21 +32,6 @@ def _cli_env(**extra):
     return env
 
 
-@pytest.fixture(autouse=True)
-def s3_env(monkeypatch, s3_server):
-    """The CLI takes its endpoint and credentials from the environment, as users run it."""
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-
-
-def run(capsys, *argv):
-    """``cli.main(argv)`` -> (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _save(uri, state, config):
@@ -85,15 +72,15 @@ def run_dir(bucket, s3_config, boto3_client):
 def test_help_version_and_usage_errors(capsys):
     assert subprocess.run([BIN, "--help"], capture_output=True, text=True).returncode == 0  # the console script
     for command in ("ls", "inspect", "verify", "rm", "gc", "download", "mb", "server"):
-        code, out, _ = run(capsys, command, "--help")
+        code, out, _ = run_cli(capsys, command, "--help")
         assert code == 0 and out.startswith(f"usage: s3dcp {command}"), command
-    code, out, _ = run(capsys, "--version")
+    code, out, _ = run_cli(capsys, "--version")
     assert code == 0 and out.strip() == f"s3dcp {__version__}"
-    assert run(capsys)[0] == 2
-    assert run(capsys, "frobnicate")[0] == 2
-    code, _, err = run(capsys, "ls", "s3://Not_A_Bucket/x")
+    assert run_cli(capsys)[0] == 2
+    assert run_cli(capsys, "frobnicate")[0] == 2
+    code, _, err = run_cli(capsys, "ls", "s3://Not_A_Bucket/x")
     assert code == 2 and err.startswith("s3dcp: error:") and "not a valid bucket name" in err
-    code, _, err = run(capsys, "gc", "s3://bucket/x", "--older-than", "soon")
+    code, _, err = run_cli(capsys, "gc", "s3://bucket/x", "--older-than", "soon")
     assert code == 2 and "invalid duration" in err
 
 
@@ -114,30 +101,30 @@ def test_durations():
 
 
 def test_missing_bucket_is_one_clear_line(capsys):
-    code, out, err = run(capsys, "ls", "s3://no-such-bucket-xyz/run")
+    code, out, err = run_cli(capsys, "ls", "s3://no-such-bucket-xyz/run")
     assert code == 1 and out == ""
     assert err.startswith("s3dcp: error:") and "no-such-bucket-xyz" in err and "bucket does not exist" in err
     assert err.count("\n") == 1 and "Traceback" not in err
-    code, _, err = run(capsys, "--debug", "inspect", "s3://no-such-bucket-xyz/run")
+    code, _, err = run_cli(capsys, "--debug", "inspect", "s3://no-such-bucket-xyz/run")
     assert code == 1 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("s3dcp: error:")
 
 
 def test_endpoint_option_overrides_the_environment(capsys, run_dir, s3_server, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens there
-    assert run(capsys, "--endpoint-url", s3_server.endpoint_url, "ls", run_dir)[0] == 0
-    assert run(capsys, "ls", run_dir, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1")[0] == 0
+    assert run_cli(capsys, "--endpoint-url", s3_server.endpoint_url, "ls", run_dir)[0] == 0
+    assert run_cli(capsys, "ls", run_dir, "--endpoint-url", s3_server.endpoint_url, "--region", "us-east-1")[0] == 0
 
 
 # ------------------------------------------------------------------------------ ls
 def test_ls(capsys, run_dir):
-    code, out, _ = run(capsys, "ls", run_dir + "/")
+    code, out, _ = run_cli(capsys, "ls", run_dir + "/")
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "STEP", "SIZE", "OBJECTS", "STATE", "AGE"]
     assert [line.split()[0] for line in lines[1:]] == ["step-10", "step-20", "step-30"]
     assert [line.split()[-2] for line in lines[1:]] == ["committed", "committed", "INCOMPLETE"]
 
-    code, out, _ = run(capsys, "ls", "--json", run_dir)
+    code, out, _ = run_cli(capsys, "ls", "--json", run_dir)
     rows = json.loads(out)
     assert [(r["name"], r["step"], r["committed"], r["objects"]) for r in rows] == \
         [("step-10", 10, True, 2), ("step-20", 20, True, 2), ("step-30", 30, False, 1)]
@@ -146,22 +133,22 @@ def test_ls(capsys, run_dir):
 
     assert {r["run"] for r in rows} == {run_dir}
 
-    code, out, err = run(capsys, "ls", run_dir + "/nothing-here")
+    code, out, err = run_cli(capsys, "ls", run_dir + "/nothing-here")
     assert code == 0 and out == "" and "no checkpoints under" in err
-    assert json.loads(run(capsys, "ls", "--json", run_dir + "/nothing-here")[1]) == []
+    assert json.loads(run_cli(capsys, "ls", "--json", run_dir + "/nothing-here")[1]) == []
 
 
 def test_ls_of_a_bucket_groups_checkpoints_by_run(capsys, bucket, s3_config):
     for name in ("a/step-1", "a/step-2", "b/x/step-5"):
         _save(f"s3://{bucket}/{name}", {"w": torch.ones(4)}, s3_config)
-    code, out, _ = run(capsys, "ls", f"s3://{bucket}")
+    code, out, _ = run_cli(capsys, "ls", f"s3://{bucket}")
     assert code == 0
     blocks = [b.splitlines() for b in out.strip().split("\n\n")]
     assert [b[0].split()[0] for b in blocks] == [f"s3://{bucket}/a/", f"s3://{bucket}/b/x/"]
     assert "latest committed step 2" in blocks[0][0]
     assert [line.split()[0] for line in blocks[0][2:]] == ["step-1", "step-2"]
     assert [line.split()[0] for line in blocks[1][2:]] == ["step-5"]
-    rows = json.loads(run(capsys, "ls", "--json", f"s3://{bucket}")[1])
+    rows = json.loads(run_cli(capsys, "ls", "--json", f"s3://{bucket}")[1])
     assert [(r["run"], r["name"]) for r in rows] == [
         (f"s3://{bucket}/a", "a/step-1"), (f"s3://{bucket}/a", "a/step-2"), (f"s3://{bucket}/b/x", "b/x/step-5")]
 
@@ -176,15 +163,15 @@ def test_ls_shows_what_is_stored_for_a_removed_base_and_who_holds_it(capsys, buc
     s3dcp.save(state, f"{run_uri}/step-1", config=s3_config, item_checksum="crc64nvme")
     state["head"] += 1
     s3dcp.save(state, f"{run_uri}/step-2", config=s3_config, incremental_from=f"{run_uri}/step-1")
-    code, out, _ = run(capsys, "rm", "--yes", f"{run_uri}/step-1")
+    code, out, _ = run_cli(capsys, "rm", "--yes", f"{run_uri}/step-1")
     assert code == 0 and "that other checkpoints reference" in out
-    code, out, _ = run(capsys, "ls", run_uri)
+    code, out, _ = run_cli(capsys, "ls", run_uri)
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines()[1:] if not line.startswith("#")}
     assert set(rows) == {"step-1", "step-2"}, out
     assert "kept for step-2" in rows["step-1"] and "1.1 MiB" in rows["step-1"]
     assert "# step-1: deleted; its 1 object(s) (1.1 MiB) stay while step-2 reference them" in out
-    by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_uri)[1])}
+    by_name = {r["name"]: r for r in json.loads(run_cli(capsys, "ls", "--json", run_uri)[1])}
     assert by_name["step-1"]["state"] == "kept_for_references" and by_name["step-1"]["committed"] is False
     assert by_name["step-1"]["held_by"] == [f"{run_uri}/step-2"] and by_name["step-1"]["bytes"] >= 1_200_000
     assert by_name["step-2"]["state"] == "committed" and by_name["step-2"]["held_by"] == []
@@ -196,13 +183,13 @@ def test_ls_shows_unfinished_multipart_uploads(capsys, run_dir, bucket, boto3_cl
     upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     boto3_client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"y" * (5 << 20))
     try:
-        code, out, _ = run(capsys, "ls", run_dir)
+        code, out, _ = run_cli(capsys, "ls", run_dir)
         assert code == 0
         row = next(line for line in out.splitlines() if line.startswith("step-40"))
         assert row.split()[2:5] == ["5.0", "MiB", "0"] and "INCOMPLETE, 1 unfinished upload(s)" in row, out
         assert f"# 1 unfinished multipart upload(s), counted in SIZE: their parts (5.0 MiB) are stored (and " \
                f"billed) until aborted; s3dcp gc {run_dir}/ aborts" in out
-        by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
+        by_name = {r["name"]: r for r in json.loads(run_cli(capsys, "ls", "--json", run_dir)[1])}
         assert by_name["step-40"]["state"] == "incomplete"
         assert [(u["key"], u["upload_id"], u["parts"], u["bytes"]) for u in by_name["step-40"]["uploads"]] == \
             [(key, upload_id, 1, 5 << 20)]
@@ -220,7 +207,7 @@ def test_ls_without_permission_to_list_uploads_still_lists_checkpoints(capsys, r
     u = urlsplit(s3_server.endpoint_url)
     with FaultProxy(u.hostname, u.port) as proxy:
         proxy.add_rule(Rule("error", method="GET", query_has="uploads", status=403, code="AccessDenied"))
-        code, out, err = run(capsys, "ls", run_dir, "--endpoint-url", proxy.endpoint_url)
+        code, out, err = run_cli(capsys, "ls", run_dir, "--endpoint-url", proxy.endpoint_url)
     assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["step-10", "step-20", "step-30"]
     assert f"unfinished multipart uploads under {run_dir} not listed" in err and "AccessDenied" in err
 
@@ -237,23 +224,23 @@ def _put_dcp_pickled_metadata(boto3_client, bucket: str, key: str) -> None:
 def test_ls_and_gc_say_when_a_run_holds_foreign_metadata(capsys, run_dir, bucket, boto3_client):
     _put_dcp_pickled_metadata(boto3_client, bucket, "run/dcp-7/.metadata")
     boto3_client.put_object(Bucket=bucket, Key="run/dcp-7/__0_0.distcp", Body=b"z" * 10)
-    code, out, _ = run(capsys, "ls", run_dir)
+    code, out, _ = run_cli(capsys, "ls", run_dir)
     assert code == 0
     row = next(line for line in out.splitlines() if line.startswith("dcp-7"))
     assert "not s3dcp's" in row
     assert f"# dcp-7: its .metadata is not s3dcp's (DCP's own pickle, say): s3dcp cannot load it, and rm, gc and " \
            f"retention delete nothing under {run_dir}/ that it might reference" in out
-    by_name = {r["name"]: r for r in json.loads(run(capsys, "ls", "--json", run_dir)[1])}
+    by_name = {r["name"]: r for r in json.loads(run_cli(capsys, "ls", "--json", run_dir)[1])}
     assert by_name["dcp-7"]["state"] == "foreign" and by_name["step-10"]["state"] == "committed"
     # gc: data stays safe, and the output (not only a log line) says why
     before = _keys(boto3_client, bucket)
-    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "0s")
+    code, out, _ = run_cli(capsys, "gc", run_dir, "--older-than", "0s")
     assert code == 0 and _keys(boto3_client, bucket) == before  # step-30's leftover too: what dcp-7 uses is unknown
     assert f"skipped: s3://{bucket}/run/dcp-7/ (metadata): its .metadata is not s3dcp metadata" in out
     assert f"nothing under s3://{bucket}/run/ is deleted" in out
     assert out.rstrip().endswith("1 .metadata not s3dcp's or unreadable: nothing under its run deleted")
     # rm of an s3dcp checkpoint there: its metadata goes, its data stays, and rm says why
-    code, out, _ = run(capsys, "rm", "--yes", f"{run_dir}/step-20")
+    code, out, _ = run_cli(capsys, "rm", "--yes", f"{run_dir}/step-20")
     assert code == 0 and "kept its 1 data object(s)" in out, out
     assert f"s3://{bucket}/run/dcp-7/.metadata is not s3dcp metadata" in out and "other checkpoints" not in out
     assert len(_keys(boto3_client, bucket, "run/step-20/")) == 1
@@ -263,7 +250,7 @@ def test_ls_and_gc_say_when_a_run_holds_foreign_metadata(capsys, run_dir, bucket
 def test_inspect(capsys, bucket, s3_config):
     uri = f"s3://{bucket}/run/step-1000"
     _save(uri, _state(), s3_config)
-    code, out, _ = run(capsys, "inspect", "--json", uri)
+    code, out, _ = run_cli(capsys, "inspect", "--json", uri)
     assert code == 0
     report = json.loads(out)
     assert report["format"] == "s3dcp-metadata" and report["format_version"] == 2
@@ -278,7 +265,7 @@ def test_inspect(capsys, bucket, s3_config):
     assert sum(o["bytes"] for o in report["objects"]) == report["total_bytes"]
     assert report["total_bytes"] == sum(t["bytes"] for t in report["tensors"]) + sum(others.values())
 
-    code, out, _ = run(capsys, "inspect", uri)
+    code, out, _ = run_cli(capsys, "inspect", uri)
     assert code == 0
     assert re.search(r"model\.w\s+float32\s+64x32\s+1\s+8192", out)
     assert "format s3dcp-metadata v2" in out and f"total: {report['total_bytes']} bytes" in out
@@ -288,9 +275,9 @@ def test_inspect_an_incomplete_checkpoint_fails(capsys, bucket, s3_config, boto3
     uri = f"s3://{bucket}/run/step-1"
     _save(uri, {"w": torch.ones(3)}, s3_config)
     boto3_client.delete_object(Bucket=bucket, Key="run/step-1/.metadata")
-    code, out, err = run(capsys, "inspect", uri)
+    code, out, err = run_cli(capsys, "inspect", uri)
     assert code == 1 and out == "" and "is incomplete" in err and err.startswith("s3dcp: error:")
-    code, _, err = run(capsys, "inspect", f"s3://{bucket}/run/step-2")
+    code, _, err = run_cli(capsys, "inspect", f"s3://{bucket}/run/step-2")
     assert code == 1 and "no checkpoint at" in err
 
 
@@ -299,7 +286,7 @@ def test_verify_passes_then_names_a_corrupted_item(capsys, bucket, s3_config, bo
     uri = f"s3://{bucket}/run/step-1"
     state = _state()
     _save(uri, state, s3_config)
-    code, out, err = run(capsys, "verify", uri)
+    code, out, err = run_cli(capsys, "verify", uri)
     assert code == 0 and out.startswith("OK: 6 item(s)") and err == ""
 
     # flip one byte in the second 16 MiB block of "big", and one in "model.w"
@@ -311,14 +298,14 @@ def test_verify_passes_then_names_a_corrupted_item(capsys, bucket, s3_config, bo
     _flip(boto3_client, bucket, f"run/step-1/{big.object_name}", big.offset + 17 * MiB + 5)
     _flip(boto3_client, bucket, f"run/step-1/{w.object_name}", w.offset + 100)
 
-    code, out, err = run(capsys, "verify", "--quiet", uri)
+    code, out, err = run_cli(capsys, "verify", "--quiet", uri)
     assert code == 1 and "2 bad item(s)" in err
     bad = {line.split()[1]: line for line in out.splitlines() if line.startswith("BAD ")}
     assert set(bad) == {"big", "model.w"}
     assert big.object_name in bad["big"] and f"expected {big.checksum}, got crc64nvme:" in bad["big"]
     assert "bad blocks [1]" in bad["big"]
 
-    code, out, _ = run(capsys, "verify", "--json", uri)
+    code, out, _ = run_cli(capsys, "verify", "--json", uri)
     report = json.loads(out)
     assert code == 1 and report["ok"] is False and report["checked_items"] == 6
     by_fqn = {b["fqn"]: b for b in report["bad"]}
@@ -331,24 +318,24 @@ def test_verify_reports_a_missing_object(capsys, bucket, s3_config, boto3_client
     _save(uri, {"w": torch.ones(3)}, s3_config)
     data = [k for k in _keys(boto3_client, bucket) if k.endswith(".distcp")]
     boto3_client.delete_object(Bucket=bucket, Key=data[0])
-    code, out, err = run(capsys, "verify", uri)
+    code, out, err = run_cli(capsys, "verify", uri)
     assert code == 1 and "BAD w" in out and "unreadable" in out and "1 bad item(s)" in err
 
 
 # ------------------------------------------------------------------------------ rm
 def test_rm(capsys, run_dir, bucket, boto3_client):
-    code, _, err = run(capsys, "rm", run_dir + "/step-10")
+    code, _, err = run_cli(capsys, "rm", run_dir + "/step-10")
     assert code == 2 and "committed checkpoint" in err and "--yes" in err
     assert len(_keys(boto3_client, bucket, "run/step-10/")) == 2  # untouched
 
-    code, out, _ = run(capsys, "rm", "--yes", run_dir + "/step-10")
+    code, out, _ = run_cli(capsys, "rm", "--yes", run_dir + "/step-10")
     assert code == 0 and "deleted committed checkpoint" in out
     assert _keys(boto3_client, bucket, "run/step-10/") == []
 
-    code, out, _ = run(capsys, "rm", "--json", run_dir + "/step-30")  # incomplete: no --yes needed
+    code, out, _ = run_cli(capsys, "rm", "--json", run_dir + "/step-30")  # incomplete: no --yes needed
     assert code == 0 and json.loads(out)["deleted_objects"] == 1 and json.loads(out)["was_committed"] is False
 
-    code, _, err = run(capsys, "rm", "--yes", run_dir)  # the run itself is not a checkpoint
+    code, _, err = run_cli(capsys, "rm", "--yes", run_dir)  # the run itself is not a checkpoint
     assert code == 1 and "no checkpoint at" in err
     assert _keys(boto3_client, bucket) == sorted(["run/notes.txt", *_keys(boto3_client, bucket, "run/step-20/")])
 
@@ -356,23 +343,23 @@ def test_rm(capsys, run_dir, bucket, boto3_client):
 # ------------------------------------------------------------------------------ gc
 def test_gc_dry_run_deletes_nothing(capsys, run_dir, bucket, boto3_client):
     before = _keys(boto3_client, bucket)
-    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
+    code, out, _ = run_cli(capsys, "gc", run_dir, "--older-than", "1h")
     assert code == 0 and "deleted 0 object(s)" in out
     assert "skipped 1 object(s) and 0 upload(s) of saves active in the last 1h" in out
     assert f"skipped: s3://{bucket}/run/step-30/ (1 object(s)): unreferenced data newer than --older-than 1h" in out
-    report = json.loads(run(capsys, "gc", "--json", run_dir, "--older-than", "1h")[1])
+    report = json.loads(run_cli(capsys, "gc", "--json", run_dir, "--older-than", "1h")[1])
     assert [(s["prefix"], s["objects"]) for s in report["skipped"]] == [(f"s3://{bucket}/run/step-30/", 1)]
     assert "a save may still be writing it" in report["skipped"][0]["reason"]
     upload_id = boto3_client.create_multipart_upload(Bucket=bucket, Key="run/step-40/__0_0.bbbbbbbbbbbb.distcp")["UploadId"]
-    code, out, _ = run(capsys, "gc", run_dir, "--older-than", "1h")
+    code, out, _ = run_cli(capsys, "gc", run_dir, "--older-than", "1h")
     assert f"skipped: s3://{bucket}/run/step-40/__0_0.bbbbbbbbbbbb.distcp (upload {upload_id}): its save was active " \
            "less than --older-than 1h ago" in out
     assert "skipped 1 object(s) and 1 upload(s) of saves active" in out  # the summary counts the lines it lists
     time.sleep(1.1)  # S3 times have one-second resolution
-    code, out, _ = run(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
+    code, out, _ = run_cli(capsys, "gc", run_dir + "/", "--older-than", "0s", "--dry-run")
     assert code == 0 and f"would delete: s3://{bucket}/run/step-30/__0_0.aaaaaaaaaaaa.distcp" in out
     assert _keys(boto3_client, bucket) == before
-    code, out, _ = run(capsys, "gc", "--json", run_dir, "--older-than", "0s")
+    code, out, _ = run_cli(capsys, "gc", "--json", run_dir, "--older-than", "0s")
     report = json.loads(out)
     assert code == 0 and report["deleted"] == ["run/step-30/__0_0.aaaaaaaaaaaa.distcp"] and not report["dry_run"]
     assert _keys(boto3_client, bucket) == [k for k in before if not k.startswith("run/step-30/")]
@@ -397,18 +384,18 @@ def test_download_to_torch_save(capsys, bucket, s3_config, tmp_path):
     state["big"] = state["big"][:1000].clone()
     _save(uri, state, s3_config)
     out_file = tmp_path / "out.pt"
-    code, out, _ = run(capsys, "download", uri, "--to-torch-save", str(out_file))
+    code, out, _ = run_cli(capsys, "download", uri, "--to-torch-save", str(out_file))
     assert code == 0 and "wrote" in out
     _assert_same(state, torch.load(out_file, weights_only=True))
     assert not (tmp_path / "out.pt.partial").exists()
 
-    code, _, err = run(capsys, "download", uri, "--to-torch-save", str(out_file))
+    code, _, err = run_cli(capsys, "download", uri, "--to-torch-save", str(out_file))
     assert code == 2 and "--force" in err
-    code, out, _ = run(capsys, "download", uri, "--to-torch-save", str(out_file), "--force", "--json")
+    code, out, _ = run_cli(capsys, "download", uri, "--to-torch-save", str(out_file), "--force", "--json")
     report = json.loads(out)
     assert code == 0 and report["file"] == str(out_file) and report["bytes"] == out_file.stat().st_size
     assert report["top_level_keys"] == sorted(state)
-    code, _, err = run(capsys, "download", f"s3://{bucket}/run/none", "--to-torch-save", str(tmp_path / "x.pt"))
+    code, _, err = run_cli(capsys, "download", f"s3://{bucket}/run/none", "--to-torch-save", str(tmp_path / "x.pt"))
     assert code == 1 and "no checkpoint at" in err and not (tmp_path / "x.pt").exists()
 
 
@@ -416,10 +403,10 @@ def test_download_unpickles_only_with_allow_pickle(capsys, bucket, s3_config, tm
     uri = f"s3://{bucket}/run/step-1"
     _save(uri, {"w": torch.ones(2), "when": datetime.timedelta(seconds=3)}, s3_config)
     out_file = tmp_path / "out.pt"
-    code, _, err = run(capsys, "download", uri, "--to-torch-save", str(out_file))
+    code, _, err = run_cli(capsys, "download", uri, "--to-torch-save", str(out_file))
     assert code == 1 and "'when' holds pickled Python objects beyond plain data" in err and "--allow-pickle" in err
     assert not out_file.exists()
-    assert run(capsys, "download", uri, "--to-torch-save", str(out_file), "--allow-pickle")[0] == 0
+    assert run_cli(capsys, "download", uri, "--to-torch-save", str(out_file), "--allow-pickle")[0] == 0
     assert torch.load(out_file, weights_only=False)["when"] == datetime.timedelta(seconds=3)
 
 
@@ -453,14 +440,14 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
         assert _read_exports(other.stdout.splitlines(keepends=True)) == exports
         for name, value in exports.items():
             monkeypatch.setenv(name, value)
-        code, _, err = run(capsys, "ls", "s3://demo/")  # the default bucket exists
+        code, _, err = run_cli(capsys, "ls", "s3://demo/")  # the default bucket exists
         assert code == 0 and "no checkpoints under s3://demo" in err
         # --bucket names a bucket the running server lacks: created there, not silently ignored
         more = subprocess.run([*CLI, "server", "--print-env", "--bucket", "more"], capture_output=True, text=True,
                               env=env, timeout=60)
         assert more.returncode == 0 and "created now: s3://more" in more.stderr, more.stderr
         assert "bucket(s) s3://demo, s3://more" in more.stderr
-        code, _, err = run(capsys, "ls", "s3://more/")
+        code, _, err = run_cli(capsys, "ls", "s3://more/")
         assert code == 0 and "no checkpoints under s3://more" in err
         again = subprocess.run([*CLI, "server", "--print-env", "--bucket", "more"], capture_output=True, text=True,
                                env=env, timeout=60)
@@ -619,7 +606,7 @@ def _boto3_for(exports):
 
 
 def test_server_help_lists_only_its_own_options(capsys):
-    code, out, _ = run(capsys, "server", "--help")
+    code, out, _ = run_cli(capsys, "server", "--help")
     assert code == 0 and "--print-env" in out and "--bucket" in out
     assert "--endpoint-url" not in out and "--region" not in out
 
@@ -629,28 +616,28 @@ def test_mb_creates_a_bucket_once(capsys, s3_server):
     import uuid
 
     name = f"mb-{uuid.uuid4().hex[:10]}"
-    code, out, _ = run(capsys, "mb", f"s3://{name}")
+    code, out, _ = run_cli(capsys, "mb", f"s3://{name}")
     assert code == 0 and out.startswith(f"created: s3://{name}")
     assert name in [b["Name"] for b in s3_server.boto3_client().list_buckets()["Buckets"]]
-    code, out, _ = run(capsys, "mb", "--json", f"s3://{name}")
+    code, out, _ = run_cli(capsys, "mb", "--json", f"s3://{name}")
     assert code == 0 and json.loads(out)["created"] is False
-    code, _, err = run(capsys, "mb", f"s3://{name}/prefix")
+    code, _, err = run_cli(capsys, "mb", f"s3://{name}/prefix")
     assert code == 2 and "not a prefix" in err
 
 
 def test_a_missing_bucket_names_the_command_that_creates_it(capsys):
-    code, _, err = run(capsys, "ls", "s3://no-such-bucket-xyz/run")
+    code, _, err = run_cli(capsys, "ls", "s3://no-such-bucket-xyz/run")
     assert code == 1 and "s3dcp mb s3://no-such-bucket-xyz" in err
 
 
 # ------------------------------------------------------------------------------ errors, pipes, TLS
 def test_json_errors_are_json_on_stderr(capsys):
-    code, out, err = run(capsys, "ls", "--json", "s3://no-such-bucket-xyz/run")
+    code, out, err = run_cli(capsys, "ls", "--json", "s3://no-such-bucket-xyz/run")
     report = json.loads(err)["error"]
     assert code == 1 and out == "" and report["exit_code"] == 1
     assert report["type"] == "NoSuchBucketError" and report["bucket"] == "no-such-bucket-xyz"
     assert report["status"] == 404 and "bucket does not exist" in report["message"]
-    code, _, err = run(capsys, "gc", "--json", "s3://bucket/x", "--older-than", "soon")
+    code, _, err = run_cli(capsys, "gc", "--json", "s3://bucket/x", "--older-than", "soon")
     report = json.loads(err)["error"]
     assert code == 2 and report == {"type": "UsageError", "exit_code": 2, "message": report["message"]}
     assert "invalid duration" in report["message"]
@@ -666,5 +653,5 @@ def test_a_closed_pipe_ends_quietly(run_dir):
 
 def test_an_https_endpoint_at_a_plain_http_server_says_so(capsys, s3_server, bucket):
     https = s3_server.endpoint_url.replace("http://", "https://")
-    code, _, err = run(capsys, "--endpoint-url", https, "ls", f"s3://{bucket}/")
+    code, _, err = run_cli(capsys, "--endpoint-url", https, "ls", f"s3://{bucket}/")
     assert code == 1 and "answers plain HTTP, not TLS" in err and f"use {s3_server.endpoint_url}" in err

@@ -10,26 +10,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3dcp import S3StorageWriter, cli
+from s3dcp import S3StorageWriter
 from s3dcp.format.layout import METADATA_NAME
 from s3dcp.s3.client import S3Client
 
+from cli_run import run_cli
 from metadata_edit import column, edit_column, header
 
 
-@pytest.fixture(autouse=True)
-def s3_env(monkeypatch, s3_server):
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-
-
-def _run(capsys, *argv):
-    capsys.readouterr()
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _state():
@@ -48,7 +36,7 @@ def _edit(uri, cfg, fqn, name, value):
 
 def test_verify_counts_what_it_verified(capsys, uri, s3_config):
     dcp.save(_state(), storage_writer=S3StorageWriter(uri, config=s3_config), no_dist=True)
-    code, out, err = _run(capsys, "verify", "--json", uri)
+    code, out, err = run_cli(capsys, "verify", "--json", uri)
     report = json.loads(out)
     assert code == 0 and report["ok"] is True and err == ""
     assert report["items"] == report["verified_items"] == 3 and report["bytes"] == report["declared_bytes"]
@@ -57,7 +45,7 @@ def test_verify_counts_what_it_verified(capsys, uri, s3_config):
 @pytest.mark.parametrize("length", [-64, 0, 60])
 def test_verify_refuses_a_tensor_length_that_is_not_its_chunks_bytes(capsys, uri, s3_config, length):
     _edit(uri, s3_config, "w", "sd.length", length)
-    code, out, err = _run(capsys, "verify", uri)
+    code, out, err = run_cli(capsys, "verify", uri)
     assert code == 1 and not out.startswith("OK")
     assert "BAD w" in out and f"length {length} is not" in out
     assert "1 bad item(s)" in err and "2 of 3 item(s)" in err
@@ -65,18 +53,18 @@ def test_verify_refuses_a_tensor_length_that_is_not_its_chunks_bytes(capsys, uri
 
 def test_verify_refuses_a_negative_offset(capsys, uri, s3_config):
     _edit(uri, s3_config, "b", "sd.offset", -4)
-    code, out, err = _run(capsys, "verify", uri)
+    code, out, err = run_cli(capsys, "verify", uri)
     assert code == 1 and "BAD b" in out and "offset -4" in out and "internal error" not in err
 
 
 def test_verify_fails_for_items_without_a_checksum(capsys, uri, s3_server):
     cfg = s3_server.s3_config(checksum=None)
     dcp.save(_state(), storage_writer=S3StorageWriter(uri, config=cfg), no_dist=True)
-    code, out, err = _run(capsys, "verify", uri)
+    code, out, err = run_cli(capsys, "verify", uri)
     assert code == 1 and not out.startswith("OK")
     assert sorted(line.split()[2] for line in out.splitlines() if line.startswith("NOT CHECKED")) == ["b", "step", "w"]
     assert "3 item(s) without a checksum, not checked" in err and "0 of 3 item(s)" in err
-    code, out, _ = _run(capsys, "verify", "--json", uri)
+    code, out, _ = run_cli(capsys, "verify", "--json", uri)
     report = json.loads(out)
     assert code == 1 and report["ok"] is False and report["unchecked_items"] == 3 and report["verified_items"] == 0
 
@@ -96,7 +84,7 @@ def _edit_size(uri, cfg, fqn, size):
 
 def test_download_refuses_a_declared_size_its_chunks_do_not_hold(capsys, uri, s3_config, tmp_path):
     _edit_size(uri, s3_config, "w", 2**40)  # 4 TiB of float32, allocated whole by the planner before
-    code, out, err = _run(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
+    code, out, err = run_cli(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
     assert code == 1 and "internal error" not in err
     assert "'w' of shape [1099511627776]" in err and "no chunk holds the elements at (16,)" in err
     assert not (tmp_path / "out.pt").exists()
@@ -104,22 +92,22 @@ def test_download_refuses_a_declared_size_its_chunks_do_not_hold(capsys, uri, s3
 
 def test_download_refuses_an_item_past_the_end_of_its_object(capsys, uri, s3_config, tmp_path):
     _edit(uri, s3_config, "step", "sd.length", 3 << 30)
-    code, out, err = _run(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
+    code, out, err = run_cli(capsys, "download", uri, "--to-torch-save", str(tmp_path / "out.pt"))
     assert code == 1 and "'step'" in err and "past the end of" in err and "internal error" not in err
 
 
 # ------------------------------------------------------------------------------ inspect
 def test_inspect_names_items_whose_locations_cannot_be_right(capsys, uri, s3_config):
     _edit(uri, s3_config, "w", "sd.length", -64)
-    code, out, err = _run(capsys, "inspect", uri)
+    code, out, err = run_cli(capsys, "inspect", uri)
     assert code == 1 and "INVALID items: 1" in out and "length -64 is not a non-negative int" in out
     assert "will not load" in err
-    code, out, _ = _run(capsys, "inspect", "--json", uri)
+    code, out, _ = run_cli(capsys, "inspect", "--json", uri)
     report = json.loads(out)
     assert code == 1 and [i["fqn"] for i in report["invalid_items"]] == ["w"]
 
 
 def test_inspect_of_a_healthy_checkpoint_lists_no_invalid_items(capsys, uri, s3_config):
     dcp.save(_state(), storage_writer=S3StorageWriter(uri, config=s3_config), no_dist=True)
-    code, out, _ = _run(capsys, "inspect", "--json", uri)
+    code, out, _ = run_cli(capsys, "inspect", "--json", uri)
     assert code == 0 and json.loads(out)["invalid_items"] == []

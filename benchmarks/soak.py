@@ -45,8 +45,9 @@ linger depends on the pace of the cycles, not on leaks. Pass criteria, printed w
                                allocates (the CRT's event loops of each native client, copy and
                                save threads) gets an arena of its own (16 on 2 cores by cycle 2),
                                and what loads and verifies leave scattered in them stays; RSS steps
-                               up for tens of cycles, then stays. It passes when the second half's
-                               lows rose by <= 5% of the state and the thread arenas' heaps
+                               up for tens of cycles, then moves in a band. It passes when the
+                               second half's last half has a median RSS within 5% of the state of
+                               its first half's and the thread arenas' heaps
                                (malloc_info, sampled each cycle) grew at least as much as the RSS
                                held; a leak keeps lifting the second half
     threads flat               Python's: growth 0; the OS's: growth <= 1 (CRT host resolver)
@@ -513,11 +514,14 @@ def summarize(cycles: list[Cycle], settings: SoakSettings) -> dict:
     out["rss_growth_per_cycle_bytes"] = out["rss_bytes"]["growth"] / between
     out["rss_trend_bytes"] = growth_beyond_one_step([c.sample["rss_bytes"] for c in cycles[2:]])
     out["rss_held_bytes"] = statistics.median(c.sample["rss_bytes"] for c in last) - base["rss_bytes"]
-    # the second half alone: a leak keeps lifting its lows, glibc's plateau does not
+    # the second half alone, its last half's median over its first half's: a leak keeps rising
+    # there, glibc's plateau does not (it moves in a band of a few steps, whose lows are luck)
     late = cycles[max(2, len(cycles) // 2):]
+    half = len(late) // 2
     out["late_cycles"] = len(late)
-    out["rss_late_growth_bytes"] = (min(c.sample["rss_bytes"] for c in late[-w:])
-                                    - min(c.sample["rss_bytes"] for c in late[:w])) if len(late) >= 2 * w else None
+    out["rss_late_growth_bytes"] = (statistics.median(c.sample["rss_bytes"] for c in late[half:])
+                                    - statistics.median(c.sample["rss_bytes"] for c in late[:half])
+                                    ) if len(late) >= 2 * w else None
     heaps = [(c.sample.get("malloc") or {}).get("thread_heap_bytes") for c in [cycles[1], *last]]
     out["thread_heap_growth_bytes"] = (statistics.median(heaps[1:]) - heaps[0]) if None not in heaps else None
     out.update(
@@ -601,8 +605,8 @@ def judge(summary: dict) -> list[Criterion]:
 
 def glibc_plateau(s: dict, limit: float) -> bool:
     """RSS held at the end is glibc's one-time plateau, not a leak: the run's second half is
-    long enough (``PLATEAU_MIN_CYCLES``) and its lows did not rise by more than ``limit`` (a
-    leak of any rate that matters keeps lifting them; a 300-cycle run catches ~45 KiB a cycle),
+    long enough (``PLATEAU_MIN_CYCLES``) and the median RSS of its last half is within ``limit``
+    of its first half's (a leak keeps rising there; a 300-cycle run catches ~90 KiB a cycle),
     and the thread arenas' heaps grew at least as much as the RSS held (the memory is in the
     arenas glibc gives threads, which it keeps once touched, not in anything s3dcp holds). A
     short run, or one without glibc's figures, cannot tell, and is judged flat or not."""
@@ -615,7 +619,8 @@ def _plateau_note(s: dict, plateau: bool) -> str:
     late, thread = s.get("rss_late_growth_bytes"), s.get("thread_heap_growth_bytes")
     if late is None or thread is None:
         return ""
-    return (f"; second half ({s['late_cycles']} cycles) lowest {late / MiB:+.1f} MiB, glibc thread arenas "
+    return (f"; second half ({s['late_cycles']} cycles) {late / MiB:+.1f} MiB (median of its last half over "
+            f"its first's), glibc thread arenas "
             f"{thread / MiB:+.1f} MiB over cycle 2{': a plateau, not a leak' if plateau else ''}")
 
 

@@ -21,10 +21,10 @@ do not pay for importing torch and awscrt.
 
 from importlib import import_module
 
+from ._version import __version__
 from .config import S3Config
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _error_names
-from ._version import __version__
 
 _LAZY = {
     "save": ".api",

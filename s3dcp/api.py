@@ -36,10 +36,10 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .s3.client import S3Client
 from .config import S3Config
 from .errors import ConfigError, unwrap_error
 from .loading.reader import S3StorageReader
+from .s3.client import S3Client
 from .saving.stats import last_committed, record_committed
 
 if TYPE_CHECKING:

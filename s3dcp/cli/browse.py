@@ -9,9 +9,14 @@ import time
 from concurrent.futures import wait
 from typing import Any
 
-from ..format.layout import (METADATA_HEAD_BYTES, METADATA_NAME, is_data_object, is_s3dcp_metadata_head,
-                             parse_object_name)
 from ..errors import S3Error
+from ..format.layout import (
+    METADATA_HEAD_BYTES,
+    METADATA_NAME,
+    is_data_object,
+    is_s3dcp_metadata_head,
+    parse_object_name,
+)
 from ..uri import parse_s3_uri
 from .common import s3_client
 from .output import format_age, format_size, print_json, print_table
@@ -169,10 +174,10 @@ def _foreign_metadata(client, bucket: str, by_dir: dict[str, list]) -> set[str]:
 def cmd_inspect(args) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..format.references import sources
     from ..errors import MetadataFormatError
     from ..format.layout import check_location
     from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of, str_to_dtype
+    from ..format.references import sources
     from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)

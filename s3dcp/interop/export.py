@@ -43,13 +43,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ..format import integrity, layout
-from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
+from ..format import integrity, layout
 from ..format.safetensors import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
-from ..memory.ring_buffer import RingArena, align as _align
 from ..format.tensors import byte_view
+from ..memory.ring_buffer import RingArena
+from ..memory.ring_buffer import align as _align
+from ..s3.client import S3Client
 from ..uri import S3Uri, is_s3_uri, object_key, parse_s3_uri
 from .export_defaults import DEFAULT_SHARD_SIZE_BYTES, DEFAULT_WINDOW_BYTES
 

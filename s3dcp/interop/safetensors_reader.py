@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
 from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
-from ..memory.pool import HostBufferPool
-from ..loading.reader import S3StorageReader
 from ..format.safetensors import INDEX_NAME, SUFFIX, Header, check_shard_set, header_length, parse_header, parse_index
+from ..loading.reader import S3StorageReader
+from ..memory.pool import HostBufferPool
+from ..s3.client import S3Client
 
 __all__ = ["S3SafetensorsReader"]
 

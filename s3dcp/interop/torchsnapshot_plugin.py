@@ -41,9 +41,9 @@ from typing import Any, Awaitable, Callable, Optional
 
 from torchsnapshot.io_types import ReadIO, StoragePlugin, WriteIO
 
-from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import CheckpointExistsError, ConfigError, NoSuchKeyError
+from ..s3.client import S3Client
 from ..uri import parse_s3_uri
 
 __all__ = ["S3CRTStoragePlugin", "PROTOCOL", "SNAPSHOT_METADATA_NAME", "create_plugin"]

@@ -19,10 +19,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..s3.client import S3Client
 from ..errors import MetadataFormatError, NoSuchKeyError
 from ..format.layout import METADATA_NAME, PENDING_NAME, is_data_object
 from ..format.references import object_names, pending_names
+from ..s3.client import S3Client
 from ..saving.referenced import References, references
 from ..uri import S3Uri, object_key, parent_prefix
 

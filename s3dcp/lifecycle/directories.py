@@ -8,8 +8,8 @@ import re
 import string
 from dataclasses import dataclass
 
-from ..s3.client import ObjectInfo, S3Client
 from ..errors import ConfigError
+from ..s3.client import ObjectInfo, S3Client
 from ..uri import S3Uri
 
 __all__ = ["scan_directories", "name_pattern", "CheckpointInfo"]

@@ -31,10 +31,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..s3.client import S3Client, UploadInfo
 from ..config import S3Config
-from ..saving.referenced import References, references
 from ..format.layout import PENDING_NAME, parse_object_name
+from ..s3.client import S3Client, UploadInfo
+from ..saving.referenced import References, references
 from ..uri import parse_s3_uri
 
 __all__ = ["gc", "GcReport"]

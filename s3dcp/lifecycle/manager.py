@@ -38,17 +38,18 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
-from .deletion import DeleteResult, held_for_references
-from .deletion import delete_checkpoint as _delete_checkpoint
 from ..format.layout import METADATA_NAME, is_data_object
 from ..format.references import REFERENCE_CHECKSUM, check_base
+from ..s3.client import S3Client
+from ..saving.stats import record_committed
 from ..uri import S3Uri, parse_s3_uri
+from .deletion import DeleteResult
+from .deletion import delete_checkpoint as _delete_checkpoint
+from .deletion import held_for_references
 from .directories import CheckpointInfo, name_pattern, scan_directories
 from .retention import Doomed, steps_to_delete
-from ..saving.stats import record_committed
 
 if TYPE_CHECKING:
     from ..saving.stats import SaveStats

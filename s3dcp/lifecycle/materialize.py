@@ -8,10 +8,10 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ..s3.client import S3Client
 from ..errors import CheckpointError, CheckpointNotFoundError, NoSuchKeyError
 from ..format.layout import METADATA_NAME, new_save_id, object_sizes, parse_object_name
 from ..format.references import split_reference
+from ..s3.client import S3Client
 from ..saving.referenced import references
 from ..uri import object_key, parent_prefix, parse_s3_uri
 from .deletion import release_unreferenced

@@ -29,14 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import bounce
-from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name, schedule_plans
 from ..errors import ConfigError, MetadataFormatError, PeerReadError
 from ..format import layout
 from ..format.layout import Segment
 from ..format.tensors import byte_view
 from ..s3.request import abort_and_wait
 from ..uri import object_key
+from . import bounce
+from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name, schedule_plans
 
 __all__ = ["LoadStats", "exchange_device", "check_window", "with_peer_info", "global_plans", "read", "run"]
 

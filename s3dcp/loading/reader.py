@@ -27,13 +27,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from . import bounce, exchange
-from .items import ItemReads
-from .cooperative import DEFAULT_WINDOW_BYTES
-from .exchange import LoadStats
-from ..format import layout
-from ..s3.client import S3Client
-from ..s3.request import abort_all, abort_and_wait
 from ..config import S3Config
 from ..errors import (
     CheckpointNotFoundError,
@@ -44,12 +37,19 @@ from ..errors import (
     S3ServerError,
     ThrottlingError,
 )
+from ..format import layout
 from ..format.layout import METADATA_NAME, ItemLocation, Segment, is_data_object
 from ..format.metadata import decode_metadata, validate_metadata
-from ..memory.pool import HostBufferPool
-from ..s3.location import S3CheckpointPath, UnreadableMetadata
 from ..format.tensors import byte_view
+from ..memory.pool import HostBufferPool
+from ..s3.client import S3Client
+from ..s3.location import S3CheckpointPath, UnreadableMetadata
+from ..s3.request import abort_all, abort_and_wait
 from ..uri import object_key
+from . import bounce, exchange
+from .cooperative import DEFAULT_WINDOW_BYTES
+from .exchange import LoadStats
+from .items import ItemReads
 
 __all__ = ["S3StorageReader"]
 

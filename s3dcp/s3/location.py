@@ -7,10 +7,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .client import S3Client
 from ..config import S3Config
 from ..errors import ConfigError
 from ..uri import S3Uri, is_s3_uri, parse_s3_uri
+from .client import S3Client
 
 __all__ = ["S3CheckpointPath", "UnreadableMetadata"]
 

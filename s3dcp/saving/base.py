@@ -29,11 +29,11 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..s3.client import S3Client
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.layout import ItemLocation, object_sizes
 from ..format.references import REFERENCE_CHECKSUM, check_base, reference_name, split_reference
 from ..loading.reader import S3StorageReader
+from ..s3.client import S3Client
 from ..uri import S3Uri
 
 if TYPE_CHECKING:

@@ -39,10 +39,10 @@ import logging
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 
-from ..s3.client import S3Client
 from ..errors import MetadataFormatError, NoSuchKeyError
 from ..format.layout import METADATA_NAME, PENDING_NAME
 from ..format.references import object_names, pending_names
+from ..s3.client import S3Client
 from ..uri import S3Uri, object_key
 
 __all__ = ["References", "references"]

@@ -51,10 +51,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import statetree
-from .copies import Copies
 from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
 from ..s3.streams import finalizer
+from . import statetree
+from .copies import Copies
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
 

@@ -25,16 +25,16 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..format import integrity, layout
-from .base import BaseIndex
-from ..s3.client import S3Client
-from ..s3.request import abort_and_wait
 from ..config import S3Config
 from ..errors import S3DCPError
+from ..format import integrity, layout
 from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
 from ..format.tensors import byte_view
+from ..s3.client import S3Client
+from ..s3.request import abort_and_wait
 from ..uri import S3Uri
+from .base import BaseIndex
 
 log = logging.getLogger("s3dcp")
 

@@ -29,9 +29,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
-from ..format import layout
-from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, is_reference
-from ..s3.client import S3Client
 from ..config import S3Config
 from ..errors import (
     CheckpointExistsError,
@@ -42,16 +39,19 @@ from ..errors import (
     PreconditionFailedError,
     S3DCPError,
 )
+from ..format import layout
 from ..format.layout import METADATA_NAME, PENDING_NAME
 from ..format.metadata import decode_metadata, encode_metadata
+from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, is_reference
+from ..format.tensors import to_host_contiguous
+from ..s3.client import S3Client
+from ..s3.location import S3CheckpointPath
+from ..uri import object_key, parent_prefix, parse_s3_uri
 from .base import BaseIndex
 from .referenced import references
 from .staging import StagingMixin
 from .stats import SaveStats
 from .uploads import SavePlanData, Uploads, resolve, save_identity
-from ..s3.location import S3CheckpointPath
-from ..uri import object_key, parent_prefix, parse_s3_uri
-from ..format.tensors import to_host_contiguous
 
 __all__ = ["S3StorageWriter", "METADATA_NAME", "SaveStats"]
 

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import MetadataFormatError
 from . import v1, v2
-from .validate import validate_metadata
 from .common import _READS, FORMAT_NAME, FORMAT_VERSION, _type_name, dtype_to_str, str_to_dtype  # noqa: F401 (public)
+from .validate import validate_metadata
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "format_version_of", "dtype_to_str",

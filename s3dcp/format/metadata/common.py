@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...errors import MetadataFormatError
 
-
 FORMAT_NAME = "s3dcp-metadata"
 FORMAT_VERSION = 2  # what encode_metadata writes; decode_metadata reads 1 and 2
 _READS = (1, 2)

@@ -40,9 +40,28 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
 from .common import (
-    _DTYPES, _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _bool, _check_version, _decode_storage_meta, _dict,
-    _encode_storage_meta, _get,
-    _int, _ints, _json_type, _list, _named, _opt, _reject_constant, _short, _size, _str, _to_name, _type_name,
+    _DTYPES,
+    _LAYOUTS,
+    _MEMORY_FORMATS,
+    FORMAT_NAME,
+    _bool,
+    _check_version,
+    _decode_storage_meta,
+    _dict,
+    _encode_storage_meta,
+    _get,
+    _int,
+    _ints,
+    _json_type,
+    _list,
+    _named,
+    _opt,
+    _reject_constant,
+    _short,
+    _size,
+    _str,
+    _to_name,
+    _type_name,
     dtype_to_str,
 )
 from .tree import decode_tree, encode_tree

@@ -78,13 +78,26 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
-from .columns import ColumnReader, ColumnWriter
-from .common import (
-    _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _check_version, _decode_storage_meta, _encode_storage_meta, _get, _int,
-    _list, _opt, _reject_constant, _str, _to_name, _type_name, dtype_to_str,
-)
 from .budget import DecodeBudget
 from .chunks import Chunks
+from .columns import ColumnReader, ColumnWriter
+from .common import (
+    _LAYOUTS,
+    _MEMORY_FORMATS,
+    FORMAT_NAME,
+    _check_version,
+    _decode_storage_meta,
+    _encode_storage_meta,
+    _get,
+    _int,
+    _list,
+    _opt,
+    _reject_constant,
+    _str,
+    _to_name,
+    _type_name,
+    dtype_to_str,
+)
 from .storage import LazyStorageData, Rows
 from .tree import decode_tree, encode_tree
 

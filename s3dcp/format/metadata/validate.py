@@ -33,8 +33,8 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...errors import MetadataFormatError
-from ..integrity import algorithm_of
 from .. import layout
+from ..integrity import algorithm_of
 from .common import dtype_to_str, str_to_dtype
 from .storage import LazyStorageData, Rows
 

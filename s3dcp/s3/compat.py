@@ -59,6 +59,17 @@ def checked_put(head: Callable[[], Future], put: Callable[[], Future], get: Call
         error.__cause__ = cause
         outer.set_exception(error)
 
+    def guarded(step: Callable) -> Callable:
+        # a step that raises (a request that cannot even start) fails the write instead of leaving it pending
+        def run(*args) -> None:
+            try:
+                step(*args)
+            except BaseException as e:  # noqa: BLE001 - it reaches the caller through the future
+                if not outer.done():
+                    outer.set_exception(e)
+        return run
+
+    @guarded
     def headed(f: Future) -> None:
         error = f.exception()
         if error is None:
@@ -68,6 +79,7 @@ def checked_put(head: Callable[[], Future], put: Callable[[], Future], get: Call
         else:
             outer.set_exception(error)
 
+    @guarded
     def stored(f: Future) -> None:
         error = f.exception()
         if error is not None:
@@ -75,6 +87,7 @@ def checked_put(head: Callable[[], Future], put: Callable[[], Future], get: Call
             return
         get().add_done_callback(lambda g: read_back(g, f.result()))
 
+    @guarded
     def read_back(g: Future, result) -> None:
         error = g.exception()
         if error is None and g.result() == body:
@@ -85,5 +98,5 @@ def checked_put(head: Callable[[], Future], put: Callable[[], Future], get: Call
         else:
             outer.set_exception(error)
 
-    head().add_done_callback(headed)
+    guarded(lambda: head().add_done_callback(headed))()
     return outer

@@ -168,9 +168,9 @@ def test_save_and_load_in_compat_mode_through_the_emulated_store(s3_server, buck
     (commit,) = _commit(proxy)
     assert commit.header("if-none-match") is None
     assert commit.header("x-goog-if-generation-match") == ("0" if mode == "gcs" else None)
-    # no wire checksums, but every item has its checksum in the metadata, verified on load
+    # no wire checksums, but every item has its checksum in the metadata (CRC64NVME, the default), verified on load
     md = S3StorageReader(uri, config=config).fetch_metadata()
-    assert md.storage_data and all((loc.checksum or "").startswith("crc32c") for loc in md.storage_data.values())
+    assert md.storage_data and all((loc.checksum or "").startswith("crc64nvme") for loc in md.storage_data.values())
     assert f"ckpt/{METADATA_NAME}" in _keys(boto3_client, bucket, "ckpt/")
     assert boto3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
@@ -261,3 +261,19 @@ def test_create_only_put_and_multipart_copy_at_the_emulated_store(s3_server, buc
         assert _rejected(proxy) == []
     finally:
         client.close()
+
+
+def test_a_checked_put_whose_request_cannot_start_fails_instead_of_hanging():
+    from concurrent.futures import Future
+
+    from s3dcp.errors import NoSuchKeyError
+    from s3dcp.s3.compat import checked_put
+
+    def cannot_start():
+        raise RuntimeError("the request could not be made")
+
+    absent: Future = Future()
+    absent.set_exception(NoSuchKeyError("no such key", operation="HEAD", bucket="b", key="k"))
+    for head, put in ((cannot_start, cannot_start), (lambda: absent, cannot_start)):  # at the HEAD, at the PUT
+        done = checked_put(head, put, cannot_start, b"body", operation="PutObject", bucket="b", key="k")
+        assert str(done.exception(timeout=5)) == "the request could not be made"

@@ -111,3 +111,12 @@ def test_inspect_of_a_healthy_checkpoint_lists_no_invalid_items(capsys, uri, s3_
     dcp.save(_state(), storage_writer=S3StorageWriter(uri, config=s3_config), no_dist=True)
     code, out, _ = run_cli(capsys, "inspect", "--json", uri)
     assert code == 0 and json.loads(out)["invalid_items"] == []
+
+
+
+def test_verify_takes_no_memory_for_bytes_past_an_objects_end(capsys, uri, s3_config):
+    """A non-tensor item declaring 3 GiB (under the bytes-item bound) in a small object is refused
+    against the object's size before any buffer is made for it (it used to allocate 3 GiB)."""
+    _edit(uri, s3_config, "step", "sd.length", 3 << 30)
+    code, out, err = run_cli(capsys, "verify", uri)
+    assert code == 1 and "BAD step" in out and "past the end of" in out and "internal error" not in err

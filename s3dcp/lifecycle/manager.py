@@ -216,8 +216,11 @@ class CheckpointManager:
                 outer.set_exception(error)
                 return
             upload_s = time.perf_counter() - returned
-            self._committed(writer)
-            self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
+            try:  # whatever happens after the commit reaches the caller: wait() and close() never hang
+                self._committed(writer)
+                self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
+            except BaseException as e:  # noqa: BLE001
+                return outer.set_exception(e)
             outer.set_result(metadata)
 
         with self._lock:

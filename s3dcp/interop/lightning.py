@@ -166,7 +166,9 @@ class S3CheckpointIO(CheckpointIO):
             dcp.load(state, storage_reader=reader, no_dist=True)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
-        rest = torch.load(io.BytesIO(state.pop(_REST).numpy().tobytes()), weights_only=weights_only)
+        # bytes from storage: plain data only, unless the caller asked for more in so many words
+        rest = torch.load(io.BytesIO(state.pop(_REST).numpy().tobytes()),
+                          weights_only=True if weights_only is None else weights_only)
         if isinstance(map_location, (str, torch.device)):
             state = {k: v.to(map_location) for k, v in state.items()}
         return _join(rest, state)

@@ -214,7 +214,7 @@ class S3CheckpointManager(CheckpointManager):
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         error: BaseException | None = None
-        if dist.get_rank() == 0:
+        if dist.get_rank(self.pg) == 0:
             try:
                 report = export_safetensors(sharded, checkpoint_id, config=self._s3_config, overwrite=True)
                 titan_log.info("s3dcp: exported the last step to Hugging Face safetensors in %s: %d file(s), "
@@ -222,7 +222,7 @@ class S3CheckpointManager(CheckpointManager):
             except Exception as e:  # noqa: BLE001 - every rank raises, none hangs in the barrier
                 error = e
         failed = [error is not None]
-        dist.broadcast_object_list(failed, src=0, group=self.pg)
+        dist.broadcast_object_list(failed, group_src=0, group=self.pg)
         if error is not None:
             raise error
         if failed[0]:
@@ -296,10 +296,10 @@ class S3CheckpointManager(CheckpointManager):
                 raise ConfigError(f"quantized Hugging Face checkpoints cannot be loaded from {checkpoint_id}")
             assert self.sd_adapter is not None, "loading Hugging Face safetensors needs sd_adapter"
             hf_state = self.sd_adapter.to_hf(state_dict)
-            _dcp_load(hf_state, S3SafetensorsReader(checkpoint_id, config=self._s3_config))
+            _dcp_load(hf_state, S3SafetensorsReader(checkpoint_id, config=self._s3_config), self.pg)
             self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state))
             return
-        _dcp_load(state_dict, S3StorageReader(checkpoint_id, config=self._s3_config))
+        _dcp_load(state_dict, S3StorageReader(checkpoint_id, config=self._s3_config), self.pg)
         if MODEL in self.states:  # torchtitan flattens the model's state into the loaded dict
             self.states[MODEL].load_state_dict(state_dict)
 
@@ -309,8 +309,9 @@ class S3CheckpointManager(CheckpointManager):
         return int(m.group(1)) if m else None
 
 
-def _dcp_load(state_dict: dict[str, Any], reader: S3StorageReader) -> None:
+def _dcp_load(state_dict: dict[str, Any], reader: S3StorageReader, process_group: Any = None) -> None:
+    """Load on the group the checkpoints are saved with (None: the default group)."""
     try:
-        dcp.load(state_dict, storage_reader=reader)
+        dcp.load(state_dict, storage_reader=reader, process_group=process_group)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise unwrap_error(e)  # chained from DCP's exception

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shlex
-import sys
 import tomllib
 
 import pytest
@@ -150,14 +149,10 @@ def _pyproject_extras() -> dict[str, str]:
 @pytest.fixture
 def registered():
     """TorchSnapshot finds the s3dcp:// plugin as `pip install -e '.[torchsnapshot]'` declares it."""
-    from ts_entry_point import entry_point_dir
+    from ts_entry_point import entry_point_on_path
 
-    path = entry_point_dir()
-    if path is not None:
-        sys.path.append(path)
-    yield
-    if path is not None:
-        sys.path.remove(path)
+    with entry_point_on_path():
+        yield
 
 
 def test_the_torchsnapshot_snippets(aws_env, s3_server, registered):

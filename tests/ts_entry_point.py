@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
@@ -41,3 +43,16 @@ def entry_point_dir() -> str | None:
     Path(info, "METADATA").write_text("Metadata-Version: 2.1\nName: s3dcp-test-entry-points\nVersion: 0\n")
     Path(info, "entry_points.txt").write_text(f"[{GROUP}]\n{name} = {value}\n")
     return root
+
+
+@contextmanager
+def entry_point_on_path():
+    """:func:`entry_point_dir` on ``sys.path`` for the duration (nothing when not needed)."""
+    path = entry_point_dir()
+    if path is not None:
+        sys.path.append(path)
+    try:
+        yield
+    finally:
+        if path is not None:
+            sys.path.remove(path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
 import pytest
 import torch
@@ -25,18 +24,14 @@ from s3dcp.errors import (
 )
 from s3dcp.interop.torchsnapshot_plugin import S3CRTStoragePlugin
 
-from ts_entry_point import declared_entry_point, entry_point_dir
+from ts_entry_point import declared_entry_point, entry_point_on_path
 
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     """The entry point as pyproject.toml declares it (see ts_entry_point.py)."""
-    path = entry_point_dir()
-    if path is not None:
-        sys.path.append(path)
-    yield
-    if path is not None:
-        sys.path.remove(path)
+    with entry_point_on_path():
+        yield
 
 
 def state() -> dict:

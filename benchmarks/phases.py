@@ -31,22 +31,34 @@ LOAD_ORDER = ("meta", "plan", "read", "dcp")
 
 
 class PhaseCpu:
-    """CPU seconds per phase; :meth:`total` brackets the whole operation."""
+    """CPU seconds (and wall seconds) per phase; :meth:`start` and :meth:`stop` bracket the
+    whole operation."""
 
     def __init__(self, phases: dict[str, str]) -> None:
         self.phases = phases
         self.seconds: dict[str, float] = {p: 0.0 for p in set(phases.values())}
+        self.wall: dict[str, float] = {p: 0.0 for p in set(phases.values())}
         self._start: float | None = None
+        self._start_wall: float | None = None
         self.total_s = 0.0
+        self.total_wall_s = 0.0
 
     def start(self) -> None:
         self._start = time.process_time()
+        self._start_wall = time.perf_counter()
 
     def stop(self) -> dict[str, float]:
         """Per phase CPU seconds, with ``dcp``: the rest of the operation's CPU."""
         self.total_s = time.process_time() - (self._start or 0.0)
+        self.total_wall_s = time.perf_counter() - (self._start_wall or 0.0)
         out = dict(self.seconds)
         out["dcp"] = max(0.0, self.total_s - sum(self.seconds.values()))
+        return out
+
+    def walls(self) -> dict[str, float]:
+        """Per phase wall seconds (after :meth:`stop`), with ``dcp``: the rest of the call."""
+        out = dict(self.wall)
+        out["dcp"] = max(0.0, self.total_wall_s - sum(self.wall.values()))
         return out
 
 
@@ -60,7 +72,7 @@ def clocked(plugin: Any, phases: dict[str, str]) -> tuple[Any, PhaseCpu]:
             continue
 
         def wrapped(*args, __method=method, __phase=phase, **kwargs):
-            c0 = time.process_time()
+            c0, w0 = time.process_time(), time.perf_counter()
             try:
                 result = __method(*args, **kwargs)
                 if hasattr(result, "wait"):
@@ -68,6 +80,7 @@ def clocked(plugin: Any, phases: dict[str, str]) -> tuple[Any, PhaseCpu]:
                 return result
             finally:
                 clock.seconds[__phase] += time.process_time() - c0
+                clock.wall[__phase] += time.perf_counter() - w0
 
         setattr(plugin, name, wrapped)
     return plugin, clock

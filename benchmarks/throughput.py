@@ -261,7 +261,8 @@ class S3DCPPath(Path):
                                 LOAD_PHASES)
         clock.start()
         dcp.load(self.dest, storage_reader=reader)
-        return {"read_s": reader.last_read_s, "phases": clock.stop()}
+        return {"read_s": reader.last_read_s, "phases": clock.stop(), "walls": clock.walls(),
+                "verify_s": reader.items.verify_s}
 
 
 class S3DCPCastPath(S3DCPPath):
@@ -605,6 +606,10 @@ def summarize_mode(runs: list[dict], total: int, shards: list[int]) -> dict:
             for phase in SAVE_ORDER if op == "save" else LOAD_ORDER:
                 out[f"{op}_cpu_{phase}_s_per_gib"] = per_gib(
                     median(sum(i["phases"][phase] for i in info) for info in infos), total)
+        if all(isinstance(i, dict) and "walls" in i for info in infos for i in info):  # the slowest rank's
+            for phase in LOAD_ORDER:
+                out[f"{op}_wall_{phase}_s"] = median(max(i["walls"][phase] for i in info) for info in infos)
+            out[f"{op}_wall_verify_s"] = median(max(i["verify_s"] for i in info) for info in infos)
     return out
 
 
@@ -723,6 +728,22 @@ def main(argv=None) -> int:
         print(f"# save floor, measured here: {floor['save_floor']:.3f} CPU s/GiB = one memcpy into warm buffers "
               f"{floor['memcpy']:.3f} + wire crc32c {floor['crc32c']:.3f} + item crc64nvme {floor['crc64nvme']:.3f} "
               f"+ loopback socket send {floor['send']:.3f}; save/floor: the save's CPU per GiB over it")
+    walled = [r for r in rows if "load_wall_read_s" in r and "load_x_raw" in r]
+    if walled:
+        raw_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw"}
+        for row in walled:
+            row["load_raw_get_s"] = raw_s[row["nproc"]]
+            row["load_gap_s"] = row["load_s"] - row["load_raw_get_s"]
+        print()
+        print_table(walled, [("nproc", "ranks"), ("mode", "mode"),
+                             *[(f"load_wall_{p}_s", p, ".3f") for p in LOAD_ORDER],
+                             ("load_wall_verify_s", "of read: verify", ".3f"), ("load_s", "load", ".3f"),
+                             ("load_raw_get_s", "raw GET", ".3f"), ("load_gap_s", "load - raw", ".3f"),
+                             ("load_x_raw", "load/raw", ".2f")],
+                    title="what separates a load from the raw GET of the same bytes: wall s by phase, slowest rank, "
+                          "medians (meta: the .metadata GET and decode; plan: planning calls; read: the GETs into "
+                          "the tensors, with the item checksums verified as each GET ends ('verify', overlapping "
+                          "the GETs still in flight); dcp: DCP's planner and collectives)")
     path = write_json(results_path(args, "throughput"), {
         "benchmark": "throughput",
         "params": {"state_mib": args.state_mib, "nproc": args.nproc, "modes": args.modes, "repeats": args.repeats,

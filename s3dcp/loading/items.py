@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,7 @@ class ItemReads:
         self.checks = verify
         self.allow_pickle = allow_pickle
         self.coalesce_gap_bytes = coalesce_gap_bytes
+        self.verify_s = 0.0  # wall seconds spent checking fetched bytes (on the thread that finishes reads)
 
     def location(self, item: ReadItem) -> ItemLocation:
         try:
@@ -197,7 +199,9 @@ class ItemReads:
         loc = read.location
         if loc.checksum is None:
             return
+        t0 = time.perf_counter()
         check = integrity.ItemCheck(loc, start).feed_all(view)
+        self.verify_s += time.perf_counter() - t0
         if check.ok:
             return
         if check.bad_blocks:

@@ -44,7 +44,7 @@ from .listing import ObjectInfo, UploadInfo, UploadParts
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
 from .responses import children, parse_http_date, text, xml_result
-from .streams import BufferStream, chain, finalizer, gather
+from .streams import BufferStream, chain, copy_into, finalizer, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "UploadParts", "PutResult"]
 
@@ -179,7 +179,6 @@ class S3Client:
 
         def on_body(chunk, offset: int, **_):
             chunk_end = offset + len(chunk)
-            data = memoryview(chunk)
             # the first sink that can overlap: skip every sink that ends (with all before it) before the chunk
             first = bisect.bisect_right(reach, offset)
             for sink_off, view in sinks[first:]:
@@ -187,7 +186,7 @@ class S3Client:
                     break
                 lo, hi = max(offset, sink_off), min(chunk_end, sink_off + view.nbytes)
                 if lo < hi:
-                    view[lo - sink_off:hi - sink_off] = data[lo - offset:hi - offset]
+                    copy_into(view, lo - sink_off, chunk, lo - offset, hi - lo)
             received[0] += len(chunk)
 
         headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import heapq
 import io
 import itertools
@@ -13,9 +14,43 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-__all__ = ["BufferStream", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer"]
+__all__ = ["BufferStream", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer", "copy_into"]
 
 log = logging.getLogger("s3dcp")
+
+# Below this a copy is cheaper than the ctypes call and its GIL hand-off.
+_RELEASE_GIL_FROM = 256 << 10
+
+
+def _address(buffer) -> int | None:
+    """The address of a contiguous buffer's first byte, or None where ctypes cannot take it
+    without a copy (a read-only view other than a whole ``bytes``)."""
+    if type(buffer) is bytes:
+        return ctypes.cast(ctypes.c_char_p(buffer), ctypes.c_void_p).value
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    except (TypeError, ValueError):  # read-only or not contiguous
+        return None
+
+
+def copy_into(dest: memoryview, dest_offset: int, source, source_offset: int, n: int) -> None:
+    """Copy ``n`` bytes of ``source`` (a ``bytes`` or a byte memoryview) into ``dest``.
+
+    The CRT calls the body callbacks and the upload stream's ``readinto`` from its own threads,
+    each holding the GIL; a large copy made there by slice assignment holds the GIL for its
+    whole length (milliseconds per part), so a training loop's Python thread stalls behind
+    every part of a background upload or load. ``ctypes.memmove`` does the same memcpy with the
+    GIL released. ``dest`` and ``source`` stay referenced by the caller for the call's length.
+    """
+    if n >= _RELEASE_GIL_FROM:
+        to = _address(dest)
+        frm = _address(source)
+        if to is not None and frm is not None:
+            if dest_offset + n > dest.nbytes or source_offset + n > len(source):
+                raise ValueError("copy_into: range outside its buffer")  # memmove would not check
+            ctypes.memmove(to + dest_offset, frm + source_offset, n)
+            return
+    dest[dest_offset:dest_offset + n] = memoryview(source)[source_offset:source_offset + n]
 
 
 class BufferStream(io.RawIOBase):
@@ -59,7 +94,7 @@ class BufferStream(io.RawIOBase):
         while n < out.nbytes and self._index < len(self._views):
             view = self._views[self._index]
             take = min(out.nbytes - n, view.nbytes - self._offset)
-            out[n:n + take] = view[self._offset:self._offset + take]
+            copy_into(out, n, view, self._offset, take)
             n += take
             self._offset += take
             if self._offset == view.nbytes:

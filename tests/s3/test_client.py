@@ -213,3 +213,35 @@ def test_a_single_put_already_sending_is_left_to_finish_unless_every_request_mus
             else:
                 assert isinstance(future.exception(), RequestAbortedError)
         assert boto3_client.get_object(Bucket=bucket, Key="finishes")["Body"].read() == b"payload"
+
+
+def test_copy_into_takes_the_gil_free_path_for_large_writable_or_bytes_sources_and_checks_ranges():
+    from s3dcp.s3.streams import _RELEASE_GIL_FROM, copy_into
+
+    n = _RELEASE_GIL_FROM + 13
+    data = os.urandom(n + 7)
+    for source in (data, bytearray(data), memoryview(data), memoryview(bytearray(data))):  # bytes, writable, read-only
+        for count in (5, n):
+            dest = bytearray(n + 3)
+            copy_into(memoryview(dest), 3, source, 7, count)
+            assert dest[3:3 + count] == data[7:7 + count] and dest[:3] == b"\0\0\0"
+    with pytest.raises(ValueError, match="outside its buffer"):
+        copy_into(memoryview(bytearray(n)), 1, data, 0, n)  # would write one byte past dest
+    with pytest.raises(ValueError, match="outside its buffer"):
+        copy_into(memoryview(bytearray(n + 7)), 0, data, 8, n)  # would read past source
+
+
+def test_upload_and_load_of_writable_buffers_go_through_the_memmove_path_byte_exact(client, bucket):
+    import torch
+    from s3dcp.format.tensors import byte_view
+
+    parts = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (PART + 5, 3, 2 * MiB + 1)]
+    client.put(bucket, "tensors", [byte_view(t) for t in parts]).result()
+    whole = torch.cat(parts)
+    out = torch.zeros_like(whole)
+    client.get_range_into(bucket, "tensors", 0, byte_view(out)).result()
+    assert torch.equal(out, whole)
+    head, tail = torch.zeros(PART, dtype=torch.uint8), torch.zeros(MiB, dtype=torch.uint8)
+    client.get_scatter(bucket, "tensors", 0, whole.numel(), [(0, byte_view(head)),
+                                                            (whole.numel() - MiB, byte_view(tail))]).result()
+    assert torch.equal(head, whole[:PART]) and torch.equal(tail, whole[-MiB:])

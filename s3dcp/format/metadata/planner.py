@@ -137,12 +137,11 @@ def expand(node: Any, fqns: list[str], budget: DecodeBudget, decode_tree: Callab
         raise MetadataFormatError(f"{_W}.extra_keys: a key is also an fqn or repeated")
     keys = _key_indices(node, n, len(table))
     ids = _ids(node, n)
-    templates = [_check_template(t, i) for i, t in enumerate(_field(node, "templates", list))]
+    templates = [_compile(_check_template(t, i), i + 2) for i, t in enumerate(_field(node, "templates", list))]
     odd = _field(node, "odd", list)
-    if any(i > len(templates) + 1 for i in ids):
-        bad = next(i for i in ids if i > len(templates) + 1)
-        raise MetadataFormatError(f"{_W}.ids: template {bad} is outside 0..{len(templates) + 1}")
-    n_odd = sum(1 for i in ids if i == ODD)
+    if n and max(ids) > len(templates) + 1:
+        raise MetadataFormatError(f"{_W}.ids: template {max(ids)} is outside 0..{len(templates) + 1}")
+    n_odd = ids.count(ODD)
     if n_odd != len(odd):
         raise MetadataFormatError(f"{_W}.odd: {len(odd)} values for {n_odd} entries of template 0")
     # Keys are distinct, so the paths built hold at most as many parts as the table has dots.
@@ -156,7 +155,7 @@ def expand(node: Any, fqns: list[str], budget: DecodeBudget, decode_tree: Callab
         elif t == ODD:
             out[key] = decode_tree(next(odd_values), f"planner_data[{key!r}]")
         else:
-            out[key] = _apply(templates[t - 2], key, t)
+            out[key] = templates[t - 2](key)
     return out
 
 
@@ -201,7 +200,7 @@ def _ids(node: dict, n: int) -> list[int]:
     ids = _ints_or_null(node, "ids", n)
     if ids is None:
         return [SPLIT] * n
-    if any(i < 0 for i in ids):
+    if ids and min(ids) < 0:
         raise MetadataFormatError(f"{_W}.ids: a template id is negative")
     return ids
 
@@ -221,26 +220,54 @@ def _check_template(t: Any, i: int) -> tuple:
     return tuple(out)
 
 
-def _apply(template: tuple, key: str, t: int) -> tuple:
-    parts = key.split(".")
-    fixed = sum(p for _, p in template)
-    star = len(parts) - fixed
-    has_star = any(p == _STAR for _, p in template)
-    if star < (1 if has_star else 0) or (star and not has_star):
-        raise MetadataFormatError(f"{_W}: template {t} does not fit key {key[:80]!r} ({len(parts)} parts)")
+def _compile(template: tuple, t: int) -> Callable[[str], tuple]:
+    """A function rebuilding a path from its key by ``template`` (id ``t``, for errors): one split
+    from the left and one from the right around the element that takes the remaining parts."""
+    sizes = [p for _, p in template]
+    ints = [j for j, (kind, _) in enumerate(template) if kind == "i"]
+    star = next((j for j, p in enumerate(sizes) if p == _STAR), None)
+    pre, post = (sizes, []) if star is None else (sizes[:star], sizes[star + 1:])
+    n_pre, n_post = sum(pre), sum(post)
+    simple = all(p == 1 for p in pre + post)
+
+    def texts(key: str) -> list[str] | None:
+        if star is None:
+            parts = key.split(".")
+            return None if len(parts) != n_pre else parts if simple else _group(parts, pre)
+        head = key.split(".", n_pre) if n_pre else [key]
+        if len(head) != n_pre + 1:
+            return None
+        tail = head[-1].rsplit(".", n_post) if n_post else [head[-1]]  # the middle keeps >= 1 part
+        if len(tail) != n_post + 1:
+            return None
+        if simple:
+            return head[:-1] + tail
+        return _group(head[:-1], pre) + tail[:1] + _group(tail[1:], post)
+
+    def build(key: str) -> tuple:
+        out = texts(key)
+        if out is None:
+            raise MetadataFormatError(f"{_W}: template {t} does not fit key {key[:80]!r} ({key.count('.') + 1} parts)")
+        for j in ints:
+            out[j] = _canonical_int(out[j], key, t)
+        return tuple(out)
+
+    return build
+
+
+def _group(parts: list[str], sizes: list[int]) -> list[str]:
     out, pos = [], 0
-    for kind, p in template:
-        p = p or star
-        text = ".".join(parts[pos:pos + p])
+    for p in sizes:
+        out.append(".".join(parts[pos:pos + p]))
         pos += p
-        if kind == "s":
-            out.append(text)
-            continue
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or str(value) != text:  # int() also takes " 1", "+1", "1_0", "٣"
-            raise MetadataFormatError(f"{_W}: template {t} reads {text[:40]!r} of key {key[:80]!r} as an int")
-        out.append(value)
-    return tuple(out)
+    return out
+
+
+def _canonical_int(text: str, key: str, t: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or str(value) != text:  # int() also takes " 1", "+1", "1_0", "٣"
+        raise MetadataFormatError(f"{_W}: template {t} reads {text[:40]!r} of key {key[:80]!r} as an int")
+    return value

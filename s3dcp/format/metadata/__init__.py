@@ -8,7 +8,7 @@ first byte and the header, and :func:`encode_metadata` writes version 2, or 3 wh
 
 - version 3 (:mod:`s3dcp.format.metadata.v3`): version 2's columns under a zlib-compressed header,
   ``planner_data`` as references into the fqn table (:mod:`s3dcp.format.metadata.planner`);
-  ~1/30 of DCP's pickle for one rank of 20,000 uniquely named tensors, where version 2 is ~1/2.
+  ~1/50 of DCP's pickle for one rank of 20,000 uniquely named tensors, where version 2 is ~1/2.
   Written only where it saves >= 64 KiB and 1/8, since s3dcp releases before it refuse it.
 - version 2 (:mod:`s3dcp.format.metadata.v2`): a JSON header plus typed, compressed binary columns for the
   per-chunk numbers; ~1/40 of DCP's pickle at a million chunks, and decoded lazily: storage

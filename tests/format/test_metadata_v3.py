@@ -30,6 +30,7 @@ from s3dcp.format.layout import METADATA_NAME, ItemLocation
 from s3dcp.format.metadata import FORMAT_VERSION, decode_metadata, encode_metadata, format_version_of
 from s3dcp.format.metadata.packing import header_limit_bytes
 from tests.format.test_metadata import assert_same, roundtrip
+from tests.rss import peak_rss_sampler
 
 SOURCE = "s3://b/ck/.metadata"
 
@@ -222,7 +223,9 @@ def test_a_header_bomb_is_refused_before_it_is_inflated():
     # Declaring less than it holds: inflating stops at the declared size.
     head = json.dumps(dict(outer, header={"codec": "zlib", "length": len(packed), "size": 1000})).encode()
     out = s3v3.MAGIC + struct.pack("<Q", len(head)) + head + packed + body
-    refuse(out + struct.pack("<I", zlib.crc32(out)), "metadata.header", "longer than its declared size")
+    with peak_rss_sampler(0.005) as rss:
+        refuse(out + struct.pack("<I", zlib.crc32(out)), "metadata.header", "longer than its declared size")
+    assert rss.extra < 32 * 2**20, f"the refusal took {rss.extra / 2**20:.0f} MiB: it inflated the bomb"
 
 
 @pytest.mark.parametrize(

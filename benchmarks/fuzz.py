@@ -5,7 +5,7 @@ user would, must decode (and validate, and answer every lookup) or be refused wi
     python benchmarks/fuzz.py --examples 2000 --seed 7
 
 Seeds are real objects: DCP's own save planner on small state dicts, the items placed as the
-writer places them, encoded in format versions 1 and 2, in four shapes: one rank (tensors of
+writer places them, encoded in format versions 1, 2 and 3, in four shapes: one rank (tensors of
 several dtypes, a 0-d tensor, bytes items), several ranks of FSDP2 DTensor shards (the
 ``metadata_scale`` benchmark's checkpoint, scaled down), an incremental checkpoint whose items
 partly point into its base (``../step-1/...``), and one rank of many uniquely named tensors.
@@ -15,6 +15,9 @@ offset, length, type or codec, replace a column's values (any width, compressed 
 the row and entry counts, rename, drop or duplicate fqns, change properties, dtype and object
 name tables, add odd chunks, and cut or flip bytes, each time with the trailer CRC recomputed so
 only s3dcp's own checks stand in the way (and once without, which the CRC must catch). In
+version 3 the same edits reach the packed header (inflated, edited, packed again with or without
+zlib), as do edits of its planner_data references (keys, template ids, templates, odd values)
+and lies in the outer header about the packed header's codec, length and size. In
 version 1 they replace any JSON value with an interesting one (huge, negative, another type),
 delete keys, and cut or flip bytes.
 
@@ -117,12 +120,13 @@ SHAPES: dict[str, Callable[[], Metadata]] = {
 
 
 def seeds() -> list[tuple[str, bytes, Metadata]]:
-    """(name, encoded object, the Metadata it holds) for every shape in versions 2 and 1."""
+    """(name, encoded object, the Metadata it holds) for every shape in versions 3, 2 and 1."""
     out = []
     for name, build in SHAPES.items():
         md = build()
         validate_metadata(md)  # a seed is a checkpoint a load trusts
-        out.append((f"{name}/v2", encode_metadata(md), md))
+        out.append((f"{name}/v3", encode_metadata(md, version=3), md))
+        out.append((f"{name}/v2", encode_metadata(md, version=2), md))
         out.append((f"{name}/v1", encode_metadata(md, version=1), md))
     return out
 
@@ -253,6 +257,52 @@ def _v2_header_edit(src: Source, header: dict, body: bytes) -> tuple[dict, bytes
     return header, body, "odd_chunks added"
 
 
+def _planner_edit(src: Source, pd: Any) -> str:
+    """One edit of version 3's planner_data references (planner.py's form)."""
+    if type(pd) is not dict or "tree" in pd or type(pd.get("entries")) is not int:
+        return _json_edit(src, pd) if type(pd) in (dict, list) else "nothing to edit"
+    n, what = pd["entries"], src.integer(0, 5)
+    if what == 0:
+        pd["entries"] = src.interesting(n)
+    elif what == 1:
+        pd["keys"] = [src.choice([0, 0, 1, -1, -2, src.interesting()]) for _ in range(max(n, 0) % 5000)]
+    elif what == 2:
+        pd["ids"] = [src.choice([0, 1, 1, 2, 3, src.interesting()]) for _ in range(max(n, 0) % 5000)]
+    elif what == 3:
+        pd["templates"].append(src.choice([[["s", 0], ["s", 0]], [["i", 1]], [["s", 0], ["i", 1]], [["s", 2]], [],
+                                           [["i", 0]], [["s", -1]], "x"]))
+    elif what == 4:
+        pd["odd"].append(src.choice([{"__tuple__": ["a"]}, {"__size__": [1]}, {"x": 1}, None]))
+    else:
+        pd["extra_keys"].append(src.choice(["", "model.w", "x" * 1000, 7]))
+    return f"planner_data edit {what}"
+
+
+def _v3_edit(src: Source, outer: dict, rest: bytes, magic: bytes) -> tuple[bytes, str]:
+    """Version 3: inflate the packed header, edit it (columns, planner_data, any field), pack it
+    again (zlib or plain), maybe lie in the outer header, and recompute the CRC."""
+    n = outer["header"]["length"]
+    packed, body = rest[:n], rest[n:]
+    inner = json.loads(zlib.decompress(packed) if outer["header"]["codec"] == "zlib" else packed)
+    whats = []
+    for _ in range(src.integer(1, 3)):
+        what = src.integer(0, 3)
+        if what <= 1 and type(inner.get("columns")) is dict and inner["columns"]:
+            inner, body, done = _v2_header_edit(src, inner, body)
+        elif what == 2:
+            done = _planner_edit(src, inner.get("planner_data"))
+        else:
+            done = _json_edit(src, inner)
+        whats.append(done)
+    raw = json.dumps(inner).encode()
+    codec = src.choice(["zlib", "none"])
+    packed = zlib.compress(raw) if codec == "zlib" else raw
+    outer["header"] = {"codec": codec, "length": len(packed), "size": len(raw)}
+    if src.integer(0, 3) == 0:
+        whats.append("outer " + _json_edit(src, outer))
+    return _pack(outer, packed + body, magic), "; ".join(whats)
+
+
 def _json_edit(src: Source, doc: Any) -> str:
     """Replace one value somewhere in ``doc`` (in place); say where."""
     path = []
@@ -305,6 +355,8 @@ def mutate(src: Source, data: bytes) -> tuple[bytes, str]:
     try:
         if data[:1] == b"\x89":
             header, body = _parts(data)
+            if header.get("version") == 3 and type(header.get("header")) is dict:
+                return _v3_edit(src, header, body, data[:8])
             whats = []
             for _ in range(src.integer(1, 3)):
                 if src.integer(0, 2) and type(header.get("columns")) is dict and header["columns"]:
@@ -315,7 +367,7 @@ def mutate(src: Source, data: bytes) -> tuple[bytes, str]:
             return _pack(header, body, data[:8]), "; ".join(whats)
         doc = json.loads(data)
         return json.dumps(doc).encode(), "; ".join(_json_edit(src, doc) for _ in range(src.integer(1, 3)))
-    except (ValueError, struct.error, KeyError, TypeError, AttributeError, IndexError, RecursionError):
+    except (ValueError, struct.error, KeyError, TypeError, AttributeError, IndexError, RecursionError, zlib.error):
         return mutate(src, data)  # not parseable any more: cut or flip it
 
 

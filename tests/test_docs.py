@@ -63,7 +63,7 @@ def test_the_readme_links_every_page_and_every_link_resolves():
 RUN_BY = {
     "docs/memory.md": ["python"],                                 # test_the_cast_on_load_snippet
     "docs/incremental.md": ["python"],                            # test_the_incremental_snippet
-    "docs/format.md": ["", "python"],                             # test_the_bucket_layout, test_the_metadata_snippet
+    "docs/format.md": ["", "python", "python"],                   # test_the_bucket_layout, test_the_metadata_snippet
     "docs/interop.md": ["bash", "python", "python", "python", "bash"],  # the torchsnapshot, safetensors, export tests
     "docs/aws.md": [],
     "docs/troubleshooting.md": [],
@@ -129,13 +129,15 @@ def test_the_bucket_layout(aws_env, s3_server, boto3_client):
 
 
 def test_the_metadata_snippet(aws_env, s3_server):
-    (snippet,) = blocks("Metadata at scale", "python", "docs/format.md")
+    snippet, format3 = blocks("Metadata at scale", "python", "docs/format.md")
     bucket = fresh_bucket(s3_server)
     s3dcp.save({"model": {"w": torch.randn(5, 3)}, "step": 7}, f"s3://{bucket}/run7/step-1000")
     md = S3StorageReader(f"s3://{bucket}/run7/step-1000").read_metadata()
     scope = {"md": md}
     exec(snippet, scope)  # noqa: S102 - its asserts are the check
     assert set(scope["md2"].state_dict_metadata) == set(md.state_dict_metadata)
+    exec(format3, scope)  # noqa: S102 - the same checkpoint in format 3
+    assert scope["small"] != scope["data"]
 
 
 # ------------------------------------------------------------------ docs/interop.md

@@ -50,7 +50,7 @@ from s3dcp.format.metadata import (
 )
 from s3dcp.format.metadata.v2 import LazyStorageData
 
-VERSIONS = [1, 2]
+VERSIONS = [1, 2, 3]
 
 # Built independently of s3dcp.format.metadata, so a dtype its table missed fails the tests.
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -428,13 +428,14 @@ def test_refuses_bad_documents(data, words):
 
 def test_refuses_newer_version():
     doc = valid_doc()
-    doc["version"] = 3
-    doc["state_dict_metadata"] = "whatever a v3 writer puts here"
+    doc["version"] = 4
+    doc["state_dict_metadata"] = "whatever a v4 writer puts here"
     msg = refuse(dumps(doc))
-    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 3); "
-                   "this s3dcp reads versions 1 to 2 — upgrade s3dcp")
-    doc["version"] = 2  # version 2 is never JSON
-    refuse(dumps(doc), "format version 2 is binary")
+    assert msg == (f"{SOURCE}: written by a newer s3dcp (format version 4); "
+                   "this s3dcp reads versions 1 to 3 — upgrade s3dcp")
+    for binary in (2, 3):  # versions 2 and 3 are never JSON
+        doc["version"] = binary
+        refuse(dumps(doc), f"format version {binary} is binary")
 
 
 @pytest.mark.parametrize(
@@ -725,7 +726,7 @@ def _column(name, values, kind="u4"):
 @pytest.mark.parametrize(
     "mutate, words",
     [
-        (_set(["version"], 3), ["newer s3dcp (format version 3)", "upgrade s3dcp"]),
+        (_set(["version"], 4), ["newer s3dcp (format version 4)", "upgrade s3dcp"]),
         (_set(["version"], 1), ["format version 1 is JSON text"]),
         (_set(["version"], "2"), ["version", "integer"]),
         (_set(["format"], "other"), ["format is not 's3dcp-metadata'"]),

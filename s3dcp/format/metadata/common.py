@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ...errors import MetadataFormatError
 
 FORMAT_NAME = "s3dcp-metadata"
-FORMAT_VERSION = 2  # what encode_metadata writes; decode_metadata reads 1 and 2
-_READS = (1, 2)
+FORMAT_VERSION = 2  # the version every s3dcp since 2 reads; encode_metadata writes 3 only where it pays
+_READS = (1, 2, 3)
 
 
 def _name_table(kind: type) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def _check_version(version: int, container: int) -> None:
     if version not in _READS:
         raise MetadataFormatError(f"unsupported format version {version}; this s3dcp reads versions {_READS}")
     if version != container:
-        kind = "binary (it starts with byte 0x89)" if version == 2 else "JSON text"
+        kind = "JSON text" if version == 1 else "binary (it starts with byte 0x89)"
         raise MetadataFormatError(f"corrupt s3dcp metadata: format version {version} is {kind}, this object is not")
 
 

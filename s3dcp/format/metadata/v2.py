@@ -66,7 +66,7 @@ import json
 import struct
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -101,7 +101,7 @@ from .common import (
 from .storage import LazyStorageData, Rows
 from .tree import decode_tree, encode_tree
 
-__all__ = ["MAGIC", "VERSION", "encode", "decode", "header_of", "LazyStorageData"]
+__all__ = ["MAGIC", "VERSION", "encode", "decode", "build", "header_of", "LazyStorageData"]
 
 MAGIC = b"\x89S3DCPMD"
 VERSION = 2
@@ -334,10 +334,13 @@ def header_of(data: bytes | memoryview) -> dict:
     return header
 
 
-def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
-    """Decode a version-2 object (``data`` starts with :data:`MAGIC`); see the module docstring."""
+def decode(data: bytes | memoryview, *, lazy: bool, header: dict | None = None) -> Metadata:
+    """Decode a version-2 object (``data`` starts with :data:`MAGIC`); see the module docstring.
+
+    ``header``: what :func:`header_of` gave for ``data``, when the caller has already read it.
+    """
     view = memoryview(data)
-    header = header_of(view)
+    header = header_of(view) if header is None else header
     head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
     # The version is checked before anything else is read: a newer layout may differ anywhere.
     _check_version(_get(header, "version", "metadata", _int), VERSION)
@@ -345,8 +348,17 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     if zlib.crc32(view[:-_TRAILER.size]) != crc:
         raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
                                   "(truncated or damaged object)")
-    budget = DecodeBudget(len(view))
-    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size], budget)
+    return build(header, view[head_end:-_TRAILER.size], DecodeBudget(len(view)), lazy=lazy,
+                 planner_data=lambda fqns: decode_tree(_get(header, "planner_data", "metadata"), "planner_data"))
+
+
+def build(header: dict, body: memoryview, budget: DecodeBudget, *, lazy: bool,
+          planner_data: Callable[[list[str]], Any]) -> Metadata:
+    """The Metadata of a version-2 ``header`` and column ``body`` (also version 3's, once unpacked).
+
+    ``planner_data(fqns)`` decodes the planner data, given the header's checked fqn table.
+    """
+    cols = ColumnReader(_get(header, "columns", "metadata"), body, budget)
     fqns = _get(header, "fqns", "metadata", _list)
     for i, f in enumerate(fqns):
         _str(f, f"metadata.fqns[{i}]")
@@ -361,7 +373,7 @@ def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
     rows = None if storage is None else Rows(storage, cols, fqns, chunks, budget)
     return Metadata(
         state_dict_metadata=chunks.state_dict_metadata,
-        planner_data=decode_tree(_get(header, "planner_data", "metadata"), "planner_data"),
+        planner_data=planner_data(fqns),
         storage_data=None if rows is None else (LazyStorageData(rows) if lazy else rows.to_dict()),
         storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
         version=_get(header, "dcp_version", "metadata", _opt(_str)),

@@ -32,8 +32,9 @@ import gc
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import MetadataFormatError
-from . import v1, v2
-from .common import _READS, FORMAT_NAME, FORMAT_VERSION, _type_name, dtype_to_str, str_to_dtype  # noqa: F401 (public)
+from . import plain_v1, v1, v2
+from .common import _READS, FORMAT_NAME, FORMAT_VERSION, dtype_to_str, str_to_dtype  # noqa: F401 (public)
+from .fields import _type_name
 from .validate import validate_metadata
 
 __all__ = [
@@ -77,7 +78,7 @@ def decode_metadata(data: bytes, *, source: str = "<metadata>", lazy: bool = Tru
                 if data.startswith(v2.MAGIC):
                     return v2.decode(data, lazy=lazy)
                 raise MetadataFormatError("not s3dcp metadata: starts with byte 0x89 but not with the s3dcp magic")
-            return v1.decode(data)
+            return plain_v1.decode(data)
     except MetadataFormatError as e:
         raise MetadataFormatError(f"{source}: {e}") from None
     except (KeyError, IndexError, TypeError, ValueError, OverflowError, RecursionError) as e:
@@ -115,4 +116,4 @@ def format_version_of(data: bytes) -> int | None:
         except MetadataFormatError:
             return None
         return version if type(version) is int else None
-    return v1.version_of(data)
+    return plain_v1.version_of(data)

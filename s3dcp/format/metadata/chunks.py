@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import MetadataFormatError
 from .budget import DecodeBudget
 from .columns import MAX_COUNT, ColumnReader, bounded
-from .common import _DTYPES, _LAYOUTS, _MEMORY_FORMATS, _bool, _dict, _from_name, _get, _list, _size
+from .common import _DTYPES, _LAYOUTS, _MEMORY_FORMATS, _from_name, _size
+from .fields import _bool, _dict, _get, _list
 
 __all__ = ["Chunks"]
 

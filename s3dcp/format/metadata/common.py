@@ -1,12 +1,10 @@
-"""What both metadata format versions share: names, the version check and checked access.
+"""What both metadata format versions share: names and the version check.
 
 - the format's name and versions (:data:`FORMAT_NAME`, :data:`FORMAT_VERSION`, the versions read);
 - torch's dtypes, layouts and memory formats by canonical name (:func:`dtype_to_str`,
   :func:`str_to_dtype`), so a future torch's new dtypes need no code change;
 - ``storage_meta``, which both versions store as the same JSON object;
-- checked access to decoded JSON (``_get``, ``_str``, ``_int``, ``_ints``, ...): exact type checks
-  whose errors name the field, so untrusted metadata is refused with a
-  :class:`~s3dcp.errors.MetadataFormatError` that says where.
+- (checked access to decoded JSON is :mod:`s3dcp.format.metadata.fields`'s).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...errors import MetadataFormatError
+from .fields import _get, _ints, _list, _opt, _short, _str
 
 FORMAT_NAME = "s3dcp-metadata"
 FORMAT_VERSION = 2  # what encode_metadata writes; decode_metadata reads 1 and 2
@@ -97,64 +96,9 @@ def _decode_storage_meta(node: Any) -> StorageMeta:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Checked access. Type checks are exact, so a JSON true is never taken for the integer 1.
-
-
-def _get(obj: Any, key: str, where: str, check: Callable[[Any, str], Any] | None = None) -> Any:
-    """``obj[key]`` of a JSON object, passed through ``check(value, path)`` when given."""
-    if type(obj) is not dict:
-        raise MetadataFormatError(f"{where}: expected a JSON object, got a JSON {_json_type(obj)}")
-    if key not in obj:
-        raise MetadataFormatError(f"{where}: missing field {key!r}")
-    return obj[key] if check is None else check(obj[key], f"{where}.{key}")
-
-
-def _exact(t: type, name: str) -> Callable[[Any, str], Any]:
-    def check(value: Any, where: str) -> Any:
-        if type(value) is not t:
-            raise MetadataFormatError(f"{where}: expected a JSON {name}, got a JSON {_json_type(value)}")
-        return value
-
-    return check
-
-
-_str, _int, _bool = _exact(str, "string"), _exact(int, "integer"), _exact(bool, "boolean")
-_list, _dict = _exact(list, "array"), _exact(dict, "object")
-
-
-def _opt(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda value, where: None if value is None else check(value, where)
-
-
 def _named(table: dict[str, Any], what: str) -> Callable[[Any, str], Any]:
     return lambda value, where: _from_name(table, value, what)
 
 
-def _ints(value: Any, where: str) -> tuple[int, ...]:
-    if type(value) is not list or any(type(v) is not int for v in value):
-        raise MetadataFormatError(f"{where}: expected an array of integers, got {_short(value)}")
-    return tuple(value)
-
-
 def _size(value: Any, where: str) -> torch.Size:
     return torch.Size(_ints(value, where))
-
-
-def _reject_constant(name: str) -> Any:
-    raise MetadataFormatError(f"non-standard JSON constant {name}")
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _type_name(value: Any) -> str:
-    t = type(value)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

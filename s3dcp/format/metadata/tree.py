@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ...errors import MetadataFormatError
-from .common import _DTYPES, _from_name, _list, _short, _size, _str, _type_name, dtype_to_str
+from .common import _DTYPES, _from_name, _size, dtype_to_str
+from .fields import _list, _short, _str, _type_name
 
 
 def encode_tree(obj: Any, path: str) -> Any:

@@ -63,7 +63,6 @@ version; a change old readers cannot ignore bumps ``version``, which they refuse
 from __future__ import annotations
 
 import json
-import struct
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -79,6 +78,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
 from .budget import DecodeBudget
+from .plain_v2 import _HEAD, _TRAILER, MAGIC, VERSION, header_of
 from .chunks import Chunks
 from .columns import ColumnReader, ColumnWriter
 from .common import (
@@ -88,25 +88,16 @@ from .common import (
     _check_version,
     _decode_storage_meta,
     _encode_storage_meta,
-    _get,
-    _int,
-    _list,
-    _opt,
-    _reject_constant,
-    _str,
     _to_name,
-    _type_name,
     dtype_to_str,
 )
-from .storage import LazyStorageData, Rows
+from .fields import _get, _int, _list, _opt, _str, _type_name
+from .rows import Rows
+from .storage import LazyStorageData
 from .tree import decode_tree, encode_tree
 
 __all__ = ["MAGIC", "VERSION", "encode", "decode", "header_of", "LazyStorageData"]
 
-MAGIC = b"\x89S3DCPMD"
-VERSION = 2
-_HEAD = struct.Struct("<8sQ")
-_TRAILER = struct.Struct("<I")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,25 +304,6 @@ def _ints(value: Any, owner: Any, field: str, *args: Any) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------------------------------
 # Decoding
-
-
-def header_of(data: bytes | memoryview) -> dict:
-    """The JSON header of a version-2 object (not checked beyond being a JSON object with our format)."""
-    view = memoryview(data)
-    if len(view) < _HEAD.size + _TRAILER.size:
-        raise MetadataFormatError(f"truncated s3dcp metadata: {len(view)} bytes, shorter than the fixed header")
-    _, head_len = _HEAD.unpack_from(view)
-    if _HEAD.size + head_len + _TRAILER.size > len(view):
-        raise MetadataFormatError(
-            f"truncated s3dcp metadata: the header says {head_len} header bytes, the object has {len(view)} in all")
-    try:
-        header = json.loads(bytes(view[_HEAD.size:_HEAD.size + head_len]).decode("utf-8"),
-                            parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise MetadataFormatError(f"corrupt s3dcp metadata header: not valid JSON ({e})") from None
-    if type(header) is not dict or header.get("format") != FORMAT_NAME:
-        raise MetadataFormatError(f"corrupt s3dcp metadata header: format is not {FORMAT_NAME!r}")
-    return header
 
 
 def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:

@@ -36,7 +36,8 @@ from ...errors import MetadataFormatError
 from .. import layout
 from ..integrity import algorithm_of
 from .common import dtype_to_str, str_to_dtype
-from .storage import LazyStorageData, Rows
+from .rows import Rows
+from .storage import LazyStorageData
 
 __all__ = ["validate_metadata"]
 

@@ -6,35 +6,19 @@ import json
 import re
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
-from .common import (
-    _DTYPES,
-    _LAYOUTS,
-    _MEMORY_FORMATS,
-    FORMAT_NAME,
-    _check_version,
-    _decode_storage_meta,
-    _named,
-    _size,
-)
+from .common import FORMAT_NAME, _check_version, _decode_storage_meta
 from .fields import _bool, _dict, _get, _int, _ints, _json_type, _list, _opt, _reject_constant, _short, _str
+from .names import check_name
+from .plain import ChunkLayout, PlainBytes, PlainMetadata, PlainTensor, Properties, StorageKey, StorageList
 from .tree import decode_tree
 
 __all__ = ["decode", "version_of"]
 
 
-def decode(data: bytes) -> Metadata:
-    """Decode a format-1 document; the caller (:func:`~s3dcp.format.metadata.decode_metadata`) names the source."""
+def decode(data: bytes) -> PlainMetadata:
+    """Decode a format-1 document; the caller (:func:`~s3dcp.format.metadata.decode_plain`) names the source."""
     if not data.strip():
         raise MetadataFormatError("not s3dcp metadata: the object is empty")
     # Parsing is bounded by the object's size, except that an array or object costs ~60 bytes of
@@ -64,12 +48,13 @@ def decode(data: bytes) -> Metadata:
 
     sdm = _get(doc, "state_dict_metadata", "metadata", _dict)
     storage_meta = _get(doc, "storage_meta", "metadata")
-    return Metadata(
-        state_dict_metadata={k: _decode_storage(v, f"state_dict_metadata[{k!r}]") for k, v in sdm.items()},
+    return PlainMetadata(
+        version=1,
+        state_dict={k: _decode_storage(v, f"state_dict_metadata[{k!r}]") for k, v in sdm.items()},
         planner_data=decode_tree(_get(doc, "planner_data", "metadata"), "planner_data"),
-        storage_data=_decode_storage_data(_get(doc, "storage_data", "metadata")),
+        storage=_decode_storage_data(_get(doc, "storage_data", "metadata")),
         storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
-        version=_get(doc, "dcp_version", "metadata", _opt(_str)),
+        dcp_version=_get(doc, "dcp_version", "metadata", _opt(_str)),
     )
 
 
@@ -92,50 +77,50 @@ def version_of(data: bytes) -> int | None:
     return version if type(version) is int else None
 
 
-def _decode_storage(node: Any, where: str) -> TensorStorageMetadata | BytesStorageMetadata:
+_BYTES = PlainBytes()
+
+
+def _decode_storage(node: Any, where: str) -> PlainTensor | PlainBytes:
     kind = _get(node, "type", where)
     if kind == "bytes":
-        return BytesStorageMetadata()
+        return _BYTES
     if kind != "tensor":
         raise MetadataFormatError(f"{where}.type: unknown storage type {_short(kind)}")
     p, pw = _get(node, "properties", where), f"{where}.properties"
-    properties = TensorProperties(
-        dtype=_get(p, "dtype", pw, _named(_DTYPES, "dtype")),
-        layout=_get(p, "layout", pw, _named(_LAYOUTS, "layout")),
+    properties = Properties(
+        dtype=check_name("dtype", _get(p, "dtype", pw)),
+        layout=check_name("layout", _get(p, "layout", pw)),
         requires_grad=_get(p, "requires_grad", pw, _bool),
-        memory_format=_get(p, "memory_format", pw, _named(_MEMORY_FORMATS, "memory_format")),
+        memory_format=check_name("memory_format", _get(p, "memory_format", pw)),
         pin_memory=_get(p, "pin_memory", pw, _bool),
     )
     chunks = _get(node, "chunks", where, _list)
-    return TensorStorageMetadata(
-        properties=properties,
-        size=_get(node, "size", where, _size),
-        chunks=[
-            ChunkStorageMetadata(
-                offsets=_get(c, "offsets", f"{where}.chunks[{i}]", _size),
-                sizes=_get(c, "sizes", f"{where}.chunks[{i}]", _size),
-            )
-            for i, c in enumerate(chunks)
-        ],
-    )
+    size = _get(node, "size", where, _ints)
+    offsets, sizes = [], []
+    for i, c in enumerate(chunks):
+        offsets.append(_get(c, "offsets", f"{where}.chunks[{i}]", _ints))
+        sizes.append(_get(c, "sizes", f"{where}.chunks[{i}]", _ints))
+    return PlainTensor(properties, size, ChunkLayout(offsets, sizes))
 
 
-def _decode_storage_data(node: Any) -> dict[MetadataIndex, ItemLocation] | None:
+def _decode_storage_data(node: Any) -> StorageList | None:
     if node is None:
         return None
-    out: dict[MetadataIndex, ItemLocation] = {}
+    keys: dict[tuple, StorageKey] = {}
+    locations: list[ItemLocation] = []
     for i, entry in enumerate(_list(node, "storage_data")):
         w = f"storage_data[{i}]"
         idx, iw = _get(entry, "index", w), f"{w}.index"
         loc, lw = _get(entry, "location", w), f"{w}.location"
-        key = MetadataIndex(
+        key = StorageKey(
             fqn=_get(idx, "fqn", iw, _str),
             offset=_get(idx, "offset", iw, _opt(_ints)),
             index=_get(idx, "index", iw, _opt(_int)),
         )
-        if key in out:  # a dict would silently keep only the last one
-            raise MetadataFormatError(f"{w}: duplicate entry for {key.fqn!r} at offset {key.offset}")
-        out[key] = ItemLocation(
+        if key[:2] in keys:  # a dict would silently keep only the last one (DCP's keys compare fqn and offset)
+            raise MetadataFormatError(f"{w}: duplicate entry for {key.fqn!r} at offset {_offset_text(key.offset)}")
+        keys[key[:2]] = key
+        locations.append(ItemLocation(
             object_name=_get(loc, "object_name", lw, _str),
             offset=_get(loc, "offset", lw, _int),
             length=_get(loc, "length", lw, _int),
@@ -145,5 +130,10 @@ def _decode_storage_data(node: Any) -> dict[MetadataIndex, ItemLocation] | None:
             block_size=_get(loc, "block_size", lw, _int),
             block_checksums=tuple(_str(c, f"{lw}.block_checksums[{j}]")
                                   for j, c in enumerate(_get(loc, "block_checksums", lw, _list))),
-        )
-    return out
+        ))
+    return StorageList(list(keys.values()), locations)
+
+
+def _offset_text(offset: tuple | None) -> str:
+    """An offset as DCP's MetadataIndex prints it (``torch.Size([0, 4])``), so messages stay as they were."""
+    return "None" if offset is None else f"torch.Size({list(offset)})"

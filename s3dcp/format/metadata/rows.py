@@ -1,46 +1,28 @@
-"""``storage_data`` of a version-2 metadata object: validated columns, and the lazy mapping over them.
+"""``storage_data`` of a version-2 metadata object: the validated columns, without torch.
 
 :class:`Rows` checks the storage columns once (bounds, chunk references, no duplicate keys) and
-then builds MetadataIndex keys and ItemLocation values from them, one row at a time (for
-:class:`LazyStorageData`) or all rows at once, vectorised (for the plain dict of a full decode).
-Both paths build the same values; the tests compare them row by row.
+then builds keys and ItemLocation values from them, one row at a time or all rows at once,
+vectorised. Keys are plain :class:`~s3dcp.format.metadata.plain.StorageKey` tuples unless the
+caller passes its own constructor and offsets: the DCP side
+(:class:`s3dcp.format.metadata.storage.LazyStorageData`, a full decode's dict) builds DCP's
+MetadataIndex keys with torch.Size offsets the same way. Both paths build the same values; the
+tests compare them row by row.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ...errors import MetadataFormatError
 from ..layout import ItemLocation
 from .budget import DecodeBudget
 from .columns import MAX_COUNT, ColumnReader, bounded
 from .fields import _dict, _get, _int, _list, _str
+from .plain import StorageKey
 
 __all__ = ["Rows"]
-
-
-def _index_fast(fqn: str, offset: torch.Size | None, index: int | None) -> MetadataIndex:
-    """``MetadataIndex(fqn, offset, index)`` for an ``offset`` that is already a torch.Size (or None).
-
-    The constructor copies the Size, which costs several microseconds: over half of a million-item
-    full decode. This sets the same attributes the constructor sets, the way pickle rebuilds one.
-    """
-    key = object.__new__(MetadataIndex)
-    object.__setattr__(key, "fqn", fqn)
-    object.__setattr__(key, "index", index)
-    if offset is not None:
-        object.__setattr__(key, "offset", offset)
-    return key
-
-
-# Only while MetadataIndex is the dataclass we know; a torch that changes it gets the constructor.
-_new_index = _index_fast if [f.name for f in dataclasses.fields(MetadataIndex)] == ["fqn", "offset", "index"] \
-    else MetadataIndex
 
 
 _MIN_ROW_BYTES = 15  # a row has a value in each of 15 columns (sd.fqn ... sd.checksum), each at least a byte
@@ -83,10 +65,9 @@ class Rows:
         budget.objects(c("sd.chunk.null"), len(odd_rows), "storage keys of their own")
         key_null = bounded(cols.ints("sd.key.null", len(odd_rows)), 2, c("sd.key.null")).tolist()
         key_len, key_start, key_vals = cols.ragged("sd.key", len(odd_rows))
-        self.odd_keys: dict[int, torch.Size | None] = {}
+        self.odd_keys: dict[int, tuple | None] = {}
         for k, row in enumerate(odd_rows):
-            self.odd_keys[row] = None if key_null[k] else torch.Size(
-                key_vals[key_start[k]:key_start[k + 1]].tolist())
+            self.odd_keys[row] = None if key_null[k] else tuple(key_vals[key_start[k]:key_start[k + 1]].tolist())
         index_null = bounded(cols.ints("sd.index.null", n), 2, c("sd.index.null")).astype(bool)
         self.index = cols.ints("sd.index", n)
         self.index_null = index_null if index_null.any() else None
@@ -150,29 +131,27 @@ class Rows:
         return table.get(offset)
 
     # -- one row, for LazyStorageData
-    def row_of(self, key: Any) -> int:
-        """Row of ``key`` (a MetadataIndex), or -1. Tries ``key.index`` as the chunk position first,
-        as DCP's own lookups do: the load planner sets it to the chunk's position."""
-        if type(key) is not MetadataIndex:
-            return -1
+    def row_of(self, fqn: Any, offset: Any, hint: Any = None) -> int:
+        """Row of the key ``fqn``/``offset`` (a sequence of ints, or None), or -1. Tries ``hint``
+        (the key's index) as the chunk position first, as DCP's own lookups do: the load planner
+        sets it to the chunk's position."""
         if self._fqn_ids is None:
             self._build_lookup()
-        f = self._fqn_ids.get(key.fqn)
+        f = self._fqn_ids.get(fqn)
         if f is None:
             return -1
         offsets = self.chunk_offsets[f] if f < len(self.chunk_offsets) else None
         j = None
-        if offsets is not None and key.offset is not None:
-            hint = key.index
-            if type(hint) is int and 0 <= hint < len(offsets) and offsets[hint] == key.offset and not self.has_dups[f]:
+        if offsets is not None and offset is not None:
+            if type(hint) is int and 0 <= hint < len(offsets) and offsets[hint] == offset and not self.has_dups[f]:
                 j = hint
             else:
-                j = self._first_chunk(f, tuple(key.offset))
+                j = self._first_chunk(f, tuple(offset))
         if j is not None:
             row = int(self._row_by_chunk[self.base[f] + j])
             if row >= 0:
                 return row
-        return self._odd_rows.get((f, None if key.offset is None else tuple(key.offset)), -1)
+        return self._odd_rows.get((f, None if offset is None else tuple(offset)), -1)
 
     _fqn_ids: dict | None = None
 
@@ -184,11 +163,17 @@ class Rows:
         self._odd_rows = {(int(self.fqn[r]), None if o is None else tuple(o)): r for r, o in self.odd_keys.items()}
         self._fqn_ids = {f: i for i, f in enumerate(self.fqns)}  # last: row_of() tests it to know the rest is there
 
-    def key(self, i: int) -> MetadataIndex:
+    def key(self, i: int, make: Callable = StorageKey, chunk_offsets: list | None = None,
+            odd_keys: dict | None = None) -> Any:
+        """Row ``i``'s key: ``make(fqn, offset, index)``, with offsets from ``chunk_offsets`` (per
+        fqn, per chunk) and ``odd_keys`` (per row) when given, else the plain tuples."""
         f = int(self.fqn[i])
-        offset = self.odd_keys[i] if self.odd[i] else self.chunk_offsets[f][self.chunk[i]]
+        if self.odd[i]:
+            offset = (self.odd_keys if odd_keys is None else odd_keys)[i]
+        else:
+            offset = (self.chunk_offsets if chunk_offsets is None else chunk_offsets)[f][self.chunk[i]]
         index = None if self.index_null is not None and self.index_null[i] else int(self.index[i])
-        return _new_index(self.fqns[f], offset, index)
+        return make(self.fqns[f], offset, index)
 
     def location(self, i: int) -> ItemLocation:
         kind = self.shape_kind[i]
@@ -204,17 +189,19 @@ class Rows:
         )
 
     # -- every row, vectorised, for the eager dict
-    def keys(self) -> list[MetadataIndex]:
+    def keys(self, make: Callable = StorageKey, chunk_offsets: list | None = None,
+             odd_keys: dict | None = None) -> list:
+        """Every row's key, in order; the arguments as for :meth:`key`."""
         fqn = self.fqn.tolist()
         names = list(map(self.fqns.__getitem__, fqn))
-        offs = self.chunk_offsets
+        offs = self.chunk_offsets if chunk_offsets is None else chunk_offsets
         offsets = [None if z else offs[f][j] for f, j, z in zip(fqn, self.chunk.tolist(), self.odd.tolist())]
-        for row, o in self.odd_keys.items():
+        for row, o in (self.odd_keys if odd_keys is None else odd_keys).items():
             offsets[row] = o
         index = self.index.tolist()
         if self.index_null is not None:
             index = [None if z else v for v, z in zip(index, self.index_null.tolist())]
-        return list(map(_new_index, names, offsets, index))
+        return list(map(make, names, offsets, index))
 
     def locations(self) -> list[ItemLocation]:
         n = self.n
@@ -234,8 +221,9 @@ class Rows:
             self.block_size.tolist(), blocks,
         ))
 
-    def to_dict(self) -> dict[MetadataIndex, ItemLocation]:
-        return dict(zip(self.keys(), self.locations()))
+    def items(self):
+        """(plain key, location) of every row, in order."""
+        return zip(self.keys(), self.locations())
 
 
 class _Checksums:

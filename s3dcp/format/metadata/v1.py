@@ -30,7 +30,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..layout import ItemLocation
-from .common import _LAYOUTS, _MEMORY_FORMATS, FORMAT_NAME, _encode_storage_meta, _to_name, dtype_to_str
+from .common import FORMAT_NAME, _encode_storage_meta
+from .dtypes import _LAYOUTS, _MEMORY_FORMATS, _to_name, dtype_to_str
 from .fields import _type_name
 from .tree import encode_tree
 

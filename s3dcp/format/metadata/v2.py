@@ -75,28 +75,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import MetadataFormatError
 from ..layout import ItemLocation
-from .budget import DecodeBudget
+from .columns import ColumnWriter
+from .common import FORMAT_NAME, _encode_storage_meta
+from .dtypes import _LAYOUTS, _MEMORY_FORMATS, _to_name, dtype_to_str
+from .fields import _type_name
 from .plain_v2 import _HEAD, _TRAILER, MAGIC, VERSION, header_of
-from .chunks import Chunks
-from .columns import ColumnReader, ColumnWriter
-from .common import (
-    _LAYOUTS,
-    _MEMORY_FORMATS,
-    FORMAT_NAME,
-    _check_version,
-    _decode_storage_meta,
-    _encode_storage_meta,
-    _to_name,
-    dtype_to_str,
-)
-from .fields import _get, _int, _list, _opt, _str, _type_name
-from .rows import Rows
 from .storage import LazyStorageData
-from .tree import decode_tree, encode_tree
+from .tree import encode_tree
 
-__all__ = ["MAGIC", "VERSION", "encode", "decode", "header_of", "LazyStorageData"]
+__all__ = ["MAGIC", "VERSION", "encode", "header_of", "LazyStorageData"]  # decoding: plain_v2.py
 
 
 
@@ -302,39 +290,3 @@ def _ints(value: Any, owner: Any, field: str, *args: Any) -> tuple[int, ...]:
     return t
 
 
-# ---------------------------------------------------------------------------------------------
-# Decoding
-
-
-def decode(data: bytes | memoryview, *, lazy: bool) -> Metadata:
-    """Decode a version-2 object (``data`` starts with :data:`MAGIC`); see the module docstring."""
-    view = memoryview(data)
-    header = header_of(view)
-    head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
-    # The version is checked before anything else is read: a newer layout may differ anywhere.
-    _check_version(_get(header, "version", "metadata", _int), VERSION)
-    (crc,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
-    if zlib.crc32(view[:-_TRAILER.size]) != crc:
-        raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
-                                  "(truncated or damaged object)")
-    budget = DecodeBudget(len(view))
-    cols = ColumnReader(_get(header, "columns", "metadata"), view[head_end:-_TRAILER.size], budget)
-    fqns = _get(header, "fqns", "metadata", _list)
-    for i, f in enumerate(fqns):
-        _str(f, f"metadata.fqns[{i}]")
-    if len(set(fqns)) != len(fqns):
-        raise MetadataFormatError("metadata.fqns: duplicate names")
-    n_sdm = _get(header, "state_dict_entries", "metadata", _int)
-    if not 0 <= n_sdm <= len(fqns):
-        raise MetadataFormatError(f"metadata.state_dict_entries: {n_sdm} is not in 0..{len(fqns)}")
-    chunks = Chunks(header, cols, fqns[:n_sdm], budget)
-    storage = _get(header, "storage_data", "metadata")
-    storage_meta = _get(header, "storage_meta", "metadata")
-    rows = None if storage is None else Rows(storage, cols, fqns, chunks, budget)
-    return Metadata(
-        state_dict_metadata=chunks.state_dict_metadata,
-        planner_data=decode_tree(_get(header, "planner_data", "metadata"), "planner_data"),
-        storage_data=None if rows is None else (LazyStorageData(rows) if lazy else rows.to_dict()),
-        storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
-        version=_get(header, "dcp_version", "metadata", _opt(_str)),
-    )

@@ -80,9 +80,16 @@ def test_the_oracle_catches_an_internal_error(monkeypatch):
     def broken(node, where):
         raise ZeroDivisionError("bug")
 
-    monkeypatch.setattr(tree, "decode_tree", broken)
+    monkeypatch.setattr(tree, "decode_tree", broken)  # inside the (one, torch-free) decoder
+    with pytest.raises(fuzz.Finding, match="ZeroDivisionError"):
+        fuzz.check(seeds()[0][1])
+    monkeypatch.undo()
     monkeypatch.setattr(fuzz, "decode_metadata", lambda data, source: (_ for _ in ()).throw(MemoryError()))
-    with pytest.raises(fuzz.Finding, match="MemoryError"):
+    with pytest.raises(fuzz.Finding, match="MemoryError"):  # in building DCP's classes
+        fuzz.check(seeds()[0][1])
+    monkeypatch.setattr(fuzz, "decode_metadata", lambda data, source: (_ for _ in ()).throw(
+        s3dcp.errors.MetadataFormatError("refused otherwise")))
+    with pytest.raises(fuzz.Finding, match="the DCP decode refused"):  # the two decodes disagree
         fuzz.check(seeds()[0][1])
 
 

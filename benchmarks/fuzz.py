@@ -21,7 +21,10 @@ and lies in the outer header about the packed header's codec, length and size. I
 version 1 they replace any JSON value with an interesting one (huge, negative, another type),
 delete keys, and cut or flip bytes.
 
-The oracle (:func:`check`): ``decode_metadata`` either raises MetadataFormatError or returns;
+The oracle (:func:`check`): ``decode_plain`` (the torch-free decode that ``s3dcp inspect`` and
+``verify`` use) and ``decode_metadata`` (DCP's classes, built on it) refuse with the same
+MetadataFormatError or both return, and then say the same thing (:func:`plain_matches`);
+``decode_metadata`` either raises MetadataFormatError or returns;
 then ``validate_metadata`` either raises MetadataFormatError or returns; then every key of the
 storage data is looked up, every location built, and the object extents computed, none of which
 may raise. Anything else (an internal error, a MemoryError, a decode slower than ``--slow-s``) is
@@ -58,7 +61,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from s3dcp.errors import MetadataFormatError  # noqa: E402
 from s3dcp.format.layout import ItemLocation  # noqa: E402
-from s3dcp.format.metadata import decode_metadata, dtype_to_str, encode_metadata, validate_metadata  # noqa: E402
+from s3dcp.format.metadata import (  # noqa: E402
+    decode_metadata,
+    decode_plain,
+    dtype_to_str,
+    encode_metadata,
+    validate_metadata,
+)
 from s3dcp.format.metadata.columns import TYPES  # noqa: E402
 from s3dcp.format.metadata.storage import LazyStorageData  # noqa: E402
 
@@ -382,12 +391,57 @@ class Finding(AssertionError):
     """A decode or lookup that ended in anything but a result or an S3DCPError."""
 
 
+def plain_matches(plain: Any, md: Metadata) -> None:
+    """Raise :class:`Finding` where the plain decode and DCP's Metadata of one object differ."""
+    def differ(what: str, a: Any, b: Any) -> None:
+        if a != b:
+            raise Finding(f"plain and DCP decodes differ in {what}: {a!r:.200} != {b!r:.200}")
+
+    differ("dcp_version", plain.dcp_version, md.version)
+    differ("fqns", list(plain.state_dict), list(md.state_dict_metadata))
+    for fqn, item in md.state_dict_metadata.items():
+        p = plain.state_dict[fqn]
+        if not hasattr(item, "chunks"):
+            differ(f"{fqn!r} kind", type(p).__name__, "PlainBytes")
+            continue
+        props = item.properties
+        differ(f"{fqn!r} properties", tuple(p.properties), (
+            dtype_to_str(props.dtype), str(props.layout).removeprefix("torch."), props.requires_grad,
+            str(props.memory_format).removeprefix("torch."), props.pin_memory))
+        differ(f"{fqn!r} size", p.size, tuple(item.size))
+        differ(f"{fqn!r} chunks", (p.chunks.offsets, p.chunks.sizes),
+               ([tuple(c.offsets) for c in item.chunks], [tuple(c.sizes) for c in item.chunks]))
+    sd = md.storage_data
+    differ("storage_data is None", plain.storage is None, sd is None)
+    if sd is not None:
+        differ("storage keys", [tuple(k) for k in plain.storage.keys()],
+               [(k.fqn, None if k.offset is None else tuple(k.offset), k.index) for k in sd])
+        differ("storage locations", plain.storage.locations(), list(sd.values()))
+    sm = md.storage_meta
+    differ("storage_meta", None if plain.storage_meta is None else tuple(plain.storage_meta),
+           None if sm is None else (sm.checkpoint_id, sm.save_id, sm.load_id, sm.modules))
+
+
 def check(data: bytes) -> str:
-    """Decode, validate and look up everything in ``data``: 'refused-decode', 'refused-validate',
-    'safety-net' or 'accepted'; anything else raises :class:`Finding`."""
+    """Decode (both ways: :func:`plain_matches`), validate and look up everything in ``data``:
+    'refused-decode', 'refused-validate', 'safety-net' or 'accepted'; anything else raises
+    :class:`Finding`."""
     stage = "decode"
     try:
-        md = decode_metadata(data, source="fuzz")
+        try:
+            plain, plain_error = decode_plain(data, source="fuzz"), None
+        except MetadataFormatError as e:
+            plain, plain_error = None, str(e)
+        try:
+            md = decode_metadata(data, source="fuzz")
+        except MetadataFormatError as e:
+            if str(e) != plain_error:
+                raise Finding(f"the DCP decode refused ({e}), the plain one "
+                              f"{'accepted' if plain_error is None else 'refused otherwise: ' + plain_error}") from e
+            raise
+        if plain_error is not None:
+            raise Finding(f"the plain decode refused ({plain_error}), the DCP one accepted")
+        plain_matches(plain, md)
         stage = "validate"
         validate_metadata(md, source="fuzz")
         stage = "lookups"

@@ -18,7 +18,7 @@ from ..format.layout import (
     parse_object_name,
 )
 from ..uri import parse_s3_uri
-from .common import s3_client
+from .common import plain_metadata, s3_client
 from .output import format_age, format_size, print_json, print_table
 
 __all__ = ["cmd_ls", "cmd_inspect"]
@@ -172,24 +172,24 @@ def _foreign_metadata(client, bucket: str, by_dir: dict[str, list]) -> set[str]:
 
 # ---------------------------------------------------------------------- inspect
 def cmd_inspect(args) -> int:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    """One checkpoint's contents from its metadata alone (one GET, decoded without torch)."""
     from ..errors import MetadataFormatError
-    from ..format.layout import check_location
-    from ..format.metadata import FORMAT_NAME, dtype_to_str, format_version_of, str_to_dtype
+    from ..format.metadata import FORMAT_NAME
+    from ..format.metadata.locations import check_item
+    from ..format.metadata.plain import PlainTensor
     from ..format.references import sources
-    from ..loading.reader import S3StorageReader
 
     uri = parse_s3_uri(args.uri)
     client = s3_client(args)
-    md = S3StorageReader(str(uri), client=client).fetch_metadata()
-    format_version = format_version_of(client.get(uri.bucket, uri.key(METADATA_NAME)).result())
+    md = plain_metadata(client, uri)
+    format_version = md.version
+    storage = [] if md.storage is None else list(md.storage.items())
     stored: dict[str, int] = {}
     objects: dict[str, dict[str, Any]] = {}
     invalid: list[dict[str, Any]] = []  # locations that cannot describe stored bytes (damaged or crafted)
-    for index, loc in md.storage_data.items():
+    for index, loc in storage:
         try:
-            check_location(loc, None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize, f"item {index.fqn!r}")
+            check_item(loc, f"item {index.fqn!r}")
         except MetadataFormatError as e:
             invalid.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
                             "reason": str(e)})
@@ -201,25 +201,25 @@ def cmd_inspect(args) -> int:
         obj["items"] += 1
         obj["bytes"] = max(obj["bytes"], loc.offset + loc.length)
     tensors, others = [], []
-    for fqn, item in md.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            tensors.append({"fqn": fqn, "dtype": dtype_to_str(item.properties.dtype), "shape": list(item.size),
+    for fqn, item in md.state_dict.items():
+        if isinstance(item, PlainTensor):
+            tensors.append({"fqn": fqn, "dtype": item.properties.dtype, "shape": list(item.size),
                             "chunks": len(item.chunks), "bytes": stored.get(fqn, 0)})
         else:
             others.append({"fqn": fqn, "bytes": stored.get(fqn, 0)})
     sm = md.storage_meta
     report = {
-        "uri": str(uri), "format": FORMAT_NAME, "format_version": format_version, "dcp_version": md.version,
+        "uri": str(uri), "format": FORMAT_NAME, "format_version": format_version, "dcp_version": md.dcp_version,
         "save_id": sm.save_id if sm else None, "tensors": tensors, "non_tensors": others,
         "objects": sorted(objects.values(), key=lambda o: (o["rank"] is None, o["rank"] or 0, o["object"])),
         "total_bytes": sum(stored.values()),
-        **sources(md.storage_data.values()),  # incremental: bytes written vs inherited per base
+        **sources(loc for _, loc in storage),  # incremental: bytes written vs inherited per base
         "invalid_items": invalid,
     }
     if args.json:
         print_json(report)
         return 1 if invalid else 0
-    extra = "".join(f", {label} {value}" for label, value in (("DCP", md.version), ("save", report["save_id"]))
+    extra = "".join(f", {label} {value}" for label, value in (("DCP", md.dcp_version), ("save", report["save_id"]))
                     if value)
     print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
     print(f"\ntensors: {len(tensors)}, {format_size(sum(t['bytes'] for t in tensors))}")
@@ -239,7 +239,7 @@ def cmd_inspect(args) -> int:
                     + [[f"../{d}", v["items"], v["bytes"]] for d, v in sorted(report["inherited"].items())],
                     indent=2)
     print(f"\ntotal: {report['total_bytes']} bytes ({format_size(report['total_bytes'])}) "
-          f"in {len(md.storage_data)} item(s), {len(objects)} object(s)")
+          f"in {len(storage)} item(s), {len(objects)} object(s)")
     if invalid:
         print(f"\nINVALID items: {len(invalid)}")
         print_table(["FQN", "CHUNK", "REASON"],

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
 from ..uri import S3Uri, object_key, parse_s3_uri
-from .common import UsageError, s3_client
+from .common import UsageError, plain_metadata, s3_client
 from .output import format_size, print_json, progress_bar
 
 __all__ = ["cmd_verify", "cmd_download"]
@@ -27,23 +27,22 @@ def cmd_verify(args) -> int:
     exit status 1 and is named."""
     from collections import deque
 
-    from ..format.metadata import str_to_dtype
-    from ..loading.reader import S3StorageReader
+    from ..format.metadata.locations import check_item
 
     uri = parse_s3_uri(args.uri)
     client = s3_client(args)
-    md = S3StorageReader(str(uri), client=client).fetch_metadata()
+    md = plain_metadata(client, uri)  # decoded without torch
+    storage = [] if md.storage is None else list(md.storage.items())
     checks: list[_Verify] = []
     bad: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     declared_bytes = 0
     segments: dict[str, list[layout.Segment]] = {}
     object_sizes: dict[str, int] = {}
-    for index, loc in md.storage_data.items():
+    for index, loc in storage:
         declared_bytes += max(0, loc.length) if type(loc.length) is int else 0
         try:
-            size = None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize
-            layout.check_location(loc, size, f"item {index.fqn!r}{_chunk(index.offset)}")
+            check_item(loc, f"item {index.fqn!r}{_chunk(index.offset)}")
         except MetadataFormatError as e:
             bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
             continue
@@ -99,9 +98,9 @@ def cmd_verify(args) -> int:
     bad += [_bad(uri, c.index, c.item.location, c.error or c.item.got, c.item.bad_blocks)
             for c in checks if c.error or not c.item.ok]
     nbytes = sum(c.item.location.length for c in verified)
-    ok = not bad and not skipped and len(verified) == len(md.storage_data)
+    ok = not bad and not skipped and len(verified) == len(storage)
     if args.json:
-        print_json({"uri": str(uri), "ok": ok, "items": len(md.storage_data), "checked_items": len(checks),
+        print_json({"uri": str(uri), "ok": ok, "items": len(storage), "checked_items": len(checks),
                      "verified_items": len(verified), "unchecked_items": len(skipped), "bytes": nbytes,
                      "declared_bytes": declared_bytes, "bad": bad, "unchecked": skipped})
     else:
@@ -123,7 +122,7 @@ def cmd_verify(args) -> int:
         if skipped:
             parts.append(f"{len(skipped)} item(s) without a checksum, not checked")
         print(f"s3dcp: error: {', '.join(parts) or 'not every item was verified'} in {uri}: "
-              f"{len(verified)} of {len(md.storage_data)} item(s), {nbytes} of {declared_bytes} bytes verified"
+              f"{len(verified)} of {len(storage)} item(s), {nbytes} of {declared_bytes} bytes verified"
               + ("; restore from another checkpoint" if bad else ""), file=sys.stderr)
         return 1
     return 0

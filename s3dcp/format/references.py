@@ -78,16 +78,17 @@ _V2_HEAD = struct.Struct("<8sQ")
 
 def object_names(raw: bytes, source: str) -> set[str]:
     """The object names a ``.metadata`` object uses. Versions 1 (one JSON document) and 2 (its
-    header's interned ``object_names``, after checking the trailer CRC) are read directly,
-    without importing torch, so ``s3dcp ls`` and ``rm`` stay light; anything else is decoded in
-    full by :func:`s3dcp.format.metadata.decode_metadata`, which also says what is wrong with it."""
+    header's interned ``object_names``, after checking the trailer CRC) are read directly, so
+    ``s3dcp ls`` and ``rm`` stay light; anything else (version 3, whose header is packed, or a
+    damaged object) is decoded by :func:`s3dcp.format.metadata.decode_plain`, which also says
+    what is wrong with it. None of this imports torch."""
     names = _v2_names(raw) if raw[:len(_V2_MAGIC)] == _V2_MAGIC else _v1_names(raw)
     if names is not None:
         return names
-    from .metadata import decode_metadata
+    from .metadata import decode_plain
 
-    metadata = decode_metadata(raw, source=source)
-    return {loc.object_name for loc in (metadata.storage_data or {}).values()}
+    storage = decode_plain(raw, source=source).storage
+    return set() if storage is None else {loc.object_name for loc in storage.locations()}
 
 
 def _v1_names(raw: bytes) -> set[str] | None:

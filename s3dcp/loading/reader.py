@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import random
-import time
 from collections import deque
 from typing import Any
 
@@ -28,17 +26,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from ..config import S3Config
-from ..errors import (
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
-    MetadataFormatError,
-    NoSuchKeyError,
-    S3ConnectionError,
-    S3ServerError,
-    ThrottlingError,
-)
+from ..errors import MetadataFormatError
 from ..format import layout
-from ..format.layout import METADATA_NAME, ItemLocation, Segment, is_data_object
+from ..format.layout import METADATA_NAME, ItemLocation, Segment
 from ..format.metadata import decode_metadata, validate_metadata
 from ..format.tensors import byte_view
 from ..memory.pool import HostBufferPool
@@ -49,6 +39,7 @@ from ..uri import object_key
 from . import bounce, exchange
 from .cooperative import DEFAULT_WINDOW_BYTES
 from .exchange import LoadStats
+from .fetch import fetch_metadata_bytes
 from .items import ItemReads
 
 __all__ = ["S3StorageReader"]
@@ -56,8 +47,6 @@ __all__ = ["S3StorageReader"]
 log = logging.getLogger("s3dcp")
 
 _MAX_RUN_BYTES = 1 << 30  # one coalesced GET at most; the CRT splits it into parallel parts anyway
-_METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries inside
-_METADATA_BACKOFF_S = 0.2
 _MIN_SLOT_BYTES = 1 << 20
 
 
@@ -155,18 +144,8 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         :class:`MetadataFormatError`. Throttling, 5xx answers and dropped connections are
         retried (beyond the CRT's own retries) before giving up."""
         uri = self._require_uri()
+        raw = fetch_metadata_bytes(self.client, uri)
         source = str(uri.child(METADATA_NAME))
-        try:
-            raw = self._get_with_retries(uri.bucket, uri.key(METADATA_NAME))
-        except NoSuchKeyError as e:
-            objects, _ = self.client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-            data = [o for o in objects if is_data_object(o.key.rpartition("/")[2])]
-            if data:
-                raise IncompleteCheckpointError(
-                    f"{uri} is incomplete: {len(data)} data object(s) but no {METADATA_NAME} (the commit "
-                    "marker, written last). The save that wrote it failed or is still running; load an "
-                    "earlier checkpoint, and run `s3dcp gc` to remove the leftovers") from e
-            raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no data objects)") from e
         metadata = decode_metadata(raw, source=source)
         if metadata.storage_data is None:
             metadata.storage_data = {}
@@ -179,18 +158,6 @@ class S3StorageReader(S3CheckpointPath, StorageReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = os.urandom(8).hex()
         return metadata
-
-    def _get_with_retries(self, bucket: str, key: str) -> bytes:
-        for attempt in range(_METADATA_ATTEMPTS):
-            try:
-                return self.client.get(bucket, key).result()
-            except (ThrottlingError, S3ServerError, S3ConnectionError) as e:
-                if attempt + 1 == _METADATA_ATTEMPTS:
-                    raise
-                delay = min(_METADATA_BACKOFF_S * 2 ** attempt, 5.0) * (0.5 + random.random() / 2)
-                log.info("reading s3://%s/%s failed (%s); retrying in %.2f s", bucket, key, type(e).__name__, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if isinstance(metadata, UnreadableMetadata):

@@ -75,14 +75,22 @@ def test_mutated_metadata_decodes_or_is_refused(data):
 
 def test_the_oracle_catches_an_internal_error(monkeypatch):
     """The fuzzer can fail: an internal error inside a decode is a finding, not a pass."""
-    from s3dcp.format.metadata import tree
+    from s3dcp.format.metadata import plain_v2
 
     def broken(node, where):
         raise ZeroDivisionError("bug")
 
-    monkeypatch.setattr(tree, "decode_tree", broken)
+    v2_seed = next(raw for name, raw, _ in seeds() if name.endswith("/v2"))
+    monkeypatch.setattr(plain_v2, "decode_tree", broken)  # inside the (one, torch-free) decoder
+    with pytest.raises(fuzz.Finding, match="ZeroDivisionError"):
+        fuzz.check(v2_seed)
+    monkeypatch.undo()
     monkeypatch.setattr(fuzz, "decode_metadata", lambda data, source: (_ for _ in ()).throw(MemoryError()))
-    with pytest.raises(fuzz.Finding, match="MemoryError"):
+    with pytest.raises(fuzz.Finding, match="MemoryError"):  # in building DCP's classes
+        fuzz.check(seeds()[0][1])
+    monkeypatch.setattr(fuzz, "decode_metadata", lambda data, source: (_ for _ in ()).throw(
+        s3dcp.errors.MetadataFormatError("refused otherwise")))
+    with pytest.raises(fuzz.Finding, match="the DCP decode refused"):  # the two decodes disagree
         fuzz.check(seeds()[0][1])
 
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import s3dcp.format.metadata.common as s3common
+import s3dcp.format.metadata.plain_v2 as plain_v2
 import s3dcp.format.metadata.v2 as s3v2
 import s3dcp.format.metadata.v3 as s3v3
 from s3dcp import S3StorageReader, S3StorageWriter
@@ -193,7 +194,7 @@ def test_old_readers_refuse_version_3_by_name(monkeypatch):
     assert (header["format"], header["version"]) == ("s3dcp-metadata", 3)
     monkeypatch.setattr(s3common, "_READS", (1, 2))
     with pytest.raises(MetadataFormatError) as info:
-        s3v2.decode(data, lazy=True)  # the old reader's whole path: header_of, then the version check
+        plain_v2.decode(data)  # the old reader's whole path: header_of, then the version check
     assert str(info.value) == ("written by a newer s3dcp (format version 3); this s3dcp reads versions 1 to 2 "
                                "— upgrade s3dcp")
 

@@ -3,13 +3,14 @@
 torch's own storage plugins pickle :class:`~torch.distributed.checkpoint.metadata.Metadata`, so
 loading a checkpoint can run arbitrary code and ties the file to the Python classes of the
 writer. s3dcp writes its own format instead, and decoding builds only the known DCP classes and
-plain values. Three versions exist; :func:`decode_metadata` reads all, telling them apart by the
-first byte and the header, and :func:`encode_metadata` writes version 2, or 3 where it pays:
+plain values. Three versions exist; :func:`decode_metadata` reads all of them, telling them apart by
+the first byte and the header, and :func:`encode_metadata` writes version 2, or 3 where that pays:
 
-- version 3 (:mod:`s3dcp.format.metadata.v3`): version 2's columns under a zlib-compressed header,
-  ``planner_data`` as references into the fqn table (:mod:`s3dcp.format.metadata.planner`);
-  ~1/50 of DCP's pickle for one rank of 20,000 uniquely named tensors, where version 2 is ~1/2.
-  Written only where it saves >= 64 KiB and 1/8, since s3dcp releases before it refuse it.
+- version 3 (:mod:`s3dcp.format.metadata.v3`): version 2's columns under a zlib-packed header, with
+  ``planner_data`` stored as references into the fqn table (:mod:`s3dcp.format.metadata.planner`);
+  written only when it saves >= 64 KiB and 1/8 of the object (one rank of many uniquely named
+  tensors: 1/50 of DCP's pickle), so other checkpoints stay readable by releases that read only 2.
+
 - version 2 (:mod:`s3dcp.format.metadata.v2`): a JSON header plus typed, compressed binary columns for the
   per-chunk numbers; ~1/40 of DCP's pickle at a million chunks, and decoded lazily: storage
   locations are built only for the items a rank reads. It starts with the byte 0x89.
@@ -17,130 +18,48 @@ first byte and the header, and :func:`encode_metadata` writes version 2, or 3 wh
   read with any tool, but at 1,000+ ranks it is hundreds of MB that every rank parses in full.
 
 Versions 1 and 2 store ``planner_data`` as a tagged tree (:mod:`s3dcp.format.metadata.tree`, also
-version 3's fallback); all share names, the version check and checked access
-(:mod:`s3dcp.format.metadata.common`).
+version 3's fallback); all share names, the version check (:mod:`s3dcp.format.metadata.common`) and checked access (:mod:`~s3dcp.format.metadata.fields`).
 
-A decode checks structure and is bounded by the object's size (:mod:`s3dcp.format.metadata.budget`);
-:func:`validate_metadata` (:mod:`s3dcp.format.metadata.validate`) checks what a load relies on: every
-chunk has a location whose dtype, shape and length match it.
+There is one decoder, and it needs no torch: :func:`decode_plain` (:mod:`~s3dcp.format.metadata.decoding`)
+gives a :class:`~s3dcp.format.metadata.plain.PlainMetadata` of names, tuples and locations, with
+every structural check and bound done (``s3dcp inspect`` and ``verify`` read that, so they never
+import torch). :func:`decode_metadata` (:mod:`~s3dcp.format.metadata.dcp`) builds DCP's classes
+from it. A decode checks structure and is bounded by the object's size
+(:mod:`s3dcp.format.metadata.budget`); :func:`validate_metadata` (:mod:`s3dcp.format.metadata.validate`)
+checks what a load relies on: every chunk has a location whose dtype, shape and length match it.
 
 Readers refuse another ``format``, a newer ``version`` and any missing or ill-typed field with
 :class:`~s3dcp.errors.MetadataFormatError`. Unknown extra fields (and, in version 2, unknown
 columns) are ignored, so a later writer may add optional ones without bumping the version.
+
+Importing this package does not import torch: the names that need it (:func:`encode_metadata`,
+:func:`decode_metadata`, :func:`validate_metadata`, :func:`dtype_to_str`, :func:`str_to_dtype`)
+are loaded on first use.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
+from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
-from ...errors import MetadataFormatError
-from . import planner, v1, v2, v3
-from .budget import DecodeBudget
-from .common import _READS, FORMAT_NAME, FORMAT_VERSION, _get, _type_name, dtype_to_str, str_to_dtype  # noqa: F401 (public)
-from .tree import decode_tree
-from .validate import validate_metadata
+from .common import FORMAT_NAME, FORMAT_VERSION
+from .decoding import decode_plain, format_version_of
+from .plain import PlainMetadata
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "format_version_of", "dtype_to_str",
-    "str_to_dtype", "validate_metadata",
+    "FORMAT_NAME", "FORMAT_VERSION", "encode_metadata", "decode_metadata", "decode_plain", "PlainMetadata",
+    "format_version_of", "dtype_to_str", "str_to_dtype", "validate_metadata",
 ]
 
 
-def encode_metadata(md: Metadata, *, version: int | None = None) -> bytes:
-    """Encode ``md`` in format ``version``: 3 (columnar, compressed header), 2 (columnar), 1 (JSON text).
-
-    ``None`` (the default) writes version 2, or version 3 where that saves at least 64 KiB and
-    1/8 of the object (:func:`s3dcp.format.metadata.v3.worth_it`: many uniquely named tensors),
-    so that checkpoints stay readable by the s3dcp releases that read only 1 and 2 unless
-    version 3 pays. The same object always gives the same bytes. Anything that cannot be stored
-    exactly raises TypeError naming it; nothing is ever pickled.
-    """
-    if not isinstance(md, Metadata):
-        raise TypeError(f"expected torch.distributed.checkpoint.metadata.Metadata, got {_type_name(md)}")
-    if md.version is not None and type(md.version) is not str:
-        raise TypeError(f"Metadata.version must be a str or None, got {_type_name(md.version)}")
-    if version is None:
-        second = v2.encode(md)
-        third = v3.encode(second)
-        return third if v3.worth_it(len(second), len(third)) else second
-    if version == 3:
-        return v3.encode(v2.encode(md))
-    if version == 2:
-        return v2.encode(md)
-    if version == 1:
-        return v1.encode(md)
-    raise ValueError(f"version={version!r}: s3dcp writes metadata format versions {_READS}")
-
-
-def decode_metadata(data: bytes, *, source: str = "<metadata>", lazy: bool = True) -> Metadata:
-    """Decode bytes written by :func:`encode_metadata`, format version 1, 2 or 3.
-
-    Anything else (garbage, a pickle, another format, a newer version, a truncated or damaged
-    object, a missing or ill-typed field) raises MetadataFormatError naming ``source``. Nothing
-    in ``data`` can run code: only the DCP metadata classes and plain values are ever built.
-
-    ``state_dict_metadata`` is always decoded in full. With ``lazy`` (the default) a version-2/3
-    ``storage_data`` is a read-only :class:`~s3dcp.format.metadata.v2.LazyStorageData` mapping that
-    builds each ItemLocation when it is looked up; ``lazy=False`` (and version 1) gives a dict.
-    """
-    try:
-        data = bytes(data)
-        with _gc_paused():
-            if data[:1] == b"\x89":
-                if data.startswith(v2.MAGIC):
-                    return _decode_binary(data, lazy)
-                raise MetadataFormatError("not s3dcp metadata: starts with byte 0x89 but not with the s3dcp magic")
-            return v1.decode(data)
-    except MetadataFormatError as e:
-        raise MetadataFormatError(f"{source}: {e}") from None
-    except (KeyError, IndexError, TypeError, ValueError, OverflowError, RecursionError) as e:
-        # Safety net: a malformed document must surface as a format error, whatever tripped on it.
-        raise MetadataFormatError(f"{source}: corrupt s3dcp metadata ({type(e).__name__}: {e})") from e
-
-
-def _decode_binary(data: bytes, lazy: bool) -> Metadata:
-    """Version 2, or version 3: its header unpacked, then built by version 2's decoder."""
-    outer = v2.header_of(data)
-    if outer.get("version") != v3.VERSION:
-        return v2.decode(data, lazy=lazy, header=outer)
-    header, body = v3.unpack(data, outer)
-    budget = DecodeBudget(len(data))
-    pd = _get(header, "planner_data", "metadata")
-    return v2.build(header, body, budget, lazy=lazy,
-                    planner_data=lambda fqns: planner.expand(pd, fqns, budget, decode_tree))
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause Python's cyclic garbage collector while a decode runs.
-
-    A decode allocates up to millions of objects (chunk boxes, keys, locations), and the collector
-    runs every few hundred allocations, walking ever more of them: at 115k chunks that is over 80%
-    of a full decode (and of unpickling DCP's metadata too). What a decode builds holds no reference
-    cycles, so there is nothing for the collector to find; it is switched back on afterwards, on
-    every path, unless it was off before.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def format_version_of(data: bytes) -> int | None:
-    """The format version ``data`` claims (1, 2 or 3, say), or None if it is not s3dcp metadata.
-
-    Reads only the (outer) header (v2, v3) or the first fields (v1 as s3dcp writes it), not the whole object.
-    """
-    if bytes(data[: len(v2.MAGIC)]) == v2.MAGIC:
-        try:
-            version = v2.header_of(data).get("version")
-        except MetadataFormatError:
-            return None
-        return version if type(version) is int else None
-    return v1.version_of(data)
+def __getattr__(name: str) -> Any:
+    """The names that need torch, imported on first use."""
+    if name in ("encode_metadata", "decode_metadata"):
+        from . import dcp as module
+    elif name == "validate_metadata":
+        from . import validate as module
+    elif name in ("dtype_to_str", "str_to_dtype"):
+        from . import dtypes as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = vars(module)[name]
+    return value

@@ -1,87 +1,47 @@
 """``state_dict_metadata`` of a version-2 metadata object, built in full from the chunk-layout columns.
 
 :class:`Chunks` reads the ``sdm.*`` and ``layout.*`` columns (see :mod:`s3dcp.format.metadata.v2`)
-and builds every TensorStorageMetadata, and keeps each fqn's chunk offsets and sizes for the
-storage keys (:mod:`s3dcp.format.metadata.storage`) that refer to chunks by position.
+and builds every entry as plain values (:class:`~s3dcp.format.metadata.plain.PlainTensor`: property
+names, a size tuple, a shared :class:`~s3dcp.format.metadata.plain.ChunkLayout`), and keeps each
+fqn's chunk offsets and sizes for the storage keys (:mod:`s3dcp.format.metadata.rows`) that refer
+to chunks by position.
 
-What it builds is charged to the decode's budget (:mod:`s3dcp.format.metadata.budget`) before it
-is built: a chunk box of a layout costs an object, a tensor's chunk list a slot per chunk (the
-tensors of one layout share the layout's ChunkStorageMetadata objects, as they share its
-torch.Size values). A layout of 0-d chunks stores no numbers, so its count is paid for by nothing
+What it builds, and what the DCP side (:mod:`s3dcp.format.metadata.dcp`) builds from it, is
+charged to the decode's budget (:mod:`s3dcp.format.metadata.budget`) before it is built: a chunk
+box of a layout costs an object, a tensor's chunk list a slot per chunk (the tensors of one
+layout share the layout's ChunkStorageMetadata objects, as they share its size values). A layout of 0-d chunks stores no numbers, so its count is paid for by nothing
 in the object but the budget; nor are there more layouts than tensors that could use them.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from ...errors import MetadataFormatError
 from .budget import DecodeBudget
 from .columns import MAX_COUNT, ColumnReader, bounded
-from .common import _DTYPES, _LAYOUTS, _MEMORY_FORMATS, _bool, _dict, _from_name, _get, _list, _size
+from .fields import _bool, _dict, _get, _ints, _list
+from .names import check_name
+from .plain import ChunkLayout, PlainBytes, PlainTensor, Properties
 
 __all__ = ["Chunks"]
 
 
 class _Sizes:
-    """Interns torch.Size and tuple values: ~920k chunk boxes hold a few thousand distinct ones."""
+    """Interns tuples: ~920k chunk boxes hold a few thousand distinct ones."""
 
     def __init__(self) -> None:
-        self._sizes: dict[tuple, torch.Size] = {}
+        self._sizes: dict[tuple, tuple] = {}
 
-    def rows(self, flat: np.ndarray, count: int, ndim: int) -> list[torch.Size]:
+    def rows(self, flat: np.ndarray, count: int, ndim: int) -> list[tuple]:
         if ndim == 0:  # nothing stored; one shared value (reshape(count, 0).tolist() builds count lists)
-            return [self._sizes.setdefault((), torch.Size())] * count
-        cache, out = self._sizes, []
-        for t in map(tuple, flat.reshape(count, ndim).tolist()):
-            s = cache.get(t)
-            if s is None:
-                s = cache[t] = torch.Size(t)
-            out.append(s)
-        return out
-
-
-class _Layout:
-    """One chunk layout: its boxes, built once and shared by every tensor that uses it."""
-
-    __slots__ = ("offsets", "shapes", "chunks", "first")
-
-    def __init__(self, offsets: list, sizes: list, zero_d: bool = False) -> None:
-        self.offsets = offsets
-        if zero_d and offsets:  # every box is the same empty one: share it
-            self.shapes = [()] * len(offsets)
-            self.chunks = [ChunkStorageMetadata(offsets[0], sizes[0])] * len(offsets)
-            self.first = np.arange(len(offsets)) == 0 if len(offsets) > 1 else None
-        else:
-            self.shapes = [tuple(x) for x in sizes]
-            self.chunks = list(map(ChunkStorageMetadata, offsets, sizes))
-            self.first = _first_flags(offsets)
-
-
-def _first_flags(offsets: list) -> np.ndarray | None:
-    """None when all offsets differ (always, from DCP); else, per chunk, whether no earlier chunk has its offsets."""
-    if len(set(offsets)) == len(offsets):
-        return None
-    seen: set = set()
-    flags = np.zeros(len(offsets), bool)
-    for j, o in enumerate(offsets):
-        if o not in seen:
-            seen.add(o)
-            flags[j] = True
-    return flags
+            return [()] * count
+        cache = self._sizes
+        return [cache.setdefault(t, t) for t in map(tuple, flat.reshape(count, ndim).tolist())]
 
 
 class Chunks:
-    """state_dict_metadata of a v2 object, built in full, and each fqn's chunk boxes for storage keys."""
+    """state_dict_metadata of a v2 object as plain entries, and each fqn's chunk boxes for storage keys."""
 
     def __init__(self, header: dict, cols: ColumnReader, fqns: list[str], budget: DecodeBudget) -> None:
         n = len(fqns)
@@ -90,8 +50,8 @@ class Chunks:
             w = f"metadata.properties[{i}]"
             if type(p) is not list or len(p) != 5:
                 raise MetadataFormatError(f"{w}: expected [dtype, layout, requires_grad, memory_format, pin_memory]")
-            table.append((_from_name(_DTYPES, p[0], "dtype"), _from_name(_LAYOUTS, p[1], "layout"),
-                          _bool(p[2], w), _from_name(_MEMORY_FORMATS, p[3], "memory_format"), _bool(p[4], w)))
+            table.append(Properties(check_name("dtype", p[0]), check_name("layout", p[1]), _bool(p[2], w),
+                                    check_name("memory_format", p[3]), _bool(p[4], w)))
         c = lambda name: f"metadata.columns[{name!r}]"  # noqa: E731
         props = bounded(cols.ints("sdm.properties", n), len(table) + 1, c("sdm.properties"))
         n_layouts = cols.count("layout.ndim")
@@ -111,33 +71,32 @@ class Chunks:
         odd = _get(header, "odd_chunks", "metadata", _dict)
 
         sizes = _Sizes()
-        layouts: list[_Layout] = []
+        layouts: list[ChunkLayout] = []
         start = 0
         for ndim, count in zip(lay_ndim, lay_count):
             o = sizes.rows(lay_offs[start:start + ndim * count], count, ndim)
             s = sizes.rows(lay_sizes[start:start + ndim * count], count, ndim)
-            layouts.append(_Layout(o, s, ndim == 0))
+            layouts.append(ChunkLayout(o, s, ndim == 0))
             start += ndim * count
 
         self.offsets: list[list | None] = []  # per fqn: chunk offsets (None: bytes item)
         self.shapes: list[list | None] = []   # per fqn: chunk sizes as tuples
         self.first: list[np.ndarray | None] = []  # per fqn: see _first_flags (None: offsets all differ)
-        self.state_dict_metadata: dict[str, Any] = {}
+        self.state_dict: dict[str, PlainTensor | PlainBytes] = {}
+        bytes_item = PlainBytes()
         props_l, size_l, start_l = props.tolist(), size_len.tolist(), size_start.tolist()
         for pos, fqn in enumerate(fqns):
             w = f"state_dict_metadata[{fqn!r}]"
             if props_l[pos] == 0:
                 if layout[pos] or size_l[pos]:
                     raise MetadataFormatError(f"{w}: a bytes item with a size or chunks")
-                self.state_dict_metadata[fqn] = BytesStorageMetadata()
+                self.state_dict[fqn] = bytes_item
                 self._add(None, None, None)
                 continue
-            size = torch.Size(size_vals[start_l[pos]:start_l[pos] + size_l[pos]].tolist())
-            lay = layouts[layout[pos] - 1] if layout[pos] else self._odd(odd, pos, w, sizes)
-            dtype, kind, grad, mf, pin = table[props_l[pos] - 1]
-            self.state_dict_metadata[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype, kind, grad, mf, pin), size, list(lay.chunks))
-            self._add(lay.offsets, lay.shapes, lay.first)
+            size = tuple(size_vals[start_l[pos]:start_l[pos] + size_l[pos]].tolist())
+            lay = layouts[layout[pos] - 1] if layout[pos] else self._odd(odd, pos, w)
+            self.state_dict[fqn] = PlainTensor(table[props_l[pos] - 1], size, lay)
+            self._add(lay.offsets, lay.sizes, lay.first)
         unknown = set(odd) - {str(p) for p in range(n) if layout[p] == 0 and props_l[p]}
         if unknown:
             raise MetadataFormatError(f"metadata.odd_chunks: entries {sorted(unknown)[:5]} belong to no tensor")
@@ -153,7 +112,7 @@ class Chunks:
         self.first.append(first)
 
     @staticmethod
-    def _odd(odd: dict, pos: int, where: str, sizes: _Sizes) -> _Layout:
+    def _odd(odd: dict, pos: int, where: str) -> ChunkLayout:
         boxes = odd.get(str(pos))
         if type(boxes) is not list:
             raise MetadataFormatError(f"metadata.odd_chunks: missing the chunks of {where}")
@@ -161,6 +120,6 @@ class Chunks:
         for j, box in enumerate(boxes):
             if type(box) is not list or len(box) != 2:
                 raise MetadataFormatError(f"{where}.chunks[{j}]: expected [offsets, sizes]")
-            o.append(_size(box[0], f"{where}.chunks[{j}].offsets"))
-            s.append(_size(box[1], f"{where}.chunks[{j}].sizes"))
-        return _Layout(o, s)
+            o.append(_ints(box[0], f"{where}.chunks[{j}].offsets"))
+            s.append(_ints(box[1], f"{where}.chunks[{j}].sizes"))
+        return ChunkLayout(o, s)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from typing import Any
 
-import torch
-
 from ...errors import MetadataFormatError
-from .common import _DTYPES, _from_name, _list, _short, _size, _str, _type_name, dtype_to_str
+from .fields import _ints, _list, _short, _str, _type_name
+from .names import check_name
+from .plain import TreeDtype, TreeSize
 
 
 def encode_tree(obj: Any, path: str) -> Any:
@@ -45,10 +46,14 @@ def encode_tree(obj: Any, path: str) -> Any:
                              for k, v in obj.items()]}
     if t is bytes:
         return {"__bytes__": base64.b64encode(obj).decode("ascii")}
-    if t is torch.Size:
+    torch = sys.modules.get("torch")  # a torch.Size or torch.dtype exists only once torch is imported
+    if torch is not None and t is torch.Size:
         return {"__size__": list(obj)}
-    if t is torch.dtype:
-        return {"__dtype__": dtype_to_str(obj)}
+    if torch is not None and t is torch.dtype:
+        name = str(obj).removeprefix("torch.")
+        if vars(torch).get(name) is not obj:
+            raise TypeError(f"cannot encode dtype {obj!r}: not a known torch dtype")
+        return {"__dtype__": name}
     raise TypeError(
         f"{path}: cannot encode a {_type_name(obj)} in s3dcp metadata; allowed are None, bool, int, "
         "float, str, bytes, list, tuple, dict, torch.Size and torch.dtype (s3dcp never pickles)"
@@ -56,7 +61,10 @@ def encode_tree(obj: Any, path: str) -> Any:
 
 
 def decode_tree(node: Any, where: str) -> Any:
-    """Inverse of :func:`encode_tree`; a bad node raises MetadataFormatError naming ``where``."""
+    """Inverse of :func:`encode_tree`, without torch: a torch.Size comes back as a
+    :class:`~s3dcp.format.metadata.plain.TreeSize`, a torch.dtype as a
+    :class:`~s3dcp.format.metadata.plain.TreeDtype` (``s3dcp.format.metadata.dcp`` makes torch
+    objects of them). A bad node raises MetadataFormatError naming ``where``."""
     t = type(node)
     if node is None or t is bool or t is int or t is float or t is str:
         return node
@@ -86,7 +94,7 @@ def decode_tree(node: Any, where: str) -> Any:
             raise MetadataFormatError(f"{where}: bad __float__ value {_short(body)}")
         return float(body)
     if tag == "__size__":
-        return _size(body, where)
+        return TreeSize(_ints(body, where))
     if tag == "__dtype__":
-        return _from_name(_DTYPES, body, "dtype")
+        return TreeDtype(check_name("dtype", body))
     raise MetadataFormatError(f"{where}: unknown tag {_short(tag)}")

@@ -63,10 +63,9 @@ version; a change old readers cannot ignore bumps ``version``, which they refuse
 from __future__ import annotations
 
 import json
-import struct
 import zlib
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -76,37 +75,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import MetadataFormatError
 from ..layout import ItemLocation
-from .budget import DecodeBudget
-from .chunks import Chunks
-from .columns import ColumnReader, ColumnWriter
-from .common import (
-    _LAYOUTS,
-    _MEMORY_FORMATS,
-    FORMAT_NAME,
-    _check_version,
-    _decode_storage_meta,
-    _encode_storage_meta,
-    _get,
-    _int,
-    _list,
-    _opt,
-    _reject_constant,
-    _str,
-    _to_name,
-    _type_name,
-    dtype_to_str,
-)
-from .storage import LazyStorageData, Rows
-from .tree import decode_tree, encode_tree
+from .columns import ColumnWriter
+from .common import FORMAT_NAME, _encode_storage_meta
+from .dtypes import _LAYOUTS, _MEMORY_FORMATS, _to_name, dtype_to_str
+from .fields import _type_name
+from .plain_v2 import _HEAD, _TRAILER, MAGIC, VERSION, header_of
+from .storage import LazyStorageData
+from .tree import encode_tree
 
-__all__ = ["MAGIC", "VERSION", "encode", "decode", "build", "header_of", "LazyStorageData"]
+__all__ = ["MAGIC", "VERSION", "encode", "header_of", "LazyStorageData"]  # decoding: plain_v2.py
 
-MAGIC = b"\x89S3DCPMD"
-VERSION = 2
-_HEAD = struct.Struct("<8sQ")
-_TRAILER = struct.Struct("<I")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,70 +290,3 @@ def _ints(value: Any, owner: Any, field: str, *args: Any) -> tuple[int, ...]:
     return t
 
 
-# ---------------------------------------------------------------------------------------------
-# Decoding
-
-
-def header_of(data: bytes | memoryview) -> dict:
-    """The JSON header of a version-2 object (not checked beyond being a JSON object with our format)."""
-    view = memoryview(data)
-    if len(view) < _HEAD.size + _TRAILER.size:
-        raise MetadataFormatError(f"truncated s3dcp metadata: {len(view)} bytes, shorter than the fixed header")
-    _, head_len = _HEAD.unpack_from(view)
-    if _HEAD.size + head_len + _TRAILER.size > len(view):
-        raise MetadataFormatError(
-            f"truncated s3dcp metadata: the header says {head_len} header bytes, the object has {len(view)} in all")
-    try:
-        header = json.loads(bytes(view[_HEAD.size:_HEAD.size + head_len]).decode("utf-8"),
-                            parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise MetadataFormatError(f"corrupt s3dcp metadata header: not valid JSON ({e})") from None
-    if type(header) is not dict or header.get("format") != FORMAT_NAME:
-        raise MetadataFormatError(f"corrupt s3dcp metadata header: format is not {FORMAT_NAME!r}")
-    return header
-
-
-def decode(data: bytes | memoryview, *, lazy: bool, header: dict | None = None) -> Metadata:
-    """Decode a version-2 object (``data`` starts with :data:`MAGIC`); see the module docstring.
-
-    ``header``: what :func:`header_of` gave for ``data``, when the caller has already read it.
-    """
-    view = memoryview(data)
-    header = header_of(view) if header is None else header
-    head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
-    # The version is checked before anything else is read: a newer layout may differ anywhere.
-    _check_version(_get(header, "version", "metadata", _int), VERSION)
-    (crc,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
-    if zlib.crc32(view[:-_TRAILER.size]) != crc:
-        raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
-                                  "(truncated or damaged object)")
-    return build(header, view[head_end:-_TRAILER.size], DecodeBudget(len(view)), lazy=lazy,
-                 planner_data=lambda fqns: decode_tree(_get(header, "planner_data", "metadata"), "planner_data"))
-
-
-def build(header: dict, body: memoryview, budget: DecodeBudget, *, lazy: bool,
-          planner_data: Callable[[list[str]], Any]) -> Metadata:
-    """The Metadata of a version-2 ``header`` and column ``body`` (also version 3's, once unpacked).
-
-    ``planner_data(fqns)`` decodes the planner data, given the header's checked fqn table.
-    """
-    cols = ColumnReader(_get(header, "columns", "metadata"), body, budget)
-    fqns = _get(header, "fqns", "metadata", _list)
-    for i, f in enumerate(fqns):
-        _str(f, f"metadata.fqns[{i}]")
-    if len(set(fqns)) != len(fqns):
-        raise MetadataFormatError("metadata.fqns: duplicate names")
-    n_sdm = _get(header, "state_dict_entries", "metadata", _int)
-    if not 0 <= n_sdm <= len(fqns):
-        raise MetadataFormatError(f"metadata.state_dict_entries: {n_sdm} is not in 0..{len(fqns)}")
-    chunks = Chunks(header, cols, fqns[:n_sdm], budget)
-    storage = _get(header, "storage_data", "metadata")
-    storage_meta = _get(header, "storage_meta", "metadata")
-    rows = None if storage is None else Rows(storage, cols, fqns, chunks, budget)
-    return Metadata(
-        state_dict_metadata=chunks.state_dict_metadata,
-        planner_data=planner_data(fqns),
-        storage_data=None if rows is None else (LazyStorageData(rows) if lazy else rows.to_dict()),
-        storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
-        version=_get(header, "dcp_version", "metadata", _opt(_str)),
-    )

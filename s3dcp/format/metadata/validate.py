@@ -33,10 +33,11 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...errors import MetadataFormatError
-from .. import layout
 from ..integrity import algorithm_of
-from .common import dtype_to_str, str_to_dtype
-from .storage import LazyStorageData, Rows
+from .dtypes import dtype_to_str
+from .locations import check_item
+from .rows import Rows
+from .storage import LazyStorageData
 
 __all__ = ["validate_metadata"]
 
@@ -124,9 +125,7 @@ def _check_location(where: str, loc: Any, element_size: int | None = -1) -> None
     non-negative numbers, a tensor's length its elements' bytes, bytes items bounded, block
     checksums covering the item), plus what only a whole-metadata check asks: ends below 2^63 and
     known checksum algorithms. ``element_size`` -1: the size of ``loc.dtype``'s elements."""
-    if element_size == -1:
-        element_size = None if loc.dtype is None else str_to_dtype(loc.dtype).itemsize
-    layout.check_location(loc, element_size, where)
+    check_item(loc, where, element_size)
     if loc.offset + loc.length >= _END:
         raise MetadataFormatError(f"{where}: bytes at offset {loc.offset}, length {loc.length} end past 2^63")
     if loc.checksum is not None:

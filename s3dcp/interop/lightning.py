@@ -39,6 +39,7 @@ import torch
 
 from ..config import S3Config
 from ..errors import ConfigError, MetadataFormatError, unwrap_error
+from ..lifecycle.inflight import InFlight
 from ..lifecycle.manager import delete_checkpoint
 from ..loading.reader import S3StorageReader
 from ..s3.client import S3Client
@@ -82,10 +83,10 @@ class S3CheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.incremental = incremental
         self._client: S3Client | None = None
-        self._lock = threading.Lock()
-        self._in_flight: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()  # _committed
+        self._saves = InFlight()
         self._committed: dict[str, str] = {}  # parent prefix -> newest checkpoint committed there (incremental)
-        self._deletions: list[concurrent.futures.Future] = []  # removals waiting for a save to commit
+        self._deletions = InFlight()  # removals waiting for a save to commit (they never fail)
         self.last_writer: S3StorageWriter | None = None
         lightning_fs.register(self.config)
 
@@ -106,7 +107,7 @@ class S3CheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         uri = _s3_path(path)
-        self._raise_finished_errors()
+        self._saves.raise_finished()
         tensors, rest = _split(checkpoint)
         tensors[_REST] = _pickled(rest)
         base = self._base_for(uri) if self.incremental else None
@@ -136,8 +137,7 @@ class S3CheckpointIO(CheckpointIO):
             self._committed_at(uri)
             done.set_result(None)
 
-        with self._lock:
-            self._in_flight.append(done)
+        self._saves.add(done)
         upload.add_done_callback(committed)
 
     def _base_for(self, uri: str) -> str | None:
@@ -178,8 +178,7 @@ class S3CheckpointIO(CheckpointIO):
         """Delete the checkpoint at ``path`` once the saves in flight have committed; if one of
         them failed, ``path`` is kept (it may be the newest good checkpoint left)."""
         uri = _s3_path(path)
-        with self._lock:
-            gate = self._in_flight[-1] if self._in_flight else None
+        gate = self._saves.newest()
         if gate is None:
             self._delete(uri)
             return
@@ -197,8 +196,7 @@ class S3CheckpointIO(CheckpointIO):
             finally:
                 deleted.set_result(None)
 
-        with self._lock:
-            self._deletions.append(deleted)
+        self._deletions.add(deleted)
         gate.add_done_callback(after)
 
     def _delete(self, uri: str) -> None:
@@ -212,33 +210,26 @@ class S3CheckpointIO(CheckpointIO):
     def wait(self) -> None:
         """Wait for the saves in flight and the removals behind them; raise the first error
         among the saves (once)."""
-        with self._lock:
-            pending, self._in_flight = self._in_flight, []
-        concurrent.futures.wait(pending)
-        with self._lock:
-            deletions, self._deletions = self._deletions, []
-        concurrent.futures.wait(deletions)
-        errors = [f.exception() for f in pending if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        self._saves.drain()
+        self._deletions.wait()
+        self._saves.wait()
 
     def teardown(self) -> None:
-        self.wait()
-
-    def _raise_finished_errors(self) -> None:
-        with self._lock:
-            finished = [f for f in self._in_flight if f.done()]
-            self._in_flight = [f for f in self._in_flight if not f.done()]
-        errors = [f.exception() for f in finished if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        """The end of ``fit``: :meth:`wait`, then close the plugin's S3Client (a later save or
+        load takes a native client again)."""
+        try:
+            self.wait()
+        finally:
+            if self._client is not None:
+                self._client.close()
 
 
 class S3ModelCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` for an ``s3://`` directory (its ``dirpath``, or
     ``default_root_dir/checkpoints`` when the Trainer has no logger): the same arguments and
     behaviour, with existence checks and ``last`` lookups that see committed s3dcp checkpoints.
-    Any other directory behaves exactly as ``ModelCheckpoint``."""
+    Any other directory behaves exactly as ``ModelCheckpoint``. Its view of the bucket (and that
+    view's S3Client) is closed at ``teardown``."""
 
     def __init__(self, dirpath: Any = None, *args: Any, config: S3Config | None = None, **kwargs: Any) -> None:
         s3 = dirpath is not None and is_s3_uri(str(dirpath))
@@ -249,8 +240,16 @@ class S3ModelCheckpoint(ModelCheckpoint):
             self._fs = self._s3_fs()
 
     def _s3_fs(self) -> lightning_fs.CheckpointFileSystem:
+        """The callback's one view of the bucket (and its S3Client), made on first use."""
         lightning_fs.register()
-        return lightning_fs.CheckpointFileSystem(self._s3_config)
+        if not isinstance(getattr(self, "_fs", None), lightning_fs.CheckpointFileSystem):
+            self._fs = lightning_fs.CheckpointFileSystem(self._s3_config)
+        return self._fs
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        if isinstance(getattr(self, "_fs", None), lightning_fs.CheckpointFileSystem):
+            self._fs.close()  # a later fit or test uses it again: its client takes a native client again
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)

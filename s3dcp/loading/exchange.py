@@ -238,13 +238,9 @@ def _targets(reader, plan, planner) -> tuple[dict, dict]:
         read = reader.items.plan(item, planner, slot_bytes)
         key = item_key(read.location)
         reads.setdefault(key, read)
-        if read.pieces is None:
-            if read.dest is not None:
-                flat = read.dest.reshape(-1).view(torch.uint8)
-                buf = flat[:read.end - read.start]
-            else:
-                buf = torch.frombuffer(read.bounce, dtype=torch.uint8) if read.end > read.start else \
-                    torch.empty(0, dtype=torch.uint8)
+        if read.pieces is None:  # lands in read.sink, the destination's (or bytes buffer's) memory
+            buf = torch.frombuffer(read.sink, dtype=torch.uint8) if len(read.sink) else \
+                torch.empty(0, dtype=torch.uint8)
             targets.setdefault(key, []).append(_Target(read, None, read.start, read.end, buf))
             if read.end == read.start:  # an empty item: nothing will arrive for it
                 reader.items.finish(read, planner, verify=False)

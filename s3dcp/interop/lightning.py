@@ -116,10 +116,10 @@ class S3CheckpointIO(CheckpointIO):
         self.last_writer = writer
         try:
             if not self.async_save:
-                dcp.save(tensors, storage_writer=writer, no_dist=True)
+                dcp.save(tensors, storage_writer=writer, **_this_rank_alone())
                 self._committed_at(uri)
                 return
-            response = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
+            response = dcp.async_save(tensors, storage_writer=writer, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)  # chained from DCP's exception
         upload = getattr(response, "upload_completion", response)
@@ -163,7 +163,7 @@ class S3CheckpointIO(CheckpointIO):
             state = _destinations(reader.read_metadata(), uri)
             if _REST not in state:
                 raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         # bytes from storage: plain data only, unless the caller asked for more in so many words
@@ -276,6 +276,28 @@ class S3ModelCheckpoint(ModelCheckpoint):
         # s3dcp:// so that the Trainer's fsspec look-up of each candidate reaches the view of commits
         return {f"{lightning_fs.PROTOCOL}://{n}" for n in names
                 if n.endswith(self.FILE_EXTENSION) and _is_last(os.path.basename(n), last, self.FILE_EXTENSION)}
+
+
+# ---------------------------------------------------------------------- DCP on one rank
+_alone_lock = threading.Lock()
+_alone: list = [None, None]  # (the default group it was made under, the group of this rank alone)
+
+
+def _this_rank_alone() -> dict[str, Any]:
+    """DCP's arguments for a checkpoint that this rank reads or writes by itself (under DDP,
+    rank 0 saves and every rank loads). Under torch.distributed: a gloo group of this rank only
+    (made once, without the other ranks: ``use_local_synchronization``; gloo, which async saves
+    need, whatever the job's backend), so DCP neither waits for ranks that do not call it nor
+    warns, from the thread of an async save, that distributed is off. Without it: ``no_dist``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"no_dist": True}
+    with _alone_lock:
+        if _alone[0] is not dist.group.WORLD:  # first use, or a new default group since
+            _alone[1] = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            _alone[0] = dist.group.WORLD
+        return {"process_group": _alone[1], "no_dist": False}
 
 
 # ---------------------------------------------------------------------- the checkpoint dict

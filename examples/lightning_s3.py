@@ -23,11 +23,18 @@ import argparse
 import os
 import tempfile
 import time
+import warnings
 from contextlib import ExitStack
 
 import torch
 
 DEFAULT_BUCKET = "demo"
+
+# Lightning 2.6 asks torch's pytree `isinstance(spec, LeafSpec)`, which torch deprecates: a
+# warning about Lightning's own code that nothing this script does can avoid (exactly that
+# message, from that module, is hidden).
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"pytorch_lightning\.utilities\._pytree")
 _ROOT_ENV = "S3DCP_EXAMPLE_LIGHTNING_ROOT"
 _SERVER_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 

@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from contextlib import ExitStack
 
 import torch
@@ -41,6 +42,15 @@ import torch.distributed as dist
 from s3dcp import S3Config
 
 DEFAULT_BUCKET = "demo"
+
+# Two warnings that torchdata and torchtitan raise about their own calls into torch, which
+# nothing this script does can avoid (exactly those messages, from those modules, are hidden):
+# torchdata's StatefulDataLoader calls the deprecated torch.set_vital; torchtitan's
+# LRSchedulersContainer.load_state_dict (the resume) calls LambdaLR.get_lr() outside step().
+warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning,
+                        module=r"torchdata\.stateful_dataloader\.stateful_dataloader")
+warnings.filterwarnings("ignore", message=r"To get the last learning rate computed by the scheduler",
+                        category=UserWarning, module=r"torch\.optim\.lr_scheduler")
 
 
 class TrainState:
@@ -93,6 +103,7 @@ def checkpointer(args, folder: str, s3_config: S3Config | None, parts, train_sta
     config = S3CheckpointManager.Config(
         enable=True, folder=folder, interval=args.interval, async_mode=args.async_mode, keep_latest_k=3,
         last_save_model_only=False,  # the last step too can be resumed from
+        initial_load_model_only=False,  # torchtitan's default (True) only matters with an initial_load_path
         incremental=folder.startswith("s3://"))
     return config.build(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
                         states={"train_state": train_state}, sd_adapter=None, base_folder=os.getcwd(),

@@ -13,7 +13,10 @@ running ``s3dcp server`` records its pid, endpoint and keys in a state file of i
 its user can read (``$S3DCP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/s3dcp``, else ``~/.cache/s3dcp``;
 ``server-PID.json``) and removes it when it stops. ``--print-env`` and ``--stop`` name the newest
 server that runs (or the one ``--pid`` names); when it stops, they name the one started before it
-again, so a second server never hides the first. A state file whose process is gone is removed.
+again, so a second server never hides the first. A state file whose process is gone is removed,
+and so is one whose pid now names another process (after a reboot, or once pids wrap): each
+file records its server's start (the boot's id and ``/proc/PID/stat``'s start time; ``ps``'s
+start time where there is no ``/proc``), and a process that started otherwise is never signalled.
 The keys are those of these throwaway servers only: printing them is the point.
 
 The background server (``--print-env`` when none runs) runs the very ``s3dcp`` package of the
@@ -70,7 +73,7 @@ def servers() -> list[dict[str, Any]]:
             state["state_file"] = path
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if not _alive(pid):
+        if not _alive(pid) or not _same_process(pid, state):
             with suppress(OSError):
                 os.unlink(path)
             continue
@@ -102,7 +105,7 @@ def run(*, buckets: Sequence[str], data_dir: str | None, port: int | None, acces
         _create_buckets(server, buckets)  # a kept --dir may hold them already
         _write_state(path, {"pid": os.getpid(), "weed_pid": server.pid, "endpoint_url": server.endpoint_url,
                             "buckets": list(buckets), "data_dir": server.data_dir, "env": server.env(),
-                            "started_at": time.time()})
+                            "started_at": time.time(), "start_mark": _start_mark(os.getpid())})
         kept = "kept" if data_dir else "deleted on exit"
         print(f"# SeaweedFS S3 on {server.endpoint_url} (pid {os.getpid()}), data in {server.data_dir} ({kept})")
         if others:
@@ -346,3 +349,38 @@ def _not_zombie(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return True  # no /proc (macOS): kill(0) is all we know
+
+
+def _start_mark(pid: int) -> str | None:
+    """What tells process ``pid`` from a later one given the same pid: the boot's id and the
+    process's start in clock ticks since boot (``/proc/PID/stat`` field 22); where there is no
+    ``/proc`` (macOS), ``ps``'s start time (to the second); None when neither can say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{boot}:{f.read().rpartition(')')[2].split()[19]}"  # fields from the 3rd on, after the name
+    except (OSError, IndexError):
+        pass
+    if os.path.isdir("/proc/self"):
+        return None
+    try:
+        done = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"ps:{done.stdout.strip()}" if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _same_process(pid: int, state: dict[str, Any]) -> bool:
+    """Whether live process ``pid`` is the server that wrote ``state``: the same start, or,
+    in a state file of an earlier version (no start recorded), a command line naming s3dcp.
+    Where neither can be read, only the pid is known: it is trusted."""
+    recorded = state.get("start_mark")
+    if recorded is not None:
+        now = _start_mark(pid)
+        return now is None or now == recorded
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"s3dcp" in f.read()
+    except OSError:
+        return True

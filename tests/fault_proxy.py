@@ -55,6 +55,10 @@ fires (after its ``times``/``probability`` checks) is applied:
 ``stall``
     Never answer.  Whatever the client sends is read and discarded until it
     closes the connection or the proxy stops.
+``answer``
+    The request is not forwarded (its body is read and discarded); ``status`` is returned
+    with ``body`` (XML) verbatim and the connection stays usable: a hostile or broken server's
+    answer, such as a listing page that names its own continuation token again.
 ``add_headers``
     Forward the request with ``headers`` added to its head.  SigV4 checks only
     the headers a request signed, so an added header reaches the upstream as if
@@ -91,7 +95,7 @@ from typing import Any, Optional
 
 __all__ = ["Rule", "FaultEvent", "RequestRecord", "FaultProxy", "ACTIONS", "STORES", "store_rules"]
 
-ACTIONS = ("error", "reset_request", "reset_response", "delay", "stall", "add_headers")
+ACTIONS = ("error", "reset_request", "reset_response", "delay", "stall", "add_headers", "answer")
 
 _READ_SIZE = 1 << 20  # max bytes per read when streaming bodies
 _STREAM_LIMIT = 1 << 20  # StreamReader buffer limit (also max head/line length)
@@ -114,7 +118,7 @@ _ERROR_MESSAGES = {
 class Rule:
     """A fault rule.  See the module docstring for what each action does."""
 
-    action: str  # "error" | "reset_request" | "reset_response" | "delay" | "stall"
+    action: str  # one of ACTIONS
     method: Optional[str] = None  # match "PUT", "GET", ...; None = any
     path_regex: Optional[str] = None  # re.search on the request target (path + query)
     query_has: Optional[str] = None  # substring of the query string, e.g. "partNumber"
@@ -127,6 +131,7 @@ class Rule:
     header: Optional[str] = None  # re.search on some "name: value" (name lower case)
     without_header: Optional[str] = None  # ... and on none of them
     headers: tuple = ()  # for "add_headers": ((name, value), ...) added to the request head
+    body: bytes = b""  # for "answer": the response body, with ``status``
     fired: int = field(default=0, init=False, compare=False)  # times applied so far
 
     def __post_init__(self) -> None:
@@ -160,7 +165,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class FaultEvent:
-    """A fault that was applied.  ``status`` is the injected status for "error", else None."""
+    """A fault that was applied.  ``status`` is the injected status for "error" and "answer", else None."""
 
     action: str
     method: str
@@ -498,7 +503,7 @@ class _Conn:
         expect_100 = "100-continue" in head.tokens("expect")
 
         action = rule.action if rule is not None else None
-        if action == "error":
+        if action in ("error", "answer"):
             return await self.answer_error(rule, method, head, body_kind, expect_100, keep_alive)
         if action == "stall":
             while await self.c_reader.read(_READ_SIZE):
@@ -522,7 +527,7 @@ class _Conn:
             await _copy_body(self.c_reader, _Meter(None), head, body_kind)
         request_id = f"fault-{self.proxy._next_fault_id()}"
         message = _ERROR_MESSAGES.get(rule.code, "Injected fault.")
-        body = (
+        body = rule.body if rule.action == "answer" else (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
             f"<Error><Code>{rule.code}</Code><Message>{message}</Message>"
             f"<RequestId>{request_id}</RequestId></Error>"
@@ -838,7 +843,7 @@ class FaultProxy:
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
                     continue
                 rule.fired += 1
-                status = rule.status if rule.action == "error" else None
+                status = rule.status if rule.action in ("error", "answer") else None
                 self._events.append(FaultEvent(rule.action, method, target, status))
                 return rule
         return None

@@ -39,6 +39,7 @@ import torch
 
 from ..config import S3Config
 from ..errors import ConfigError, MetadataFormatError, unwrap_error
+from ..lifecycle.inflight import InFlight
 from ..lifecycle.manager import delete_checkpoint
 from ..loading.reader import S3StorageReader
 from ..s3.client import S3Client
@@ -82,10 +83,10 @@ class S3CheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.incremental = incremental
         self._client: S3Client | None = None
-        self._lock = threading.Lock()
-        self._in_flight: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()  # _committed
+        self._saves = InFlight()
         self._committed: dict[str, str] = {}  # parent prefix -> newest checkpoint committed there (incremental)
-        self._deletions: list[concurrent.futures.Future] = []  # removals waiting for a save to commit
+        self._deletions = InFlight()  # removals waiting for a save to commit (they never fail)
         self.last_writer: S3StorageWriter | None = None
         lightning_fs.register(self.config)
 
@@ -106,7 +107,7 @@ class S3CheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         uri = _s3_path(path)
-        self._raise_finished_errors()
+        self._saves.raise_finished()
         tensors, rest = _split(checkpoint)
         tensors[_REST] = _pickled(rest)
         base = self._base_for(uri) if self.incremental else None
@@ -115,10 +116,10 @@ class S3CheckpointIO(CheckpointIO):
         self.last_writer = writer
         try:
             if not self.async_save:
-                dcp.save(tensors, storage_writer=writer, no_dist=True)
+                dcp.save(tensors, storage_writer=writer, **_this_rank_alone())
                 self._committed_at(uri)
                 return
-            response = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
+            response = dcp.async_save(tensors, storage_writer=writer, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)  # chained from DCP's exception
         upload = getattr(response, "upload_completion", response)
@@ -136,8 +137,7 @@ class S3CheckpointIO(CheckpointIO):
             self._committed_at(uri)
             done.set_result(None)
 
-        with self._lock:
-            self._in_flight.append(done)
+        self._saves.add(done)
         upload.add_done_callback(committed)
 
     def _base_for(self, uri: str) -> str | None:
@@ -163,7 +163,7 @@ class S3CheckpointIO(CheckpointIO):
             state = _destinations(reader.read_metadata(), uri)
             if _REST not in state:
                 raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         # bytes from storage: plain data only, unless the caller asked for more in so many words
@@ -178,8 +178,7 @@ class S3CheckpointIO(CheckpointIO):
         """Delete the checkpoint at ``path`` once the saves in flight have committed; if one of
         them failed, ``path`` is kept (it may be the newest good checkpoint left)."""
         uri = _s3_path(path)
-        with self._lock:
-            gate = self._in_flight[-1] if self._in_flight else None
+        gate = self._saves.newest()
         if gate is None:
             self._delete(uri)
             return
@@ -197,8 +196,7 @@ class S3CheckpointIO(CheckpointIO):
             finally:
                 deleted.set_result(None)
 
-        with self._lock:
-            self._deletions.append(deleted)
+        self._deletions.add(deleted)
         gate.add_done_callback(after)
 
     def _delete(self, uri: str) -> None:
@@ -212,33 +210,26 @@ class S3CheckpointIO(CheckpointIO):
     def wait(self) -> None:
         """Wait for the saves in flight and the removals behind them; raise the first error
         among the saves (once)."""
-        with self._lock:
-            pending, self._in_flight = self._in_flight, []
-        concurrent.futures.wait(pending)
-        with self._lock:
-            deletions, self._deletions = self._deletions, []
-        concurrent.futures.wait(deletions)
-        errors = [f.exception() for f in pending if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        self._saves.drain()
+        self._deletions.wait()
+        self._saves.wait()
 
     def teardown(self) -> None:
-        self.wait()
-
-    def _raise_finished_errors(self) -> None:
-        with self._lock:
-            finished = [f for f in self._in_flight if f.done()]
-            self._in_flight = [f for f in self._in_flight if not f.done()]
-        errors = [f.exception() for f in finished if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        """The end of ``fit``: :meth:`wait`, then close the plugin's S3Client (a later save or
+        load takes a native client again)."""
+        try:
+            self.wait()
+        finally:
+            if self._client is not None:
+                self._client.close()
 
 
 class S3ModelCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` for an ``s3://`` directory (its ``dirpath``, or
     ``default_root_dir/checkpoints`` when the Trainer has no logger): the same arguments and
     behaviour, with existence checks and ``last`` lookups that see committed s3dcp checkpoints.
-    Any other directory behaves exactly as ``ModelCheckpoint``."""
+    Any other directory behaves exactly as ``ModelCheckpoint``. Its view of the bucket (and that
+    view's S3Client) is closed at ``teardown``."""
 
     def __init__(self, dirpath: Any = None, *args: Any, config: S3Config | None = None, **kwargs: Any) -> None:
         s3 = dirpath is not None and is_s3_uri(str(dirpath))
@@ -249,8 +240,16 @@ class S3ModelCheckpoint(ModelCheckpoint):
             self._fs = self._s3_fs()
 
     def _s3_fs(self) -> lightning_fs.CheckpointFileSystem:
+        """The callback's one view of the bucket (and its S3Client), made on first use."""
         lightning_fs.register()
-        return lightning_fs.CheckpointFileSystem(self._s3_config)
+        if not isinstance(getattr(self, "_fs", None), lightning_fs.CheckpointFileSystem):
+            self._fs = lightning_fs.CheckpointFileSystem(self._s3_config)
+        return self._fs
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        if isinstance(getattr(self, "_fs", None), lightning_fs.CheckpointFileSystem):
+            self._fs.close()  # a later fit or test uses it again: its client takes a native client again
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
@@ -277,6 +276,28 @@ class S3ModelCheckpoint(ModelCheckpoint):
         # s3dcp:// so that the Trainer's fsspec look-up of each candidate reaches the view of commits
         return {f"{lightning_fs.PROTOCOL}://{n}" for n in names
                 if n.endswith(self.FILE_EXTENSION) and _is_last(os.path.basename(n), last, self.FILE_EXTENSION)}
+
+
+# ---------------------------------------------------------------------- DCP on one rank
+_alone_lock = threading.Lock()
+_alone: list = [None, None]  # (the default group it was made under, the group of this rank alone)
+
+
+def _this_rank_alone() -> dict[str, Any]:
+    """DCP's arguments for a checkpoint that this rank reads or writes by itself (under DDP,
+    rank 0 saves and every rank loads). Under torch.distributed: a gloo group of this rank only
+    (made once, without the other ranks: ``use_local_synchronization``; gloo, which async saves
+    need, whatever the job's backend), so DCP neither waits for ranks that do not call it nor
+    warns, from the thread of an async save, that distributed is off. Without it: ``no_dist``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"no_dist": True}
+    with _alone_lock:
+        if _alone[0] is not dist.group.WORLD:  # first use, or a new default group since
+            _alone[1] = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            _alone[0] = dist.group.WORLD
+        return {"process_group": _alone[1], "no_dist": False}
 
 
 # ---------------------------------------------------------------------- the checkpoint dict

@@ -9,6 +9,11 @@ object commits it. This view shows every *committed* checkpoint prefix as one fi
 other prefixes as directories; a checkpoint still uploading, or one whose save failed, does not
 exist here. Small files (``best_k_models.yaml``) may be written: one PUT on close.
 
+A look costs requests for what is asked about, never for what lies inside a checkpoint: ``ls``
+is one listing with a delimiter (the children) and one HEAD of ``.metadata`` per child prefix;
+``info`` a listing of the names that start with the path's (with a delimiter) and, for a
+prefix, one HEAD of its ``.metadata``.
+
 It is registered with fsspec under the protocol ``s3dcp`` only (never ``s3``, which stays
 s3fs's): the file system of an ``s3dcp://bucket/key`` URL. Paths may be given as
 ``s3://bucket/key``, ``s3dcp://bucket/key`` or ``bucket/key``.
@@ -24,6 +29,7 @@ from fsspec import AbstractFileSystem
 from fsspec.registry import register_implementation, registry
 
 from ..config import S3Config
+from ..errors import NoSuchKeyError
 from ..format.layout import METADATA_NAME
 from ..s3.client import S3Client
 
@@ -52,6 +58,13 @@ class CheckpointFileSystem(AbstractFileSystem):
     def __init__(self, config: S3Config | None = None, client: S3Client | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.client = client or S3Client(config or _default_config[0] or S3Config())
+        self._owns_client = client is None
+
+    def close(self) -> None:
+        """Close the S3Client this view made (one passed in stays open). The view may still be
+        used: the client takes a native client again."""
+        if self._owns_client:
+            self.client.close()
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
@@ -69,16 +82,17 @@ class CheckpointFileSystem(AbstractFileSystem):
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list:
         bucket, key = self._split(path)
         prefix = f"{key}/" if key else ""
-        objects, _ = self.client.list(bucket, prefix).result()
+        objects, prefixes = self.client.list(bucket, prefix, delimiter="/").result()
+        commits = {p: self.client.head(bucket, f"{p}{METADATA_NAME}") for p in prefixes}  # in flight together
         children: dict[str, dict] = {}
         for obj in objects:
-            rest = obj.key[len(prefix):]
-            name, sep, below = rest.partition("/")
-            full = f"{bucket}/{prefix}{name}"
-            if not sep:  # an object directly here
-                children.setdefault(full, _file(full, obj))
-            elif below == METADATA_NAME:  # a committed checkpoint: shown as one file
-                children[full] = _file(full, obj)
+            if obj.key != prefix:  # not a "folder" marker object
+                children[f"{bucket}/{obj.key}"] = _file(f"{bucket}/{obj.key}", obj)
+        for p, head in commits.items():
+            full = f"{bucket}/{p.rstrip('/')}"
+            metadata = _found(head)
+            if metadata is not None:  # a committed checkpoint: shown as one file
+                children[full] = _file(full, metadata)
             else:
                 children.setdefault(full, {"name": full, "size": 0, "type": "directory"})
         if not children and key and not objects:
@@ -90,13 +104,17 @@ class CheckpointFileSystem(AbstractFileSystem):
         bucket, key = self._split(path)
         if not key:
             return {"name": bucket, "size": 0, "type": "directory"}
-        objects, _ = self.client.list(bucket, key).result()  # the object, its checkpoint, its children
+        # the object itself and the prefix below it (and siblings whose names start with it)
+        objects, prefixes = self.client.list(bucket, key, delimiter="/").result()
         for obj in objects:
-            if obj.key == key or obj.key == f"{key}/{METADATA_NAME}":
+            if obj.key == key:
                 return _file(f"{bucket}/{key}", obj)
-        if any(obj.key.startswith(f"{key}/") for obj in objects):
-            return {"name": f"{bucket}/{key}", "size": 0, "type": "directory"}
-        raise FileNotFoundError(path)
+        if f"{key}/" not in prefixes:
+            raise FileNotFoundError(path)
+        metadata = _found(self.client.head(bucket, f"{key}/{METADATA_NAME}"))
+        if metadata is not None:
+            return _file(f"{bucket}/{key}", metadata)
+        return {"name": f"{bucket}/{key}", "size": 0, "type": "directory"}
 
     def modified(self, path: str) -> datetime.datetime:
         stamp = self.info(path).get("LastModified")
@@ -136,6 +154,14 @@ class _PutOnClose(io.BytesIO):
             client, bucket, key = self._target
             client.put(bucket, key, self.getvalue()).result()
         super().close()
+
+
+def _found(head: Any) -> Any:
+    """A HEAD's ObjectInfo, or None when there is no such object."""
+    try:
+        return head.result()
+    except NoSuchKeyError:
+        return None
 
 
 def _file(name: str, obj: Any) -> dict:

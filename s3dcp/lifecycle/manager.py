@@ -49,6 +49,7 @@ from .deletion import DeleteResult
 from .deletion import delete_checkpoint as _delete_checkpoint
 from .deletion import held_for_references
 from .directories import CheckpointInfo, name_pattern, scan_directories
+from .inflight import InFlight
 from .retention import Doomed, steps_to_delete
 
 if TYPE_CHECKING:
@@ -73,7 +74,8 @@ class CheckpointManager:
     Args:
         base_uri: ``s3://bucket/run``; checkpoint ``step`` goes to ``base_uri/name_format(step)``.
         config: :class:`S3Config`; default: resolved from the environment.
-        client: an :class:`s3dcp.s3.client.S3Client` to use for everything (tests inject one).
+        client: an :class:`s3dcp.s3.client.S3Client` to use for everything (tests inject one);
+            :meth:`close` leaves it open (one the manager made, it closes).
         keep_last: committed checkpoints to keep, newest first (``None``: keep all).
         keep_every: also keep every step that is a multiple of this (``None``: none).
         async_mode: :meth:`save` returns once the state is staged (``dcp.async_save``);
@@ -125,14 +127,15 @@ class CheckpointManager:
                                   "in the same parent directory (no '/' after {step})") from None
         self.config = config or (client.config if client is not None else S3Config())
         self.client = client or S3Client(self.config)
+        self._owns_client = client is None
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_mode = async_mode
         self.process_group = process_group
         self.last_writer: S3StorageWriter | None = None
         self.last_save_stats: SaveStats | None = None  # this rank's, of the save that committed last
-        self._pending: list[concurrent.futures.Future] = []
-        self._lock = threading.Lock()  # _pending, _bases_in_use, _doomed
+        self._saves = InFlight()
+        self._lock = threading.Lock()  # _bases_in_use, _doomed
         self._retention_lock = threading.Lock()
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
         self._doomed = Doomed()  # steps retention chose to delete: never a base again
@@ -170,7 +173,7 @@ class CheckpointManager:
         """
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step={step!r} must be an int >= 0")
-        self._raise_finished_errors()
+        self._saves.raise_finished()
         import torch.distributed.checkpoint as dcp
 
         from ..saving.writer import S3StorageWriter
@@ -223,8 +226,7 @@ class CheckpointManager:
                 return outer.set_exception(e)
             outer.set_result(metadata)
 
-        with self._lock:
-            self._pending.append(outer)
+        self._saves.add(outer)
         inner.add_done_callback(done)
         return outer
 
@@ -239,8 +241,8 @@ class CheckpointManager:
                     self._bases_in_use[step] = base
             return base
         if self.config.max_inflight_checkpoints <= 1:  # build on the save in flight, not the one before
-            self._drain()
-            self._raise_finished_errors()
+            self._saves.drain()
+            self._saves.raise_finished()
         with self._lock:
             listing = self._doomed.listing_started()
         try:
@@ -263,16 +265,15 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first error among them (once)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        concurrent.futures.wait(pending)
-        errors = [f.exception() for f in pending if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        self._saves.wait()
 
     def close(self) -> None:
-        """Wait for the saves in flight (raising their error); nothing else to release."""
-        self.wait()
+        """Wait for the saves in flight (raising their error), then close the client the
+        manager made (one passed in stays open). The manager may be used again after."""
+        try:
+            self.wait()
+        finally:
+            self._close_client()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -281,21 +282,12 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
         else:  # do not mask the error that is already on its way out
-            self._drain()
+            self._saves.drain()
+            self._close_client()
 
-    def _raise_finished_errors(self) -> None:
-        with self._lock:
-            finished = [f for f in self._pending if f.done()]
-            self._pending = [f for f in self._pending if not f.done()]
-        errors = [f.exception() for f in finished if f.exception() is not None]
-        if errors:
-            raise errors[0]
-
-    def _drain(self) -> None:
-        """Wait for the saves in flight without consuming their errors."""
-        with self._lock:
-            pending = list(self._pending)
-        concurrent.futures.wait(pending)
+    def _close_client(self) -> None:
+        if self._owns_client:
+            self.client.close()  # an S3Client is usable again after close: it takes a native client again
 
     def _committed(self, writer: S3StorageWriter) -> None:
         self.last_save_stats = writer.last_stats
@@ -368,7 +360,7 @@ class CheckpointManager:
         Collective under ``torch.distributed``: the coordinator lists, every rank gets its
         answer (or its error). Saves of this manager still in flight are waited for first.
         """
-        self._drain()
+        self._saves.drain()
         if not _dist_on():
             return self._latest_local()
         box: list[Any] = [None]
@@ -403,7 +395,7 @@ class CheckpointManager:
                     f"no committed checkpoint under {self.base} (no directory matching "
                     f"{self.name_format!r} holds a {METADATA_NAME}); nothing to resume from")
         else:
-            self._drain()  # no DCP collective of ours may run beside a save's
+            self._saves.drain()  # no DCP collective of ours may run beside a save's
         import torch.distributed.checkpoint as dcp
 
         from ..loading.reader import S3StorageReader

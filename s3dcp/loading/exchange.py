@@ -166,7 +166,8 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
                 t = time.perf_counter()
                 try:
                     s3_bytes += _finish_gets(reader, current, reads)
-                    wires = _wires(chunks, current[0], me, device)  # all this rank's allocations, before the flags
+                    # every local step of the exchange (allocations, the messages) before the flags
+                    posts = _posts(chunks, _wires(chunks, current[0], me, device), me, group)
                 except BaseException as e:  # noqa: BLE001
                     error = e
                 get_s += time.perf_counter() - t
@@ -188,7 +189,7 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
                 except BaseException as e:  # noqa: BLE001 - heard of at the next round's flags
                     error = e
             try:
-                peer_bytes += _swap(chunks, wires, me, group)
+                peer_bytes += _swap(posts)
             except BaseException as e:  # noqa: BLE001
                 error, broken = e, True
                 break
@@ -237,13 +238,9 @@ def _targets(reader, plan, planner) -> tuple[dict, dict]:
         read = reader.items.plan(item, planner, slot_bytes)
         key = item_key(read.location)
         reads.setdefault(key, read)
-        if read.pieces is None:
-            if read.dest is not None:
-                flat = read.dest.reshape(-1).view(torch.uint8)
-                buf = flat[:read.end - read.start]
-            else:
-                buf = torch.frombuffer(read.bounce, dtype=torch.uint8) if read.end > read.start else \
-                    torch.empty(0, dtype=torch.uint8)
+        if read.pieces is None:  # lands in read.sink, the destination's (or bytes buffer's) memory
+            buf = torch.frombuffer(read.sink, dtype=torch.uint8) if len(read.sink) else \
+                torch.empty(0, dtype=torch.uint8)
             targets.setdefault(key, []).append(_Target(read, None, read.start, read.end, buf))
             if read.end == read.start:  # an empty item: nothing will arrive for it
                 reader.items.finish(read, planner, verify=False)
@@ -339,35 +336,58 @@ def _wires(chunks: list[Chunk], landed: dict, me: int, device: torch.device) -> 
     return wires
 
 
-def _swap(chunks: list[Chunk], wires: dict, me: int, group) -> int:
-    """Send each owned chunk to its receivers and receive each chunk this rank needs; the bytes
-    received. A chunk every rank needs is broadcast (a tree or ring: the owner does not send
-    it world − 1 times); any other goes point to point, isend/irecv in one batch. Every rank
-    posts them in the schedule's order, so the two ends of each message, and the collectives,
-    match."""
+@dataclass
+class _Posts:
+    """A round's messages for this rank, made before the round's flags so that nothing is left
+    to fail locally once other ranks post theirs (a rank that failed after its peers posted would
+    leave them waiting for its messages until the backend's timeout)."""
+
+    group: Any
+    broadcasts: list  # (wire, owner's rank in the group), in the schedule's order
+    p2p: list  # P2POps, posted as one batch
+    back: list  # (device wire, landing place) of each chunk received through a device buffer
+    received: int  # bytes received from peers
+
+
+def _posts(chunks: list[Chunk], wires: dict, me: int, group) -> _Posts:
+    """Each owned chunk to its receivers and each chunk this rank needs from its owner (see
+    :func:`_swap`), every rank named checked against the group."""
     world = dist.get_world_size(group)
-    ops, works = [], []
-    received = 0
+    posts = _Posts(group, [], [], [], 0)
     for c in chunks:
         if c.cid not in wires:
             continue
-        wire, _ = wires[c.cid]
+        wire, landing = wires[c.cid]
+        if not (0 <= c.owner < world and all(0 <= r < world and r != c.owner for r in c.receivers)):
+            raise RuntimeError(f"cooperative load: chunk {c.cid} names owner {c.owner} and receivers "
+                               f"{list(c.receivers)}, not ranks of this group of {world}")
         if c.owner != me:
-            received += c.length
+            posts.received += c.length
+            if wire is not landing:
+                posts.back.append((wire, landing))
         if world > 2 and len(c.receivers) == world - 1:
-            works.append(dist.broadcast(wire, group=group, group_src=c.owner, async_op=True))
+            posts.broadcasts.append((wire, c.owner))
         elif c.owner == me:
-            ops.extend(dist.P2POp(dist.isend, wire, group=group, group_peer=r, tag=c.cid) for r in c.receivers)
+            posts.p2p.extend(dist.P2POp(dist.isend, wire, group=group, group_peer=r, tag=c.cid) for r in c.receivers)
         else:
-            ops.append(dist.P2POp(dist.irecv, wire, group=group, group_peer=c.owner, tag=c.cid))
-    if ops:
-        works.extend(dist.batch_isend_irecv(ops))
+            posts.p2p.append(dist.P2POp(dist.irecv, wire, group=group, group_peer=c.owner, tag=c.cid))
+    return posts
+
+
+def _swap(posts: _Posts) -> int:
+    """Post a round's messages and wait for them; the bytes received. A chunk every rank needs
+    is broadcast (a tree or ring: the owner does not send it world − 1 times); any other goes
+    point to point, isend/irecv in one batch. Every rank posts them in the schedule's order, so
+    the two ends of each message, and the collectives, match."""
+    works = [dist.broadcast(wire, group=posts.group, group_src=owner, async_op=True)
+             for wire, owner in posts.broadcasts]
+    if posts.p2p:
+        works.extend(dist.batch_isend_irecv(posts.p2p))
     for work in works:
         work.wait()
-    for c in chunks:  # NCCL: from the device buffers into the landing places
-        if c.cid in wires and c.owner != me and wires[c.cid][0] is not wires[c.cid][1]:
-            wires[c.cid][1].copy_(wires[c.cid][0])
-    return received
+    for wire, landing in posts.back:  # NCCL: from the device buffers into the landing places
+        landing.copy_(wire)
+    return posts.received
 
 
 def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier) -> None:

@@ -4,6 +4,8 @@ and ListParts, and the values they describe (:class:`ObjectInfo`, :class:`Upload
     S3Client.list / list_uploads / upload_activity ──► page ──send──► XML ──► values ──► next page or result
 
 Owns walking the pages (markers, continuation tokens) and turning each page's XML into values.
+A page that names a marker or token the walk has already followed is refused (a broken or
+hostile server would otherwise be listed forever).
 It must not send a request itself: it is handed ``send``, :meth:`S3Client._default
 <s3dcp.s3.client.S3Client._default>` (one small request, a future of ``result(status, headers,
 body)``), and never imports :mod:`s3dcp.s3.client`. No call blocks: the next page is asked for
@@ -16,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..errors import S3Error
 from .responses import children, parse_iso, text, xml_result
 from .streams import chain
 
@@ -45,6 +48,7 @@ def list_objects(send: Callable[..., Future], bucket: str, prefix: str, delimite
     objects: list[ObjectInfo] = []
     prefixes: list[str] = []
     outer: Future = Future()
+    seen: set = set()
 
     def page(token: str | None) -> None:
         query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size)}
@@ -63,6 +67,7 @@ def list_objects(send: Callable[..., Future], bucket: str, prefix: str, delimite
             prefixes.append(text(p, "Prefix"))
         token = text(root, "NextContinuationToken")
         if text(root, "IsTruncated") == "true" and token:
+            _once(seen, token, "ListObjectsV2", bucket, prefix, "continuation token")
             page(token)
         else:
             outer.set_result((objects, prefixes))
@@ -76,6 +81,7 @@ def list_uploads(send: Callable[..., Future], bucket: str, prefix: str,
     """Unfinished multipart uploads under ``prefix``, every page."""
     uploads: list[UploadInfo] = []
     outer: Future = Future()
+    seen: set = {("", "")}
 
     def page(key_marker: str, upload_marker: str) -> None:
         query = {"uploads": "", "prefix": prefix}
@@ -91,7 +97,9 @@ def list_uploads(send: Callable[..., Future], bucket: str, prefix: str,
             uploads.append(UploadInfo(key=text(u, "Key"), upload_id=text(u, "UploadId"),
                                       initiated=parse_iso(text(u, "Initiated"))))
         if text(root, "IsTruncated") == "true":
-            page(text(root, "NextKeyMarker"), text(root, "NextUploadIdMarker"))
+            markers = (text(root, "NextKeyMarker"), text(root, "NextUploadIdMarker"))
+            _once(seen, markers, "ListMultipartUploads", bucket, prefix, "key and upload id markers")
+            page(*markers)
         else:
             outer.set_result(uploads)
 
@@ -114,6 +122,7 @@ def upload_activity(send: Callable[..., Future], bucket: str, key: str, upload_i
     time), from ListParts, every page."""
     found = {"parts": 0, "bytes": 0, "newest": None}
     outer: Future = Future()
+    seen: set = set()
 
     def page(marker: str) -> None:
         query = {"uploadId": upload_id}
@@ -131,9 +140,19 @@ def upload_activity(send: Callable[..., Future], bucket: str, key: str, upload_i
                 found["newest"] = stamp
         marker = text(root, "NextPartNumberMarker")
         if text(root, "IsTruncated") == "true" and marker:
+            _once(seen, marker, "ListParts", bucket, key, "part number marker")
             page(marker)
         else:
             outer.set_result(UploadParts(**found))
 
     page("")
     return outer
+
+
+def _once(seen: set, marker, operation: str, bucket: str, key: str, what: str) -> None:
+    """Note ``marker`` as followed; refuse one followed before (the walk would never end)."""
+    if marker in seen:
+        raise S3Error(f"a {operation} page names {what} {marker!r}, which this listing has already followed: "
+                      f"it would never end; the server (or a proxy before it) is broken", operation=operation,
+                      bucket=bucket, key=key or None)
+    seen.add(marker)

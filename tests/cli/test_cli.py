@@ -466,6 +466,30 @@ def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monke
                 proc.wait()
 
 
+def test_stop_never_signals_a_process_that_has_a_gone_servers_pid(capsys, monkeypatch, tmp_path):
+    """A state file left by a server that is gone (a reboot, SIGKILL) whose pid now names
+    another live process: that process is no server; nothing is signalled, the file is removed.
+    Both with a recorded start that differs and in an earlier version's file (no start: the
+    command line decides)."""
+    monkeypatch.setenv("S3DCP_STATE_DIR", str(tmp_path))
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        state = {"pid": sleeper.pid, "endpoint_url": "http://127.0.0.1:9", "env": {}, "buckets": ["demo"],
+                 "started_at": time.time()}
+        for name, extra in (("server-1.json", {"start_mark": "another-boot:12345"}), ("server.json", {})):
+            (tmp_path / name).write_text(json.dumps({**state, **extra}))
+            code, _, err = run_cli(capsys, "server", "--stop", "--pid", str(sleeper.pid))
+            assert code == 1 and f"no s3dcp server with pid {sleeper.pid} runs (none runs)" in err, err
+            (tmp_path / name).write_text(json.dumps({**state, **extra}))
+            code, _, err = run_cli(capsys, "server", "--stop", "--all")
+            assert code == 0 and "no s3dcp server is running" in err, err
+            assert sleeper.poll() is None  # not signalled
+            assert not (tmp_path / name).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def _state_files(state_dir) -> list:
     return sorted(state_dir.glob("server-*.json"))
 

@@ -18,8 +18,9 @@ import torch
 
 from s3dcp.interop.lightning import S3CheckpointIO, S3ModelCheckpoint
 from s3dcp.interop.lightning_fs import CheckpointFileSystem
+from s3dcp.s3.client import S3Client
 
-from test_examples import EXAMPLES, _env
+from test_examples import EXAMPLES, _env, _no_warnings
 from test_multiprocess import _assert_tree_equal
 
 
@@ -137,6 +138,67 @@ def test_the_file_system_view_shows_committed_checkpoints_only(s3_config, uri, b
     assert callback._find_last_checkpoints(trainer=None) == {f"s3dcp://{bucket}/ckpt/last.ckpt"}
 
 
+class _Listed(S3Client):
+    """An S3Client (real requests) that notes every key and common prefix its listings return."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.listed: list[str] = []
+
+    def list(self, bucket, prefix="", **kwargs):
+        f = super().list(bucket, prefix, **kwargs)
+        objects, prefixes = f.result()
+        self.listed += [o.key for o in objects] + prefixes
+        return f
+
+
+def test_the_file_system_view_lists_children_never_what_lies_inside_them(s3_config, uri, bucket, boto3_client):
+    """ls and info cost what is asked about: a checkpoint's objects are never listed (before,
+    both listed every object under the directory, O(objects in the run) per call)."""
+    io = S3CheckpointIO(config=s3_config)
+    io.save_checkpoint(lightning_checkpoint(), f"{uri}/last.ckpt")
+    for i in range(30):  # a big checkpoint's objects, and a deep directory
+        boto3_client.put_object(Bucket=bucket, Key=f"ckpt/last.ckpt/__{i}_0.distcp", Body=b"x")
+        boto3_client.put_object(Bucket=bucket, Key=f"ckpt/runs/{i}/x", Body=b"x")
+    boto3_client.put_object(Bucket=bucket, Key="ckpt/best_k_models.yaml", Body=b"{}")
+    client = _Listed(s3_config)
+    fs = CheckpointFileSystem(client=client)
+    assert {e["name"]: e["type"] for e in fs.ls(uri)} == {
+        f"{bucket}/ckpt/last.ckpt": "file", f"{bucket}/ckpt/runs": "directory",
+        f"{bucket}/ckpt/best_k_models.yaml": "file"}
+    assert fs.info(f"{uri}/last.ckpt")["type"] == "file" and fs.info(f"{uri}/runs")["type"] == "directory"
+    assert fs.info(f"{uri}/best_k_models.yaml")["size"] == 2
+    with pytest.raises(FileNotFoundError):
+        fs.info(f"{uri}/last")  # a name that only starts another's
+    assert sorted(set(client.listed)) == ["ckpt/best_k_models.yaml", "ckpt/last.ckpt/", "ckpt/runs/"], client.listed
+    fs.close()  # a client passed in stays open
+    assert client._use.native is not None
+    client.close()
+
+
+def test_the_plugin_the_callback_and_the_view_close_the_clients_they_made(s3_config, uri, bucket):
+    io = S3CheckpointIO(config=s3_config)
+    io.save_checkpoint(lightning_checkpoint(), f"{uri}/last.ckpt")
+    assert io.client._use.native is not None
+    io.teardown()
+    assert io.client._use.native is None  # closed at the end of fit, not left to a finalizer
+    assert io.load_checkpoint(f"{uri}/last.ckpt")["epoch"] == 1  # and usable again
+
+    callback = S3ModelCheckpoint(dirpath=uri, config=s3_config, save_last=True)
+    view = callback._fs
+    for _ in range(2):  # one view (one client) for the callback's life, not one per look-up
+        assert callback._find_last_checkpoints(trainer=None) == {f"s3dcp://{bucket}/ckpt/last.ckpt"}
+        assert callback._fs is view
+    assert view.client._use.native is not None
+    callback.teardown(None, None, "fit")
+    assert view.client._use.native is None
+
+    fs = CheckpointFileSystem(s3_config)
+    assert fs.isfile(f"{uri}/last.ckpt")
+    fs.close()
+    assert fs.client._use.native is None
+
+
 def test_fit_resumed_from_an_s3_path_ends_bitwise_where_an_uninterrupted_fit_ends(s3_config, uri):
     import pytorch_lightning as pl
 
@@ -166,6 +228,7 @@ def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_ser
                            "--width", "64"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
+    _no_warnings(out)  # DCP's "torch.distributed is disabled" too: saves and loads use a group of one rank
     assert "# last.ckpt: step 8, 6 tensors identical to the trained model" in out
     assert "Restored all states from the checkpoint at s3dcp://lightning-example/run/checkpoints/last.ckpt" in out
     assert "# resumed and trained to step 12" in out
@@ -225,6 +288,7 @@ def test_example_uses_a_configured_endpoint_and_runs_again(s3_server, demo_bucke
                               capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
         out = done.stdout + done.stderr
         assert done.returncode == 0, out
+        _no_warnings(out)
         line = next(x for x in done.stdout.splitlines() if x.startswith("# the configured S3 endpoint"))
         assert line.startswith(f"# the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under "
                                "s3://demo/lightning/"), line

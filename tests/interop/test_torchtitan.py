@@ -21,7 +21,7 @@ import torch
 if sys.version_info < (3, 11):  # torchtitan 0.3 needs 3.11; the [test] extra installs it from there on
     pytest.skip("torchtitan needs Python >= 3.11", allow_module_level=True)
 
-from test_examples import EXAMPLES, _env, _losses  # noqa: E402
+from test_examples import EXAMPLES, _env, _losses, _no_warnings  # noqa: E402
 from test_multiprocess import Job, _assert_bitwise, run_jobs  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -306,6 +306,8 @@ def test_example_is_killed_and_resumes_with_identical_losses(tmp_path):
     assert [r["step"] for r in second] == list(range(start + 1, 7))
     assert {r["step"]: r["loss"] for r in second if r["step"] <= 5} == {s: first[s] for s in range(start + 1, 6)}
     assert "s3dcp: checkpoint step 6 committed" in resumed.stdout + resumed.stderr
+    _no_warnings(crashed.stdout + crashed.stderr)
+    _no_warnings(resumed.stdout + resumed.stderr)  # the resume loads torchtitan's lr schedulers
 
 
 def test_example_uses_a_configured_endpoint(s3_server, demo_bucket, tmp_path):
@@ -317,3 +319,4 @@ def test_example_uses_a_configured_endpoint(s3_server, demo_bucket, tmp_path):
     assert f"# the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under s3://demo/torchtitan" \
         in done.stdout
     assert not (tmp_path / "s3dcp-example-data").exists()  # no embedded server was started
+    _no_warnings(done.stdout + done.stderr)

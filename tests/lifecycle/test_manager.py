@@ -116,6 +116,27 @@ def test_keep_every_also_keeps_multiples(bucket, s3_config, boto3_client):
     manager.close()
 
 
+def test_close_closes_the_client_the_manager_made_never_one_passed_in(bucket, s3_config):
+    made = CheckpointManager(f"s3://{bucket}/run", config=s3_config, keep_last=1)
+    made.save(1, _state(1))
+    made.wait()
+    assert made.client._use.native is not None
+    made.close()
+    assert made.client._use.native is None  # let go of at close, not by a finalizer some day
+    given = S3Client(s3_config)
+    with CheckpointManager(f"s3://{bucket}/run", client=given, keep_last=1) as manager:
+        manager.save(2, _state(2))
+    with pytest.raises(ValueError, match="on its way out"):
+        with CheckpointManager(f"s3://{bucket}/run", client=given, keep_last=1) as manager:
+            manager.save(3, _state(3))
+            raise ValueError("on its way out")
+    assert given._use.native is not None and manager.latest() == 3  # the caller's client stays open
+    given.close()
+    with CheckpointManager(f"s3://{bucket}/run", config=s3_config) as manager:
+        assert manager.latest() == 3
+    assert manager.client._use.native is None
+
+
 def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_client):
     client = _FlakyCommit(s3_config)
     manager = CheckpointManager(f"s3://{bucket}/run", client=client, keep_last=1)

@@ -123,7 +123,30 @@ def _worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
     again = _blank(small)
     out["after"] = _load(again, f"{uri}/inc", cfg)
     _assert_bitwise(again["big"], small["big"], "after")
+
+    # 7. A local error on rank 1 only before any message of a round is posted (building its
+    # point-to-point messages), in a group whose collectives time out after 20 s: every rank
+    # hears of it at that round's flags; before, the others waited for rank 1's messages until
+    # the group timed out, and failed with the backend's timeout instead of PeerReadError.
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    dest = {"big": distribute_tensor(torch.zeros_like(expected["big"]), mesh, [Shard(0)])}  # as in 2b: p2p
+    reader = S3StorageReader(f"{uri}/ddp", config=cfg, cooperative=True, process_group=short)
+    real = dist.P2POp
+    if rank == 1:
+        dist.P2POp = _refuse_p2p
+    try:
+        dcp.load(dest, storage_reader=reader, process_group=short)
+        out["local"] = ("no error", reader.last_stats)
+    except CheckpointException as e:
+        own = e.failures[rank][0] if isinstance(e.failures[rank], tuple) else e.failures[rank]
+        out["local"] = (type(own).__name__, getattr(own, "failed_ranks", None), str(own), sorted(e.failures))
+    finally:
+        dist.P2POp = real
     return out
+
+
+def _refuse_p2p(*args, **kwargs):
+    raise RuntimeError("injected: no point-to-point message on this rank")
 
 
 def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_config, boto3_client, tmp_path):
@@ -176,6 +199,10 @@ def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_conf
         assert out["fault"][0] == ("AccessDeniedError" if rank == 1 else "PeerReadError")
         assert out["pickle"] == ("UnsafePickleError" if rank == 2 else "PeerReadError", "UnsafePickleError",
                                  [0, 1, 2, 3]), out["pickle"]
+        mine = ("RuntimeError", None, "injected: no point-to-point message on this rank") if rank == 1 else \
+            ("PeerReadError", [1], "cooperative load: rank(s) [1] failed (see their errors); rank "
+             f"{rank} stopped too")
+        assert out.get("local") == (*mine, [0, 1, 2, 3]), out.get("local")
     owners = [out["corrupt"][0] for out in job.results]
     assert owners.count("IntegrityError") == 1 and owners.count("PeerReadError") == WORLD - 1
 

@@ -245,7 +245,7 @@ def test_manager_async_incremental_does_not_wait_for_saves_in_flight(bucket, s3_
     finally:
         for event in held.values():
             event.set()
-        manager._drain()
+        manager._saves.drain()
     _check(_load(expected, f"{run}/step-00000002", client), expected)
     assert _locations(f"{run}/step-00000002", client)["base.weight"].startswith("../step-00000000/")
 

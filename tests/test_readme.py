@@ -16,6 +16,7 @@ import torch
 
 import s3dcp
 from s3dcp import cli
+from s3dcp import localserver
 
 from doc_pages import ROOT, aws_env, blocks as _blocks, fresh_bucket as _fresh_bucket, in_bucket as _in, tiny_lightning_model  # noqa: F401,E501
 
@@ -67,7 +68,8 @@ def test_try_it_locally_runs_as_written(s3_server, boto3_client, tmp_path):
     stand_in = subprocess.Popen(["sleep", "600"])
     try:
         (state_dir / "server.json").write_text(json.dumps({
-            "pid": stand_in.pid, "weed_pid": s3_server.pid, "endpoint_url": s3_server.endpoint_url,
+            "pid": stand_in.pid, "start_mark": localserver._start_mark(stand_in.pid),  # recorded as a server would
+            "weed_pid": s3_server.pid, "endpoint_url": s3_server.endpoint_url,
             "buckets": [], "data_dir": str(tmp_path), "env": s3_server.env()}))
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # only the eval points at S3
         env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", S3DCP_STATE_DIR=str(state_dir),

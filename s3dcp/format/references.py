@@ -72,7 +72,9 @@ def sources(locations: Iterable[ItemLocation]) -> dict:
     return out
 
 
-_V2_MAGIC = b"\x89S3DCPMD"  # s3dcp.format.metadata.v2.MAGIC, repeated here so that reading names needs no torch
+
+
+_V2_MAGIC = b"\x89S3DCPMD"  # s3dcp.format.metadata.plain_v2.MAGIC, repeated: `ls` and `rm` stay off the decoder's imports
 _V2_HEAD = struct.Struct("<8sQ")
 
 

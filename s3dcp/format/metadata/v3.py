@@ -35,16 +35,14 @@ from typing import Any
 
 from ...errors import MetadataFormatError
 from . import packing, planner
+from .common import FORMAT_NAME
+from .plain_v2 import _HEAD, _TRAILER, MAGIC  # the outer header is version 2's header, read the same way
 
 __all__ = ["MAGIC", "VERSION", "encode", "unpack", "worth_it", "MIN_SAVING_BYTES", "MIN_SAVING_FRACTION"]
 
-MAGIC = b"\x89S3DCPMD"  # version 2's (s3dcp.format.metadata.v2.MAGIC): the outer header is read the same way
 VERSION = 3
-FORMAT_NAME = "s3dcp-metadata"  # s3dcp.format.metadata.common.FORMAT_NAME
 MIN_SAVING_BYTES = 64 * 1024
 MIN_SAVING_FRACTION = 1 / 8
-_HEAD = struct.Struct("<8sQ")
-_TRAILER = struct.Struct("<I")
 _OUTER_FIELDS = ("format", "version")
 
 

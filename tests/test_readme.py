@@ -81,6 +81,11 @@ def test_try_it_locally_runs_as_written(s3_server, boto3_client, tmp_path):
     finally:
         stand_in.kill()
         stand_in.wait()
+        for path in state_dir.glob("*.json"):  # a server the block started itself (the stand-in not taken): stop it
+            pid = json.loads(path.read_text()).get("pid")
+            if pid != stand_in.pid:
+                subprocess.run([sys.executable, "-m", "s3dcp.cli", "server", "--stop", "--pid", str(pid)], env=env,
+                               capture_output=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"pid {stand_in.pid}" in done.stderr and "created now: s3://demo" in done.stderr, done.stderr
     (shown,) = _blocks("Try it locally", "text")  # what the README says `s3dcp ls` prints: exactly that, but the age

@@ -89,3 +89,13 @@ def test_the_plain_decode_does_not_import_torch():
         done = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
         assert done.stdout.decode().split() == [str(len(md.state_dict_metadata)), str(len(md.storage_data)), "False"], \
             done.stderr.decode()
+
+
+def test_a_dtype_newer_than_the_tables_is_read_through_the_installed_torch():
+    """A torch newer than the tables may store a dtype they lack: the plain decode imports torch
+    for that name alone (here: bfloat16 taken out of the tables in a fresh interpreter)."""
+    code = ("import sys; from s3dcp.format.metadata import names; del names.DTYPE_SIZES['bfloat16']; "
+            "before = 'torch' in sys.modules; size = names.element_size('bfloat16'); "
+            "print(before, size, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "2", "True"], done.stderr

@@ -6,8 +6,8 @@ torch-free side of the format (:mod:`s3dcp.format.metadata.plain`, what ``s3dcp 
 (:mod:`s3dcp.format.metadata.dtypes`), which refuses a name the running torch lacks.
 
 The tables are torch 2.13's (``tests/format/test_metadata.py`` compares them with the installed
-torch). A dtype a later torch adds is still accepted once torch is imported: a name missing here
-is looked up in torch itself when torch is loaded already, and never imported for it.
+torch). A dtype a later torch adds is still accepted: a name missing here is looked up in torch
+itself, which is imported for that (and only for a name the tables lack).
 """
 
 from __future__ import annotations
@@ -37,10 +37,16 @@ MEMORY_FORMATS = frozenset({"channels_last", "channels_last_3d", "contiguous_for
 _TABLES = {"dtype": DTYPE_SIZES, "layout": LAYOUTS, "memory_format": MEMORY_FORMATS}
 
 
-def _in_loaded_torch(kind: str, name: str) -> bool:
-    """Whether an already imported torch has ``torch.<name>`` of this kind (a newer torch's addition)."""
+def _in_torch(kind: str, name: str) -> bool:
+    """Whether the installed torch has ``torch.<name>`` of this kind (a newer torch's addition).
+    Imports torch if it is not loaded yet: only a name the tables lack gets here."""
     torch = sys.modules.get("torch")
-    value = vars(torch).get(name) if torch is not None and not name.startswith("__") else None
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            return False
+    value = vars(torch).get(name) if not name.startswith("__") else None
     return value is not None and type(value).__name__ == kind and str(value).removeprefix("torch.") == name
 
 
@@ -48,10 +54,10 @@ def check_name(kind: str, name: object) -> str:
     """``name`` when it is a torch ``kind`` ("dtype", "layout" or "memory_format"); else
     MetadataFormatError naming it."""
     table = _TABLES[kind]
-    if type(name) is str and (name in table or _in_loaded_torch(kind, name)):
+    if type(name) is str and (name in table or _in_torch(kind, name)):
         return name
     raise MetadataFormatError(f"unknown torch {kind} {_short(name)} (not a {kind} of torch {TABLE_TORCH} "
-                              "or of the torch loaded)")
+                              "or of the torch installed)")
 
 
 def element_size(dtype: str | None) -> int | None:

@@ -46,7 +46,7 @@ def copy_into(dest: memoryview, dest_offset: int, source, source_offset: int, n:
         to = _address(dest)
         frm = _address(source)
         if to is not None and frm is not None:
-            if dest_offset + n > dest.nbytes or source_offset + n > len(source):
+            if min(dest_offset, source_offset) < 0 or dest_offset + n > dest.nbytes or source_offset + n > len(source):
                 raise ValueError("copy_into: range outside its buffer")  # memmove would not check
             ctypes.memmove(to + dest_offset, frm + source_offset, n)
             return

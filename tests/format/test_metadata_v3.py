@@ -5,6 +5,7 @@ it, hostile objects refused by name, old readers refusing it by name, and a DCP 
 from __future__ import annotations
 
 import json
+import os
 import math
 import struct
 import zlib
@@ -348,3 +349,31 @@ def test_dcp_save_and_load_of_20000_unique_tensors_writes_version_3(uri, bucket,
     for layer, experts in state["moe"]["layers"].items():
         for e, item in experts.items():
             assert torch.equal(dest["moe"]["layers"][layer][e]["w"], item["w"]), (layer, e)
+
+
+def test_a_header_of_many_small_values_is_refused_before_it_is_parsed():
+    """Unknown header fields are ignored, so a crafted one can hide millions of tiny JSON values
+    (each ~50 bytes once parsed, for 3 bytes of text) that inflate from a few KB: refused by count."""
+    outer, inner, body = _sample()
+    inner["padding"] = [{}] * 1_000_000  # ~3 MB of JSON (under the 4 MiB any header may inflate to), ~3 KB packed
+    data = v3_pack(outer, inner, body)
+    assert len(data) < 100_000
+    with peak_rss_sampler(0.005) as rss:
+        refuse(data, "metadata.header", "JSON values", "damaged or crafted")
+    assert rss.extra < 64 * 2**20, f"the refusal took {rss.extra / 2**20:.0f} MiB: it parsed the header"
+    del inner["padding"]
+    assert_same(decode_metadata(v3_pack(outer, inner, body), lazy=False), checkpoint(FQNS, dcp_paths(FQNS)))
+
+
+def test_a_key_of_many_dots_is_charged_for_every_part_of_its_path():
+    """A path is built from its key's dot-separated parts: one fqn of 8 * 10^6 dots (packed to a
+    few KB, in an object padded to ~750 KB so that its header may inflate to ~12 MB) would make
+    8 million strings; charged before anything is built."""
+    outer, inner, body = _sample()
+    inner["fqns"][0] = "." * 8_000_000 + "w"
+    inner["padding"] = os.urandom(700_000).hex()  # an unknown field, ignored; incompressible
+    data = v3_pack(outer, inner, body)
+    assert len(data) < 900_000
+    with peak_rss_sampler(0.005) as rss:
+        refuse(data, "planner_data", "path parts", "more than a metadata object")
+    assert rss.extra < 128 * 2**20, f"the refusal took {rss.extra / 2**20:.0f} MiB"

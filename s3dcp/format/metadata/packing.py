@@ -12,7 +12,9 @@ Its entry in the object says how to read it::
 ``length`` compressed bytes can inflate to (deflate's best is ~1,032:1), nor
 ``max(4 MiB, 16 x the object's bytes)`` (a real header is at most a few times the object: the
 columns hold the bulk). Inflating stops at the declared size, whatever the stream says, so a
-small object cannot make a reader inflate or parse more than that. Plain data only: no torch.
+small object cannot make a reader inflate or parse more than that; and the inflated text may
+hold at most one JSON value per byte of the object (a real header: one per ~3), checked before
+it is parsed. Plain data only: no torch.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _ZLIB_LEVEL = 9  # written once per checkpoint, read by every rank: the extra en
 _MIN_COMPRESS_BYTES = 256
 _ZLIB_MAX_RATIO = 1032  # deflate's best: 258 bytes per 2-bit code (as in columns.py)
 _ZLIB_SLACK_BYTES = 1024
+_MIN_VALUES = 1 << 16
 
 
 def header_limit_bytes(object_bytes: int) -> int:
@@ -89,6 +92,15 @@ def unpack_json(entry: Any, stored: memoryview, object_bytes: int, where: str) -
             raise MetadataFormatError(f"{where}: corrupt compressed header ({e})") from None
         if len(raw) != size:
             raise MetadataFormatError(f"{where}.size: inflates to {len(raw)} bytes, declared {size}")
+    # Parsing is bounded by the header's bytes, except that each value (a short string, a number,
+    # an empty container) becomes a Python object of ~50 bytes for its 2 or 3 bytes of text. A real
+    # header has about one per 3 object bytes (fqns and planner ids: ~30 inflated bytes each, packed
+    # ~8x); refuse more than one per object byte before parsing.
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > max(_MIN_VALUES, object_bytes):
+        raise MetadataFormatError(
+            f"{where}: {values} JSON values in a header of a {object_bytes}-byte object, more than s3dcp writes "
+            "(about one per 3 bytes of the object); the object is damaged or crafted")
     try:
         return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

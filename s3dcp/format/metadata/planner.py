@@ -120,6 +120,10 @@ def _template(key: str, node: Any) -> Any:
 # Decoding
 
 
+_MIN_PARTS = 1 << 22
+_PARTS_PER_BYTE = 3
+
+
 def expand(node: Any, fqns: list[str], budget: DecodeBudget, decode_tree: Callable[[Any, str], Any]) -> Any:
     """planner_data from its version-3 form; ``fqns`` are the header's, already checked (str, unique)."""
     if type(node) is not dict:
@@ -144,8 +148,15 @@ def expand(node: Any, fqns: list[str], budget: DecodeBudget, decode_tree: Callab
     n_odd = ids.count(ODD)
     if n_odd != len(odd):
         raise MetadataFormatError(f"{_W}.odd: {len(odd)} values for {n_odd} entries of template 0")
-    # Keys are distinct, so the paths built hold at most as many parts as the table has dots.
     budget.objects(f"{_W}.entries", n, "planner_data entries")
+    # Every path is built from its key's dot-separated parts, one string each. Format 3 packs a
+    # real header ~8x, so a real object holds ~1.5 parts per byte (1 rank x 200,000 MoE tensors:
+    # 2.0 M parts in 1.4 MB); a key of millions of dots would hold far more. Counted first.
+    parts = sum(table[k].count(".") + 1 for k in keys)
+    if parts > max(_MIN_PARTS, _PARTS_PER_BYTE * budget.object_bytes):
+        raise MetadataFormatError(
+            f"{_W}.entries: declares {parts} planner_data path parts, more than a metadata object of "
+            f"{budget.object_bytes} bytes can describe; the object is damaged or crafted")
     out: dict = {}
     odd_values = iter(odd)
     for j, (k, t) in enumerate(zip(keys, ids)):

@@ -23,7 +23,7 @@ from .plain import PlainMetadata
 from .rows import Rows
 from .tree import decode_tree
 
-__all__ = ["MAGIC", "VERSION", "header_of", "decode", "build"]
+__all__ = ["MAGIC", "VERSION", "header_of", "after_header", "decode", "build"]
 
 MAGIC = b"\x89S3DCPMD"
 VERSION = 2
@@ -57,15 +57,28 @@ def decode(data: bytes | memoryview, *, header: dict | None = None) -> PlainMeta
     """
     view = memoryview(data)
     header = header_of(view) if header is None else header
-    head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
     # The version is checked before anything else is read: a newer layout may differ anywhere.
     _check_version(_get(header, "version", "metadata", _int), VERSION)
+    return build(header, after_header(view), DecodeBudget(len(view)), version=VERSION,
+                 planner_data=lambda fqns: decode_tree(_get(header, "planner_data", "metadata"), "planner_data"))
+
+
+def after_header(data: bytes | memoryview) -> memoryview:
+    """The bytes between the (outer) JSON header and the trailer of a version-2 or -3 object,
+    once the object's length and its trailer CRC are checked."""
+    view = memoryview(data)
+    if len(view) < _HEAD.size + _TRAILER.size:
+        raise MetadataFormatError(f"truncated s3dcp metadata: {len(view)} bytes, shorter than the fixed header")
+    head_end = _HEAD.size + _HEAD.unpack_from(view)[1]
+    if head_end + _TRAILER.size > len(view):
+        raise MetadataFormatError(
+            f"truncated s3dcp metadata: the header says {head_end - _HEAD.size} header bytes, the object has "
+            f"{len(view)} in all")
     (crc,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
     if zlib.crc32(view[:-_TRAILER.size]) != crc:
         raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
                                   "(truncated or damaged object)")
-    return build(header, view[head_end:-_TRAILER.size], DecodeBudget(len(view)), version=VERSION,
-                 planner_data=lambda fqns: decode_tree(_get(header, "planner_data", "metadata"), "planner_data"))
+    return view[head_end:-_TRAILER.size]
 
 
 def build(header: dict, body: memoryview, budget: DecodeBudget, *, version: int,

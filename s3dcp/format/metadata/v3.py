@@ -36,7 +36,7 @@ from typing import Any
 from ...errors import MetadataFormatError
 from . import packing, planner
 from .common import FORMAT_NAME
-from .plain_v2 import _HEAD, _TRAILER, MAGIC  # the outer header is version 2's header, read the same way
+from .plain_v2 import _HEAD, _TRAILER, MAGIC, after_header  # the outer header is version 2's header, read the same way
 
 __all__ = ["MAGIC", "VERSION", "encode", "unpack", "worth_it", "MIN_SAVING_BYTES", "MIN_SAVING_FRACTION"]
 
@@ -75,28 +75,16 @@ def unpack(data: bytes | memoryview, outer: Any) -> tuple[dict, memoryview]:
     form; ``body`` holds the columns. The CRC is checked first, then the packed header's entry
     (bounded by the object's size before anything is inflated).
     """
-    view = memoryview(data)
-    if len(view) < _HEAD.size + _TRAILER.size:
-        raise MetadataFormatError(f"truncated s3dcp metadata: {len(view)} bytes, shorter than the fixed header")
-    magic, head_len = _HEAD.unpack_from(view)
-    if magic != MAGIC or type(outer) is not dict or outer.get("version") != VERSION:
+    if type(outer) is not dict or outer.get("version") != VERSION or bytes(memoryview(data)[:len(MAGIC)]) != MAGIC:
         raise MetadataFormatError("not an s3dcp metadata object of format version 3")
-    head_end = _HEAD.size + head_len
-    if head_end + _TRAILER.size > len(view):
-        raise MetadataFormatError(
-            f"truncated s3dcp metadata: the header says {head_len} header bytes, the object has {len(view)} in all")
-    (crc,) = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
-    if zlib.crc32(view[:-_TRAILER.size]) != crc:
-        raise MetadataFormatError("corrupt s3dcp metadata: the CRC32 of its bytes does not match its trailer "
-                                  "(truncated or damaged object)")
-    rest = view[head_end:-_TRAILER.size]
+    rest = after_header(data)
     entry = outer.get("header")
     length = entry.get("length") if type(entry) is dict else None
     if type(length) is not int or not 0 <= length <= len(rest):
         raise MetadataFormatError(
             f"metadata.header.length: {str(length)[:40]} is not a byte count within the object's {len(rest)} "
             "bytes after the outer header")
-    header = packing.unpack_json(entry, rest[:length], len(view), "metadata.header")
+    header = packing.unpack_json(entry, rest[:length], len(data), "metadata.header")
     if type(header) is not dict:
         raise MetadataFormatError("metadata.header: expected a JSON object")
     return header, rest[length:]

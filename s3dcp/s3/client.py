@@ -1,6 +1,7 @@
 """S3 operations as futures: a small surface over awscrt's S3Client.
 
-    caller buffers ──put()──► CRT meta request (multipart above the threshold, checksummed parts)
+    caller buffers ──put()──► one CRT PUT; above the threshold a SocketUpload (s3dcp.s3.sockets):
+                              parts sent from the buffers, each with its checksum
     caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
     head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
 
@@ -43,6 +44,7 @@ from .copies import copy_object
 from .listing import ObjectInfo, UploadInfo, UploadParts
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
+from .sockets import SocketUpload
 from .responses import children, parse_http_date, text, xml_result
 from .streams import BufferStream, chain, copy_into, finalizer, gather
 
@@ -135,14 +137,25 @@ class S3Client:
                 if name.lower() == "etag":
                     etag[0] = value
 
-        request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers), stream)
         size = stream.size
-        # Above the threshold the CRT uploads in parts; at the threshold itself that depends on
-        # its comparison, so it counts as a single PUT here (the safe side, see RequestFuture.abort).
+        # Above the threshold the upload goes in parts; at the threshold itself the CRT's choice
+        # depends on its comparison, so it counts as a single PUT here (the safe side, see
+        # RequestFuture.abort).
         multipart = not single_request and size > self.config.effective_multipart_threshold_bytes
+        if multipart and self.config.put_transport == "sockets":  # parts sent from the buffers
+            checksum, owner = self._wire_checksum(), self._owner_headers()
+            create = [("Content-Type", content_type), *self._sse_headers(), *owner]
+            if checksum is not None:
+                create.append(("x-amz-checksum-algorithm", checksum.upper()))
+            upload = SocketUpload(bucket, key, self._host_for(bucket), self._path(bucket, key), stream.views,
+                                  part_size=self.config.part_size_bytes, checksum=checksum,
+                                  create_headers=create, part_headers=owner)
+            return self._submit("PutObject", bucket, key, upload.start, result=lambda: PutResult(upload.etag, size),
+                                releases=[stream.release], clean_abort=True)
+        request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers), stream)
         return self._submit(
             "PutObject", bucket, key,
-            lambda crt, on_done: crt.make_request(
+            lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._put_checksum(),
                 multipart_upload_threshold=stream.size + 1 if single_request else None,
                 on_headers=on_headers, on_done=on_done),
@@ -203,7 +216,7 @@ class S3Client:
 
         return self._submit(
             "GetObject", bucket, key,
-            lambda crt, on_done: crt.make_request(
+            lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done,
                 part_size=self.config.download_part_size_bytes),
             result=result,
@@ -322,7 +335,7 @@ class S3Client:
         """Queue one CRT meta request; return a future with its translated outcome. Never blocks:
         it may be called from a CRT callback (the next page of a listing).
 
-        ``start(crt_client, on_done)`` makes the request once a slot is free (at most
+        ``start(native_client, on_done)`` makes the request once a slot is free (at most
         ``max_concurrency`` per process and configuration). When the request ends, success or
         not, its slot goes to the next queued request, its deadline is dropped and ``releases``
         run, so nothing keeps the caller's buffers alive after the future is done.
@@ -363,7 +376,7 @@ class S3Client:
 
         return self._submit(
             operation, bucket, key,
-            lambda crt, on_done: crt.make_request(
+            lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.DEFAULT, operation_name=operation, request=request,
                 on_headers=on_headers, on_body=collect, on_done=on_done),
             result=value,
@@ -403,15 +416,18 @@ class S3Client:
     def _host_for(self, bucket: str) -> str:
         return self._host if self.config.use_path_style else f"{bucket}.{self._host}"
 
+    def _wire_checksum(self) -> str | None:
+        """The checksum every uploaded part carries, or None where the store takes none (the item
+        checksums in the metadata still verify every load)."""
+        return self.config.checksum if compat.wire_checksums(self.config.compat) else None
+
     def _put_checksum(self):
         from awscrt.s3 import S3ChecksumAlgorithm, S3ChecksumConfig, S3ChecksumLocation
 
-        if not compat.wire_checksums(self.config.compat):
-            return None  # the item checksums in the metadata still verify every load
-        algorithm = {"crc32c": S3ChecksumAlgorithm.CRC32C, "crc64nvme": S3ChecksumAlgorithm.CRC64NVME}.get(
-            self.config.checksum or "")
-        if algorithm is None:
+        name = self._wire_checksum()
+        if name is None:
             return None
+        algorithm = S3ChecksumAlgorithm.CRC32C if name == "crc32c" else S3ChecksumAlgorithm.CRC64NVME
         return S3ChecksumConfig(algorithm=algorithm, location=S3ChecksumLocation.TRAILER)
 
     def _sse_headers(self) -> list[tuple[str, str]]:

@@ -1,7 +1,8 @@
 """How one awscrt S3Client is built from an :class:`~s3dcp.config.S3Config`.
 
 Owns credential resolution (:func:`_credential_source`, boto3's order) and the construction of
-the CRT client (credentials provider, signing, TLS, retries, part size, memory limit). It must
+the CRT client (credentials provider, signing, TLS, retries, part size, memory limit) and of the
+signing config that :mod:`s3dcp.s3.sockets` shares with it. It must
 not share, cache or close clients (:mod:`s3dcp.s3.native`) nor make requests.
 """
 
@@ -29,6 +30,7 @@ def _credential_source(config: S3Config, profile_given: bool, environ) -> tuple:
 
 
 def _make_crt_client(config: S3Config, tls: bool, source: tuple):
+    """The CRT client, and the signing config it signs with (the socket uploads sign with it too)."""
     from awscrt.auth import AwsCredentialsProvider
     from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
     from awscrt.s3 import S3Client as CrtS3Client
@@ -58,7 +60,7 @@ def _make_crt_client(config: S3Config, tls: bool, source: tuple):
     if config.max_retries == 0:
         from awscrt.s3 import S3RetryMode
         retry = S3RetryConfig(retry_mode=S3RetryMode.NONE)
-    return CrtS3Client(
+    client = CrtS3Client(
         bootstrap=bootstrap,
         region=config.region,
         tls_mode=S3RequestTlsMode.ENABLED if tls else S3RequestTlsMode.DISABLED,
@@ -71,5 +73,6 @@ def _make_crt_client(config: S3Config, tls: bool, source: tuple):
         retry_config=retry,
         connect_timeout_ms=int(config.connect_timeout_s * 1000),
     )
+    return client, signing
 
 

@@ -3,7 +3,9 @@
     S3Client ──_acquire_native──► registry (process, config, credentials) ──► _NativeClient (CRT client + queue)
     S3Client.close / finalizer ──_release_native──► idle linger (at most _MAX_IDLE kept) ──► retired
 
-Owns the registry (``_NATIVE``), each native client's admission queue (at most
+Owns the registry (``_NATIVE``), each native client (a CRT client and, with
+``put_transport="sockets"``, the :class:`~s3dcp.s3.sockets.SocketSender` of its multipart
+uploads), its admission queue (at most
 ``max_concurrency`` requests in flight, the rest wait in order), the idle linger, and
 :func:`close_native_clients` / :func:`native_clients`. It must not build or translate requests
 (:mod:`s3dcp.s3.client`, :mod:`s3dcp.s3.request`) nor resolve credentials or configure the CRT
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..config import S3Config
 from .crt import _credential_source, _make_crt_client
+from .sockets import SocketSender
 from .streams import deadlines
 
 if TYPE_CHECKING:
@@ -34,9 +37,10 @@ class _NativeClient:
     process, with its admission queue: at most ``limit`` requests in flight, the rest wait
     their turn in order. Nothing here blocks, so it may be entered from CRT callbacks."""
 
-    def __init__(self, key, crt, limit: int) -> None:
+    def __init__(self, key, crt, limit: int, sender=None) -> None:
         self.key = key
         self.crt = crt
+        self.sender = sender  # the socket uploads' threads and connections (s3dcp.s3.sockets)
         self.limit = limit
         self.users = 0  # S3Clients holding it
         self.in_flight = 0
@@ -73,8 +77,15 @@ class _NativeClient:
                 return self._queue.popleft()
             self.in_flight -= 1
             if self.closed and self.in_flight == 0:
-                self.crt = None
+                self._drop()
             return None
+
+    def _drop(self) -> None:
+        """Let go of the CRT client and the socket sender (under the lock, nothing in flight)."""
+        self.crt = None
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
 
     def _launch(self, call: _Call | None) -> None:
         while call is not None and not call.start(self):
@@ -117,8 +128,9 @@ def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _Native
     with _NATIVE_LOCK:
         native = _NATIVE.get(key)
         if native is None:
-            native = _NATIVE[key] = _NativeClient(key, _make_crt_client(config, tls, source),
-                                                  config.max_concurrency)
+            crt, signing = _make_crt_client(config, tls, source)
+            sender = SocketSender(config, signing, tls) if config.put_transport == "sockets" else None
+            native = _NATIVE[key] = _NativeClient(key, crt, config.max_concurrency, sender)
         native.users += 1
         return native
 
@@ -158,7 +170,7 @@ def _retire(native: _NativeClient):
         native.closed = True
         crt = native.crt
         if native.in_flight == 0:
-            native.crt = None
+            native._drop()
     return None if crt is None else crt.shutdown_event
 
 

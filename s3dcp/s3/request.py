@@ -25,6 +25,7 @@ class Slots(Protocol):
     """What a call needs of the native client it runs on (:class:`s3dcp.s3.native._NativeClient`)."""
 
     crt: Any  # the awscrt S3Client that makes the request
+    sender: Any  # the SocketSender of multipart uploads (s3dcp.s3.sockets), or None
 
     def unqueue(self, call: "_Call") -> bool:
         """Take a call that has not started out of the queue; False if it is not there."""
@@ -104,7 +105,7 @@ class _Call:
         if self._timeout_s is not None:
             self._deadline = deadlines().add(self._timeout_s, self._expire)
         try:
-            request = self._start(native.crt, self._on_done)
+            request = self._start(native, self._on_done)
         except BaseException as e:  # noqa: BLE001 - reaches the future
             self._end(error=e, free_slot=False)
             return False

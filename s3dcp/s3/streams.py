@@ -83,6 +83,11 @@ class BufferStream(io.RawIOBase):
             self._index += 1
         return target
 
+    @property
+    def views(self) -> list[memoryview]:
+        """The caller's buffers as byte views (empty ones left out)."""
+        return self._views
+
     def release(self) -> None:
         """Drop every reference to the caller's buffers (the request is over); reads return 0."""
         self._views = []

@@ -4,7 +4,7 @@
     S3Client.close / finalizer ──_release_native──► idle linger (at most _MAX_IDLE kept) ──► retired
 
 Owns the registry (``_NATIVE``), each native client (a CRT client and, with
-``put_transport="sockets"``, the :class:`~s3dcp.s3.sockets.SocketSender` of its multipart
+``put_transport="sockets"``, the :class:`~s3dcp.s3.sender.SocketSender` of its multipart
 uploads), its admission queue (at most
 ``max_concurrency`` requests in flight, the rest wait in order), the idle linger, and
 :func:`close_native_clients` / :func:`native_clients`. It must not build or translate requests
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..config import S3Config
 from .crt import _credential_source, _make_crt_client
-from .sockets import SocketSender
+from .sender import SocketSender
 from .streams import deadlines
 
 if TYPE_CHECKING:

@@ -1,0 +1,258 @@
+"""Requests over s3dcp's own blocking sockets: the threads, connections and retries that
+:mod:`s3dcp.s3.sockets` sends its multipart uploads with.
+
+    SocketSender.submit(job) ──► one of ``connections`` threads (started with the first job)
+    SocketSender.request ──sign (the CRT's signing config)──► a kept-alive connection ──► answer
+        connection error, 5xx, 429, throttling, RequestTimeout ──► full-jitter backoff, again
+
+Owns :class:`SocketSender` (one per native client: its signing config, threads and idle
+connections), :class:`Live` (whether an upload goes on; cancel wakes its blocked threads) and
+the answers and errors of one request (translated as the CRT's are). Each request is retried
+here, as the CRT retries its own, at most ``max_retries`` times. It must not know what an upload
+is (:mod:`s3dcp.s3.sockets`) nor queue requests or hold deadlines (:mod:`s3dcp.s3.request`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import queue
+import random
+import socket
+import ssl
+import threading
+import xml.etree.ElementTree as ET
+from typing import Callable, Sequence
+from urllib.parse import urlsplit
+
+from ..config import S3Config
+from ..errors import S3ConnectionError, S3Error
+from .responses import text
+
+__all__ = ["Answer", "Cancelled", "Live", "SocketSender"]
+
+_MAX_ANSWER = 1 << 20  # bytes of an answer's body read at most (errors and XML results are small)
+_RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                          "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
+                          "ServiceUnavailable", "BadDigest", "XAmzContentChecksumMismatch"})
+
+
+class Cancelled(Exception):
+    """The upload was cancelled (abort or deadline); :class:`_Call` says which."""
+
+
+class Answer:
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        root = ET.fromstring(body) if body else None
+    except ET.ParseError:
+        return None
+    if root is None or root.tag.rsplit("}", 1)[-1] != "Error":
+        return None
+    return text(root, "Code") or None
+
+
+class SocketSender:
+    """What every socket upload of one native client shares: the CRT's signing config (so the
+    credentials are the CRT's), ``connections`` threads (started with its first upload) and
+    their idle keep-alive connections. Made by :mod:`s3dcp.s3.native`; :meth:`close` when the
+    native client goes."""
+
+    def __init__(self, config: S3Config, signing_config, tls: bool) -> None:
+        self.config = config
+        self.connections = config.max_concurrency
+        self._signing = signing_config
+        self._tls = tls
+        self._ssl: ssl.SSLContext | None = None
+        if tls:
+            self._ssl = ssl.create_default_context(cafile=config.ca_bundle)
+            if not config.verify_tls:
+                self._ssl.check_hostname = False
+                self._ssl.verify_mode = ssl.CERT_NONE
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
+        self._closed = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on one of the sender's threads. They start together with the first job (a
+        fixed number for the sender's life, so a long job's thread count stays flat) and end
+        with :meth:`close`; RuntimeError once closed."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the sender is closed")
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name=f"s3dcp-put-{i}", daemon=True)
+                                 for i in range(self.connections)]
+                for thread in self._threads:
+                    thread.start()
+            self._jobs.put(job)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+            del job  # not kept alive while waiting for the next
+
+    def close(self) -> None:
+        """Let the threads end once the jobs queued are done and close the idle connections."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+            threads = len(self._threads)
+        for _ in range(threads):
+            self._jobs.put(None)
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    # -------------------------------------------------------------- one request, with retries
+    def request(self, operation: str, method: str, host: str, path: str, headers: Sequence[tuple[str, str]],
+                body: Sequence[memoryview] = (), *, live: "Live", bucket: str, key: str) -> Answer:
+        """Send one request (``body``: views sent back to back) until it gets a final answer,
+        retrying what S3 says to retry; raises ``Cancelled`` once ``live`` is cancelled, or the
+        translated error. Runs on a sender thread; blocks."""
+        length = sum(v.nbytes for v in body)
+        attempt = 0
+        while True:
+            if live.cancelled:
+                raise Cancelled()
+            try:
+                answer = self._exchange(method, host, path, [*headers, ("Content-Length", str(length))], body, live)
+            except Cancelled:
+                raise
+            except (OSError, http.client.HTTPException) as e:
+                if live.cancelled:
+                    raise Cancelled() from e
+                failure: BaseException = S3ConnectionError(
+                    f"{operation} failed without an HTTP answer: {e!r}; check that the endpoint is reachable "
+                    "and the server is running", operation=operation, bucket=bucket, key=key or None)
+                failure.__cause__ = e
+                retry = True
+            else:
+                code = _error_code(answer.body)
+                if answer.status < 300 and code is None:
+                    return answer
+                failure = _response_error(answer, operation)
+                retry = answer.status >= 500 or answer.status == 429 or code in _RETRY_CODES
+            if not retry or attempt >= self.config.max_retries:
+                raise failure
+            attempt += 1
+            cap = min(self.config.retry_max_backoff_s, self.config.retry_backoff_base_ms / 1000 * 2 ** attempt)
+            if live.wait(random.uniform(0, cap)):
+                raise Cancelled()
+
+    def _exchange(self, method, host, path, headers, body, live: "Live") -> Answer:
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.auth import aws_sign_request
+
+        request = HttpRequest(method, path, HttpHeaders([("Host", host), *headers]))
+        aws_sign_request(request, self._signing).result()
+        conn, reused = self._connection(host)
+        try:
+            live.track(conn)
+            try:
+                conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+                for name, value in request.headers:
+                    conn.putheader(name, value)
+                conn.endheaders()
+                for view in body:
+                    conn.send(view)
+                response = conn.getresponse()
+                data = response.read(_MAX_ANSWER + 1)
+            finally:
+                live.untrack(conn)
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            if reused and not live.cancelled:  # the server closed an idle connection: not a failure
+                return self._exchange(method, host, path, headers, body, live)
+            raise
+        if len(data) > _MAX_ANSWER or not response.isclosed():
+            conn.close()  # an answer this large is not S3's; its rest is not read
+            if len(data) > _MAX_ANSWER:
+                raise S3Error(f"{method} {path}: the server's answer is larger than {_MAX_ANSWER} bytes")
+        elif response.will_close:
+            conn.close()
+        else:
+            self._keep(host, conn)
+        return Answer(response.status, response.getheaders(), data)
+
+    def _connection(self, host: str) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            idle = self._idle.get(host)
+            if idle:
+                return idle.pop(), True
+        parts = urlsplit("//" + host)
+        timeout = self.config.connect_timeout_s
+        if self._tls:
+            conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        conn.connect()
+        conn.sock.settimeout(None)  # the request's deadline (request_timeout_s) bounds it; cancel() unblocks
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn, False
+
+    def _keep(self, host: str, conn) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(host, []).append(conn)
+                return
+        conn.close()
+
+
+def _response_error(answer: Answer, operation: str) -> BaseException:
+    """An S3 answer that is not a success, as the CRT reports it, for ``translate_error``."""
+    from awscrt.s3 import S3ResponseError
+
+    return S3ResponseError(code=0, name="AWS_ERROR_S3_INVALID_RESPONSE_STATUS",
+                           message=f"{operation}: HTTP {answer.status}", status_code=answer.status,
+                           headers=answer.headers, body=answer.body, operation_name=operation)
+
+
+class Live:
+    """Whether an upload goes on, and the connections its threads are blocked on (shut down by
+    :meth:`cancel`, which wakes those threads)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set = set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+    def cancel(self) -> None:
+        self._event.set()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def track(self, conn) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        if self.cancelled:
+            self.cancel()
+
+    def untrack(self, conn) -> None:
+        with self._lock:
+            self._conns.discard(conn)

@@ -87,12 +87,13 @@ def clocked(plugin: Any, phases: dict[str, str]) -> tuple[Any, PhaseCpu]:
 
 
 def floor_cpu_s_per_gib(nbytes: int = 256 * 1024 * 1024) -> dict[str, float]:
-    """CPU seconds per GiB of what a save cannot avoid, measured here on ``nbytes``: one copy
-    into warm part buffers (``memcpy``), the wire checksum of every part (``crc32c``), the item
-    checksum (``crc64nvme``), and the socket copies of sending the bytes over loopback
-    (``send``: the sending thread's CPU; the receiver stands for the server). A load pays the
-    same terms the other way round (socket receive, a copy into the tensors, the checksums).
-    ``save_floor`` is their sum."""
+    """CPU seconds per GiB of what a save cannot avoid, measured here on ``nbytes``: the wire
+    checksum of every part (``crc32c``), the item checksum (``crc64nvme``), and the socket
+    copies of sending the bytes over loopback (``send``: the sending thread's CPU; the receiver
+    stands for the server). ``save_floor`` is their sum: parts go to the socket from the
+    tensors' memory (s3dcp.s3.sockets), so no copy is part of it. ``memcpy`` (one copy into
+    warm buffers) is what a path that stages the bytes, as the CRT's PUT does, pays on top; a
+    load pays the socket receive, that copy into the tensors and the checksums."""
     import socket
     import threading
 
@@ -121,7 +122,7 @@ def floor_cpu_s_per_gib(nbytes: int = 256 * 1024 * 1024) -> dict[str, float]:
     drained.join()
     a.close()
     b.close()
-    out["save_floor"] = out["memcpy"] + out["crc32c"] + out["crc64nvme"] + out["send"]
+    out["save_floor"] = out["crc32c"] + out["crc64nvme"] + out["send"]
     return out
 
 

@@ -42,8 +42,8 @@ raw, s3dcp, ...); medians are reported.
 On the embedded SeaweedFS (which shares the CPUs with the ranks) writes are server-bound;
 client CPU s/GiB is the figure that shows how much of the machine each path costs the trainer.
 For s3dcp and s3tc it is also printed by phase of DCP's call order (benchmarks/phases.py), next
-to the floor of a save measured in the same run (one memcpy, the wire and item checksums, the
-socket copies).
+to the floor of a save measured in the same run (the wire and item checksums, the socket
+copies; parts go to the socket from the tensors' memory).
 """
 
 from __future__ import annotations
@@ -725,9 +725,10 @@ def main(argv=None) -> int:
                     title="client CPU s/GiB by phase, summed over ranks (plan: the plugin's planning calls; "
                           "write/read: write_data/read_data until done; commit: finish; meta: read_metadata; "
                           "dcp: the rest, DCP's own planner and collectives; see benchmarks/phases.py)")
-        print(f"# save floor, measured here: {floor['save_floor']:.3f} CPU s/GiB = one memcpy into warm buffers "
-              f"{floor['memcpy']:.3f} + wire crc32c {floor['crc32c']:.3f} + item crc64nvme {floor['crc64nvme']:.3f} "
-              f"+ loopback socket send {floor['send']:.3f}; save/floor: the save's CPU per GiB over it")
+        print(f"# save floor, measured here: {floor['save_floor']:.3f} CPU s/GiB = wire crc32c {floor['crc32c']:.3f} "
+              f"+ item crc64nvme {floor['crc64nvme']:.3f} + loopback socket send {floor['send']:.3f} (parts go from "
+              f"the tensors' memory; a staging memcpy would add {floor['memcpy']:.3f}); save/floor: the save's CPU "
+              "per GiB over it")
     walled = [r for r in rows if "load_wall_read_s" in r and "load_x_raw" in r]
     if walled:
         raw_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw"}

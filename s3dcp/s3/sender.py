@@ -20,6 +20,7 @@ import random
 import socket
 import ssl
 import threading
+import traceback
 import xml.etree.ElementTree as ET
 from typing import Callable, Sequence
 from urllib.parse import urlsplit
@@ -28,7 +29,7 @@ from ..config import S3Config
 from ..errors import S3ConnectionError, S3Error
 from .responses import text
 
-__all__ = ["Answer", "Cancelled", "Live", "SocketSender"]
+__all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender"]
 
 _MAX_ANSWER = 1 << 20  # bytes of an answer's body read at most (errors and XML results are small)
 _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
@@ -117,17 +118,22 @@ class SocketSender:
 
     # -------------------------------------------------------------- one request, with retries
     def request(self, operation: str, method: str, host: str, path: str, headers: Sequence[tuple[str, str]],
-                body: Sequence[memoryview] = (), *, live: "Live", bucket: str, key: str) -> Answer:
+                body: Sequence[memoryview] = (), *, live: "Live", bucket: str, key: str,
+                into: Callable | None = None, final: Sequence[int] = ()) -> Answer:
         """Send one request (``body``: views sent back to back) until it gets a final answer,
         retrying what S3 says to retry; raises ``Cancelled`` once ``live`` is cancelled, or the
-        translated error. Runs on a sender thread; blocks."""
+        translated error. ``into(response)`` reads a 2xx answer's body (a GET's bytes, into the
+        caller's buffers; a failure in it is retried as a lost connection is); ``final``: other
+        statuses returned as answers. Runs on a sender thread; blocks."""
         length = sum(v.nbytes for v in body)
+        if body or method in ("PUT", "POST"):
+            headers = [*headers, ("Content-Length", str(length))]
         attempt = 0
         while True:
             if live.cancelled:
                 raise Cancelled()
             try:
-                answer = self._exchange(method, host, path, [*headers, ("Content-Length", str(length))], body, live)
+                answer = self._exchange(method, host, path, headers, body, live, into)
             except Cancelled:
                 raise
             except (OSError, http.client.HTTPException) as e:
@@ -140,7 +146,7 @@ class SocketSender:
                 retry = True
             else:
                 code = _error_code(answer.body)
-                if answer.status < 300 and code is None:
+                if (answer.status < 300 and code is None) or answer.status in final:
                     return answer
                 failure = _response_error(answer, operation)
                 retry = answer.status >= 500 or answer.status == 429 or code in _RETRY_CODES
@@ -151,7 +157,7 @@ class SocketSender:
             if live.wait(random.uniform(0, cap)):
                 raise Cancelled()
 
-    def _exchange(self, method, host, path, headers, body, live: "Live") -> Answer:
+    def _exchange(self, method, host, path, headers, body, live: "Live", into=None) -> Answer:
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.auth import aws_sign_request
 
@@ -168,13 +174,15 @@ class SocketSender:
                 for view in body:
                     conn.send(view)
                 response = conn.getresponse()
+                if into is not None and response.status < 300:
+                    into(response)
                 data = response.read(_MAX_ANSWER + 1)
             finally:
                 live.untrack(conn)
         except (OSError, http.client.HTTPException):
             conn.close()
             if reused and not live.cancelled:  # the server closed an idle connection: not a failure
-                return self._exchange(method, host, path, headers, body, live)
+                return self._exchange(method, host, path, headers, body, live, into)
             raise
         if len(data) > _MAX_ANSWER or not response.isclosed():
             conn.close()  # an answer this large is not S3's; its rest is not read
@@ -256,3 +264,64 @@ class Live:
     def untrack(self, conn) -> None:
         with self._lock:
             self._conns.discard(conn)
+
+
+class Flow:
+    """One operation's requests run as jobs on a sender's threads, behaving as the CRT's meta
+    request does for :class:`s3dcp.s3.request._Call`: ``cancel()``, and ``on_done(error=...)``
+    once, when no job touches the caller's buffers any more. A subclass starts its first jobs in
+    :meth:`_begin`, drops the caller's buffers in :meth:`_release` and ends with :meth:`_finish`."""
+
+    operation = "request"
+
+    def __init__(self, bucket: str, key: str) -> None:
+        self.bucket, self.key = bucket, key
+        self._live = Live()
+        self._lock = threading.Lock()
+        self._sender: SocketSender | None = None
+        self._on_done: Callable | None = None
+
+    def start(self, native, on_done: Callable) -> "Flow":
+        """Run on ``native.sender`` (the ``start`` of :class:`s3dcp.s3.request._Call`)."""
+        self._sender, self._on_done = native.sender, on_done
+        self._begin()
+        return self
+
+    def cancel(self) -> None:
+        self._live.cancel()
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Drop every reference to the caller's buffers."""
+
+    def _run(self, step: Callable[[], None], failed: Callable[[BaseException], None]) -> None:
+        """``step`` on a sender thread; what it raises goes to ``failed`` (there too)."""
+        def guarded() -> None:
+            try:
+                step()
+            except BaseException as e:  # noqa: BLE001 - reaches the caller's future
+                failed(_without_locals(e))
+        try:
+            self._sender.submit(guarded)
+        except RuntimeError as e:  # the sender was closed under us
+            failed(S3ConnectionError(f"{self.operation} s3://{self.bucket}/{self.key}: the client was closed ({e})"))
+
+    def _finish(self, error: BaseException | None) -> None:
+        on_done, self._on_done = self._on_done, None
+        self._release()
+        if on_done is not None:
+            on_done(error=error)
+
+
+def _without_locals(error: BaseException) -> BaseException:
+    """``error`` with the locals of its tracebacks' finished frames cleared (and of its causes'):
+    a part's frames hold views of the caller's buffers, which an error kept by the future must
+    not keep alive."""
+    seen, link = set(), error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)
+        link = link.__cause__ or link.__context__
+    return error

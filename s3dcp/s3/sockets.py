@@ -8,7 +8,7 @@
 Why not the CRT's PUT: it copies every part into a buffer of its own (which the kernel faults
 in and zeroes again after the CRT trims its pool, seconds after a save), then writes it out in
 16 KiB messages from its event loop. Measured on the 2-core machine against the same server
-(``benchmarks/upload_cpu.py``), a 512 MiB upload cost the CRT 0.91 CPU s (131k page faults) and
+(``benchmarks/transport_cpu.py``), a 512 MiB upload cost the CRT 0.91 CPU s (131k page faults) and
 this path 0.16 CPU s, in less wall time (``docs/architecture.md``, "Uploads"). Downloads and
 small requests stay on the CRT.
 
@@ -23,15 +23,13 @@ requests or hold deadlines (:mod:`s3dcp.s3.request`, :mod:`s3dcp.s3.native`).
 from __future__ import annotations
 
 import base64
-import threading
-import traceback
 import xml.etree.ElementTree as ET
-from typing import Callable, Sequence
+from typing import Sequence
 from urllib.parse import quote, urlencode
 
-from ..errors import S3ConnectionError, S3Error
+from ..errors import S3Error
 from .responses import text
-from .sender import Answer, Cancelled, Live, SocketSender
+from .sender import Answer, Cancelled, Flow, Live
 
 __all__ = ["SocketUpload", "part_layout"]
 
@@ -46,15 +44,18 @@ def part_layout(size: int, part_size: int) -> list[tuple[int, int]]:
     return [(offset, min(part, size - offset)) for offset in range(0, size, part)]
 
 
-class SocketUpload:
+class SocketUpload(Flow):
     """One multipart upload of ``views`` (sent back to back as one object), driven by callbacks
     on the sender's threads; nothing here blocks the caller. Made before it is queued;
     :meth:`start` runs it on a native client's sender; :attr:`etag` is the object's once done."""
 
+    operation = "upload"
+
     def __init__(self, bucket: str, key: str, host: str, path: str, views: Sequence[memoryview], *,
                  part_size: int, checksum: str | None, create_headers: Sequence[tuple[str, str]],
                  part_headers: Sequence[tuple[str, str]]) -> None:
-        self.bucket, self.key, self._host, self._path = bucket, key, host, path
+        super().__init__(bucket, key)
+        self._host, self._path = host, path
         self._views = list(views)
         self._create_headers, self._part_headers = list(create_headers), list(part_headers)
         self._checksum = checksum
@@ -62,35 +63,17 @@ class SocketUpload:
         self._answers: list[tuple[str, str | None] | None] = [None] * len(self._parts)
         self._pending = len(self._parts)
         self._failure: BaseException | None = None
-        self._live = Live()
-        self._lock = threading.Lock()
-        self._sender: SocketSender | None = None
-        self._on_done: Callable | None = None
         self._upload_id: str | None = None
         self.etag: str | None = None
-
-    def start(self, native, on_done: Callable) -> "SocketUpload":
-        """Run on ``native.sender`` (the ``start`` of :class:`s3dcp.s3.request._Call`)."""
-        self._sender, self._on_done = native.sender, on_done
-        self._run(self._create, self._created_or_failed)
-        return self
-
-    def cancel(self) -> None:
-        self._live.cancel()
 
     # ------------------------------------------------------------------ steps
     # create, then every part (each on a thread of its own), then complete: the step that fails
     # first is the upload's failure; once no part runs, the upload is aborted and reported.
-    def _run(self, step: Callable[[], None], failed: Callable[[BaseException], None]) -> None:
-        def guarded() -> None:
-            try:
-                step()
-            except BaseException as e:  # noqa: BLE001 - reaches the caller's future
-                failed(_without_locals(e))
-        try:
-            self._sender.submit(guarded)
-        except RuntimeError as e:  # the sender was closed under us
-            failed(S3ConnectionError(f"upload of s3://{self.bucket}/{self.key}: the client was closed ({e})"))
+    def _begin(self) -> None:
+        self._run(self._create, self._created_or_failed)
+
+    def _release(self) -> None:
+        self._views = []
 
     def _send(self, operation: str, method: str, query: dict | str, headers, body=(), live=None) -> Answer:
         if not isinstance(query, str):
@@ -181,25 +164,6 @@ class SocketUpload:
         except BaseException:  # noqa: BLE001 - the failure that matters is the upload's; gc lists leftovers
             pass
         self._finish(error)
-
-    def _finish(self, error: BaseException | None) -> None:
-        on_done, self._on_done = self._on_done, None
-        self._views = []
-        if on_done is not None:
-            on_done(error=error)
-
-
-def _without_locals(error: BaseException) -> BaseException:
-    """``error`` with the locals of its tracebacks' finished frames cleared (and of its causes'):
-    a part's frames hold views of the caller's buffers, which an error kept by the future must
-    not keep alive."""
-    seen, link = set(), error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        traceback.clear_frames(link.__traceback__)
-        link = link.__cause__ or link.__context__
-    return error
-
 
 def _slices(views: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
     """The pieces of ``views`` (back to back) covering ``[offset, offset + length)``."""

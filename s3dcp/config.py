@@ -34,7 +34,7 @@ SSE_MODES = (None, "AES256", "aws:kms")
 # If-None-Match on PUT; "gcs" neither, create-only by x-goog-if-generation-match: 0; "basic"
 # neither, create-only by a checked PUT.
 COMPAT_MODES = ("s3", "gcs", "basic")
-PUT_TRANSPORTS = ("sockets", "crt")  # see s3dcp.s3.sockets
+TRANSPORTS = ("sockets", "crt")  # see s3dcp.s3.sockets and s3dcp.s3.socket_reads
 _GCS_HOSTS = ("storage.googleapis.com",)
 
 
@@ -63,7 +63,7 @@ class S3Config:
     coalesce_gap_bytes: int = 1 * MiB  # read ranges closer than this are fetched as one GET
     key_prefix_spread: int = 1  # data object names spread over this many key prefixes (S3 rates scale per prefix)
     crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: max(256 MiB, 4 parts); 0: CRT's own (2+ GiB)
-    put_transport: str = "sockets"  # multipart uploads: "sockets" (sent from the caller's memory) or "crt"
+    transport: str = "sockets"  # multipart uploads and ranged reads: "sockets" (from and into the caller's memory) or "crt"
 
     # Integrity.
     checksum: str | None = "crc32c"  # item checksums in the metadata, and on the wire when compat="s3"
@@ -290,7 +290,7 @@ def _validate(c: S3Config) -> list[str]:
         f"key_prefix_spread={c.key_prefix_spread!r} must be an int in [1, 256]",
     )
     need(c.checksum in CHECKSUMS, f"checksum={c.checksum!r} must be one of {CHECKSUMS}")
-    need(c.put_transport in PUT_TRANSPORTS, f"put_transport={c.put_transport!r} must be one of {PUT_TRANSPORTS}")
+    need(c.transport in TRANSPORTS, f"transport={c.transport!r} must be one of {TRANSPORTS}")
     need(c.compat is None or c.compat in COMPAT_MODES,
          f"compat={c.compat!r} must be None (detected from the endpoint) or one of {COMPAT_MODES}")
     need(

@@ -2,7 +2,7 @@
 
     caller buffers ──put()──► one CRT PUT; above the threshold a SocketUpload (s3dcp.s3.sockets):
                               parts sent from the buffers, each with its checksum
-    caller buffer  ◄─get_range_into()── CRT ranged GETs in parallel, bytes copied to their offset
+    caller buffer  ◄─get_range_into()── ranged GETs in parallel received into it (socket_reads.py)
     head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
 
 Owns :class:`S3Client`: every operation's surface, what each single request sends (addressing,
@@ -44,6 +44,7 @@ from .copies import copy_object
 from .listing import ObjectInfo, UploadInfo, UploadParts
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
+from .socket_reads import SocketRead
 from .sockets import SocketUpload
 from .responses import children, parse_http_date, text, xml_result
 from .streams import BufferStream, chain, copy_into, finalizer, gather
@@ -142,7 +143,7 @@ class S3Client:
         # depends on its comparison, so it counts as a single PUT here (the safe side, see
         # RequestFuture.abort).
         multipart = not single_request and size > self.config.effective_multipart_threshold_bytes
-        if multipart and self.config.put_transport == "sockets":  # parts sent from the buffers
+        if multipart and self.config.transport == "sockets":  # parts sent from the buffers
             checksum, owner = self._wire_checksum(), self._owner_headers()
             create = [("Content-Type", content_type), *self._sse_headers(), *owner]
             if checksum is not None:
@@ -202,24 +203,28 @@ class S3Client:
                     copy_into(view, lo - sink_off, chunk, lo - offset, hi - lo)
             received[0] += len(chunk)
 
-        headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
-                   *self._owner_headers()]
-        request = HttpRequest("GET", self._path(bucket, key), HttpHeaders(headers))
-
-        def result() -> int:
-            if received[0] != length:
+        def result(got: int) -> int:
+            if got != length:
                 raise IntegrityError(
-                    f"s3://{bucket}/{key}: asked for {length} bytes at offset {start}, got {received[0]}"
+                    f"s3://{bucket}/{key}: asked for {length} bytes at offset {start}, got {got}"
                     " — the object is shorter than its metadata says (truncated or replaced)"
                 )
             return length
 
+        if self.config.transport == "sockets":  # straight from the socket into the sinks
+            read = SocketRead(bucket, key, self._host_for(bucket), self._path(bucket, key), start, end, sinks,
+                              part_size=self.config.download_part_size_bytes, headers=self._owner_headers())
+            return self._submit("GetObject", bucket, key, read.start, result=lambda: result(read.received),
+                                releases=[sinks.clear, reach.clear], clean_abort=True)
+        headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
+                   *self._owner_headers()]
+        request = HttpRequest("GET", self._path(bucket, key), HttpHeaders(headers))
         return self._submit(
             "GetObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done,
                 part_size=self.config.download_part_size_bytes),
-            result=result,
+            result=lambda: result(received[0]),
             releases=[sinks.clear, reach.clear],
             clean_abort=True,  # a read stopped halfway leaves nothing behind
         )

@@ -4,8 +4,8 @@
     S3Client.close / finalizer ──_release_native──► idle linger (at most _MAX_IDLE kept) ──► retired
 
 Owns the registry (``_NATIVE``), each native client (a CRT client and, with
-``put_transport="sockets"``, the :class:`~s3dcp.s3.sender.SocketSender` of its multipart
-uploads), its admission queue (at most
+``transport="sockets"``, the :class:`~s3dcp.s3.sender.SocketSender` of its multipart
+uploads and ranged reads), its admission queue (at most
 ``max_concurrency`` requests in flight, the rest wait in order), the idle linger, and
 :func:`close_native_clients` / :func:`native_clients`. It must not build or translate requests
 (:mod:`s3dcp.s3.client`, :mod:`s3dcp.s3.request`) nor resolve credentials or configure the CRT
@@ -129,7 +129,7 @@ def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _Native
         native = _NATIVE.get(key)
         if native is None:
             crt, signing = _make_crt_client(config, tls, source)
-            sender = SocketSender(config, signing, tls) if config.put_transport == "sockets" else None
+            sender = SocketSender(config, signing, tls) if config.transport == "sockets" else None
             native = _NATIVE[key] = _NativeClient(key, crt, config.max_concurrency, sender)
         native.users += 1
         return native

@@ -186,9 +186,9 @@ def test_threads_and_connections_stay_bounded_over_many_uploads_and_end_with_the
 
 
 def test_the_crt_transport_is_still_there_and_the_choice_is_checked(s3_server, bucket):
-    client = S3Client(s3_server.s3_config(part_size_bytes=PART, put_transport="crt"))
+    client = S3Client(s3_server.s3_config(part_size_bytes=PART, transport="crt"))
     data = os.urandom(2 * PART + 3)
     assert "-" in client.put(bucket, "crt", data).result(timeout=60).etag
     assert client.get(bucket, "crt").result() == data
-    with pytest.raises(ConfigError, match="put_transport='curl' must be one of"):
-        S3Config(put_transport="curl")
+    with pytest.raises(ConfigError, match="transport='curl' must be one of"):
+        S3Config(transport="curl")

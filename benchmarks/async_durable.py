@@ -58,7 +58,8 @@ def thread_cpu() -> dict:
     ``"total"``: the whole process, threads that already exited included.
 
     Groups: ``caller`` (the main thread), ``crt`` (the CRT's event-loop and resolver threads,
-    named ``Aws…``), ``python`` (other Python threads: DCP's async executor, s3dcp's copies) and
+    named ``Aws…``), ``python`` (other Python threads: DCP's async executor, s3dcp's copies and
+    its socket transfers, s3dcp.s3.sender) and
     ``native`` (threads Python does not know: torch's intra-op pool)."""
     python = {t.native_id for t in threading.enumerate()}
     main = threading.main_thread().native_id

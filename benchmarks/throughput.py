@@ -8,6 +8,8 @@
                 and copies it into its state
     raw         each rank S3Client.put of as many bytes as its shard (one buffer) and
                 get_range_into back: the floor any S3 checkpoint path pays
+    raw-crt     the same through the CRT's PUT and GET (S3Config(transport="crt")), the transfer
+                s3dcp made before its own sockets
     ts-s3dcp    TorchSnapshot Snapshot.take / restore through s3dcp's plugin (s3dcp://, the CRT
                 client); needs torchsnapshot (pip install -e '.[torchsnapshot]')
     ts-s3       TorchSnapshot's built-in s3:// plugin (aiobotocore), same state, same server;
@@ -79,7 +81,7 @@ from common import (  # noqa: E402
 
 from phases import LOAD_ORDER, LOAD_PHASES, SAVE_ORDER, SAVE_PHASES, clocked, floor_cpu_s_per_gib  # noqa: E402
 
-MODES = ("s3dcp", "s3dcp-cast", "fs", "monolithic", "raw", "ts-s3dcp", "ts-s3", "s3tc")
+MODES = ("s3dcp", "s3dcp-cast", "fs", "monolithic", "raw", "raw-crt", "ts-s3dcp", "ts-s3", "s3tc")
 
 
 def available_modes() -> list[str]:
@@ -478,8 +480,18 @@ class S3TorchConnectorPath(Path):
         return {"phases": clock.stop()}
 
 
+class RawCrtPath(RawPath):
+    """The same raw transfer through the CRT's PUT and GET (``S3Config(transport="crt")``)."""
+
+    def __init__(self, ctx, state, dest):
+        from dataclasses import replace
+
+        super().__init__(dict(ctx, cfg=replace(ctx["cfg"], transport="crt")), state, dest)
+
+
 PATHS = {"s3dcp": S3DCPPath, "s3dcp-cast": S3DCPCastPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
-         "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path, "s3tc": S3TorchConnectorPath}
+         "raw-crt": RawCrtPath, "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path,
+         "s3tc": S3TorchConnectorPath}
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -732,15 +744,19 @@ def main(argv=None) -> int:
     walled = [r for r in rows if "load_wall_read_s" in r and "load_x_raw" in r]
     if walled:
         raw_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw"}
+        crt_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw-crt"}
         for row in walled:
             row["load_raw_get_s"] = raw_s[row["nproc"]]
             row["load_gap_s"] = row["load_s"] - row["load_raw_get_s"]
+            if row["nproc"] in crt_s:
+                row["load_x_raw_crt"] = row["load_s"] / crt_s[row["nproc"]]
         print()
         print_table(walled, [("nproc", "ranks"), ("mode", "mode"),
                              *[(f"load_wall_{p}_s", p, ".3f") for p in LOAD_ORDER],
                              ("load_wall_verify_s", "of read: verify", ".3f"), ("load_s", "load", ".3f"),
                              ("load_raw_get_s", "raw GET", ".3f"), ("load_gap_s", "load - raw", ".3f"),
-                             ("load_x_raw", "load/raw", ".2f")],
+                             ("load_x_raw", "load/raw", ".2f"),
+                             *([("load_x_raw_crt", "load/raw CRT GET", ".2f")] if "raw-crt" in args.modes else [])],
                     title="what separates a load from the raw GET of the same bytes: wall s by phase, slowest rank, "
                           "medians (meta: the .metadata GET and decode; plan: planning calls; read: the GETs into "
                           "the tensors, with the item checksums verified as each GET ends ('verify', overlapping "

@@ -6,9 +6,9 @@
 
 Why not the CRT's GET: it receives each part into a buffer of its own (faulted in again after
 the CRT trims its pool) and hands it over in chunks that are then copied into the tensors. A
-512 MiB read into one tensor on the 2-core machine: the CRT 0.94-1.09 s and 0.78-0.94 CPU s
-(131k page faults), these sockets 0.35-0.53 s and 0.20-0.24 CPU s (no faults): the kernel's
-copy is the only one (``docs/architecture.md``, "Reads").
+512 MiB read into one tensor on the 2-core machine (``benchmarks/transport_cpu.py``): the CRT
+0.96 s and 0.77 CPU s (131k page faults), these sockets 0.46 s and 0.22 CPU s: the kernel's copy
+is the only one (``docs/architecture.md``, "Reads").
 
 Owns :class:`SocketRead`: the parts of one read, what a part's answer must say (206 with the
 ``Content-Range`` asked for; 200 only for a whole object that fits the range; 416 past the

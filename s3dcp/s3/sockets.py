@@ -8,8 +8,8 @@
 Why not the CRT's PUT: it copies every part into a buffer of its own (which the kernel faults
 in and zeroes again after the CRT trims its pool, seconds after a save), then writes it out in
 16 KiB messages from its event loop. Measured on the 2-core machine against the same server
-(``benchmarks/transport_cpu.py``), a 512 MiB upload cost the CRT 0.91 CPU s (131k page faults) and
-this path 0.16 CPU s, in less wall time (``docs/architecture.md``, "Uploads"). Downloads and
+(``benchmarks/transport_cpu.py``), a 512 MiB upload cost the CRT 0.64 CPU s (131k page faults) and
+this path 0.17 CPU s, in less wall time (``docs/architecture.md``, "Uploads"). Downloads and
 small requests stay on the CRT.
 
 Owns :class:`SocketUpload` (one multipart upload, behaving as the CRT's meta request does for

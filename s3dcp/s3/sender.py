@@ -1,15 +1,18 @@
 """Requests over s3dcp's own blocking sockets: the threads, connections and retries that
-:mod:`s3dcp.s3.sockets` sends its multipart uploads with.
+multipart uploads (:mod:`s3dcp.s3.sockets`) and ranged reads (:mod:`s3dcp.s3.socket_reads`)
+run on.
 
     SocketSender.submit(job) ──► one of ``connections`` threads (started with the first job)
     SocketSender.request ──sign (the CRT's signing config)──► a kept-alive connection ──► answer
         connection error, 5xx, 429, throttling, RequestTimeout ──► full-jitter backoff, again
 
 Owns :class:`SocketSender` (one per native client: its signing config, threads and idle
-connections), :class:`Live` (whether an upload goes on; cancel wakes its blocked threads) and
-the answers and errors of one request (translated as the CRT's are). Each request is retried
-here, as the CRT retries its own, at most ``max_retries`` times. It must not know what an upload
-is (:mod:`s3dcp.s3.sockets`) nor queue requests or hold deadlines (:mod:`s3dcp.s3.request`).
+connections), :class:`Flow` (one operation's requests as the CRT's meta request behaves),
+:class:`Live` (whether a flow goes on; cancel wakes its blocked threads) and the answers and
+errors of one request (translated as the CRT's are). Each request is retried here, as the CRT
+retries its own, at most ``max_retries`` times. It must not know what an upload or a read is
+(:mod:`s3dcp.s3.sockets`, :mod:`s3dcp.s3.socket_reads`) nor queue requests or hold deadlines
+(:mod:`s3dcp.s3.request`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Requ
 
 
 class Cancelled(Exception):
-    """The upload was cancelled (abort or deadline); :class:`_Call` says which."""
+    """The flow was cancelled (abort or deadline); :class:`s3dcp.s3.request._Call` says which."""
 
 
 class Answer:
@@ -63,8 +66,8 @@ def _error_code(body: bytes) -> str | None:
 
 
 class SocketSender:
-    """What every socket upload of one native client shares: the CRT's signing config (so the
-    credentials are the CRT's), ``connections`` threads (started with its first upload) and
+    """What every socket transfer of one native client shares: the CRT's signing config (so the
+    credentials are the CRT's), ``connections`` threads (started with its first transfer) and
     their idle keep-alive connections. Made by :mod:`s3dcp.s3.native`; :meth:`close` when the
     native client goes."""
 
@@ -93,7 +96,7 @@ class SocketSender:
             if self._closed:
                 raise RuntimeError("the sender is closed")
             if not self._threads:
-                self._threads = [threading.Thread(target=self._work, name=f"s3dcp-put-{i}", daemon=True)
+                self._threads = [threading.Thread(target=self._work, name=f"s3dcp-net-{i}", daemon=True)
                                  for i in range(self.connections)]
                 for thread in self._threads:
                     thread.start()
@@ -164,6 +167,7 @@ class SocketSender:
         request = HttpRequest(method, path, HttpHeaders([("Host", host), *headers]))
         aws_sign_request(request, self._signing).result()
         conn, reused = self._connection(host)
+        response = None
         try:
             live.track(conn)
             try:
@@ -179,9 +183,10 @@ class SocketSender:
                 data = response.read(_MAX_ANSWER + 1)
             finally:
                 live.untrack(conn)
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            if reused and not live.cancelled:  # the server closed an idle connection: not a failure
+        except BaseException as e:
+            conn.close()  # whatever is left of the exchange on it is unknown
+            stale = reused and response is None and isinstance(e, (OSError, http.client.HTTPException))
+            if stale and not live.cancelled:  # the server had closed the idle connection: not a failure
                 return self._exchange(method, host, path, headers, body, live, into)
             raise
         if len(data) > _MAX_ANSWER or not response.isclosed():
@@ -228,7 +233,7 @@ def _response_error(answer: Answer, operation: str) -> BaseException:
 
 
 class Live:
-    """Whether an upload goes on, and the connections its threads are blocked on (shut down by
+    """Whether a flow goes on, and the connections its threads are blocked on (shut down by
     :meth:`cancel`, which wakes those threads)."""
 
     def __init__(self) -> None:

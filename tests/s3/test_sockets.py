@@ -170,7 +170,7 @@ def test_threads_and_connections_stay_bounded_over_many_uploads_and_end_with_the
     data = os.urandom(3 * PART + 1)
 
     def put_threads():
-        return [t for t in threading.enumerate() if t.name.startswith("s3dcp-put")]
+        return [t for t in threading.enumerate() if t.name.startswith("s3dcp-net")]
 
     for round_ in range(5):
         futures = [client.put(bucket, f"k{round_}/{i}", data) for i in range(4)]

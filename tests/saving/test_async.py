@@ -99,6 +99,39 @@ def test_ten_saves_reuse_one_pool_allocation(bucket, config):
     _wait_for(lambda: pool.in_use == 0)  # given back once each save's thread has ended
 
 
+def test_later_checkpoints_reuse_the_staged_tensors_where_the_shapes_match_and_keep_their_own_values(bucket,
+                                                                                                      config):
+    """The arena hands the next checkpoint the same staged tensor objects where a tensor of the
+    same dtype and shape lands at the same place (no per-tensor view to make in the stall); a
+    changed shape gets a tensor of its own; every checkpoint loads as the state it saved."""
+    staged: list[dict] = []
+
+    class Writer(S3StorageWriter):
+        def stage(self, state_dict):
+            result = super().stage(state_dict)
+            staged.append({k: weakref.ref(v) for k, v in result.items() if isinstance(v, torch.Tensor)})
+            return result
+
+    pool = HostBufferPool()
+    state = _state(n=4)
+    saved = []
+    for step in range(3):
+        if step == 2:
+            state["layer1.weight"] = torch.randn(128, 2048)  # same bytes, another shape
+        expected = _snapshot(state)
+        uri = f"s3://{bucket}/reuse-{step}"
+        dcp.async_save(state, storage_writer=Writer(uri, config=config, pool=pool)).result(timeout=120)
+        saved.append((uri, expected))
+        _train_step(state)
+    for uri, expected in saved:
+        _assert_same({k: v for k, v in expected.items() if k != "extra"},
+                     {k: v for k, v in _load(uri, config, expected).items() if k != "extra"})
+    assert pool.allocations == 1
+    assert all(staged[1][k]() is not None and staged[1][k]() is staged[0][k]() for k in staged[0])  # all reused
+    changed = {k for k in staged[2] if staged[2][k]() is not staged[1][k]()}
+    assert "layer1.weight" in changed and "layer0.weight" not in changed
+
+
 def test_writers_share_the_process_wide_pool_by_default(bucket, config):
     state = _state(n=2)
     before = shared_pool().allocations

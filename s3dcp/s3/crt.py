@@ -2,7 +2,7 @@
 
 Owns credential resolution (:func:`_credential_source`, boto3's order) and the construction of
 the CRT client (credentials provider, signing, TLS, retries, part size, memory limit) and of the
-signing config that :mod:`s3dcp.s3.sockets` shares with it. It must
+signing config that :mod:`s3dcp.s3.sender` shares with it. It must
 not share, cache or close clients (:mod:`s3dcp.s3.native`) nor make requests.
 """
 
@@ -30,7 +30,7 @@ def _credential_source(config: S3Config, profile_given: bool, environ) -> tuple:
 
 
 def _make_crt_client(config: S3Config, tls: bool, source: tuple):
-    """The CRT client, and the signing config it signs with (the socket uploads sign with it too)."""
+    """The CRT client, and the signing config it signs with (the socket transfers sign with it too)."""
     from awscrt.auth import AwsCredentialsProvider
     from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
     from awscrt.s3 import S3Client as CrtS3Client

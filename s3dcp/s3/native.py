@@ -40,7 +40,7 @@ class _NativeClient:
     def __init__(self, key, crt, limit: int, sender=None) -> None:
         self.key = key
         self.crt = crt
-        self.sender = sender  # the socket uploads' threads and connections (s3dcp.s3.sockets)
+        self.sender = sender  # the socket transfers' threads and connections (s3dcp.s3.sender)
         self.limit = limit
         self.users = 0  # S3Clients holding it
         self.in_flight = 0

@@ -25,7 +25,7 @@ class Slots(Protocol):
     """What a call needs of the native client it runs on (:class:`s3dcp.s3.native._NativeClient`)."""
 
     crt: Any  # the awscrt S3Client that makes the request
-    sender: Any  # the SocketSender of multipart uploads (s3dcp.s3.sockets), or None
+    sender: Any  # the SocketSender of multipart uploads and ranged reads (s3dcp.s3.sender), or None
 
     def unqueue(self, call: "_Call") -> bool:
         """Take a call that has not started out of the queue; False if it is not there."""

@@ -285,6 +285,8 @@ class Flow:
         self._lock = threading.Lock()
         self._sender: SocketSender | None = None
         self._on_done: Callable | None = None
+        self._pending = 0  # parts not ended yet (a subclass sets it before they start)
+        self._failure: BaseException | None = None  # the first part's failure
 
     def start(self, native, on_done: Callable) -> "Flow":
         """Run on ``native.sender`` (the ``start`` of :class:`s3dcp.s3.request._Call`)."""
@@ -312,6 +314,19 @@ class Flow:
             self._sender.submit(guarded)
         except RuntimeError as e:  # the sender was closed under us
             failed(S3ConnectionError(f"{self.operation} s3://{self.bucket}/{self.key}: the client was closed ({e})"))
+
+    def _part_ended(self, error: BaseException | None) -> tuple[bool, BaseException | None]:
+        """Count one part as ended (failed with ``error``, unless None); the first failure
+        cancels the others, waking their threads. Whether it was the last, and the failure."""
+        with self._lock:
+            first = error is not None and self._failure is None
+            if first:
+                self._failure = error
+            self._pending -= 1
+            last, failure = self._pending == 0, self._failure
+        if first:
+            self._live.cancel()
+        return last, failure
 
     def _finish(self, error: BaseException | None) -> None:
         on_done, self._on_done = self._on_done, None

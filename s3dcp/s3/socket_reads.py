@@ -50,7 +50,6 @@ class SocketRead(Flow):
         self._reach = list(itertools.accumulate((off + v.nbytes for off, v in self._sinks), max))
         self._parts = [(offset, min(part_size, end - offset)) for offset in range(start, end, part_size)]
         self._pending = len(self._parts)
-        self._failure: BaseException | None = None
         self._etag: str | None = None
         self.received = 0
 
@@ -58,7 +57,7 @@ class SocketRead(Flow):
         if not self._parts:
             self._finish(None)
         for offset, length in self._parts:
-            self._run(lambda offset=offset, length=length: self._part(offset, length), self._part_ended)
+            self._run(lambda offset=offset, length=length: self._part(offset, length), self._part_over)
 
     def _release(self) -> None:
         self._sinks, self._reach = [], []
@@ -84,7 +83,7 @@ class SocketRead(Flow):
                                      f"(ETag {first} for one range, {etag} for another)")
             with self._lock:
                 self.received += got[0]
-        self._part_ended(None)
+        self._part_over(None)
 
     def _receive(self, response: http.client.HTTPResponse, offset: int, length: int) -> int:
         """Check the answer is the range asked for and read its body into the sinks; returns
@@ -134,15 +133,8 @@ class SocketRead(Flow):
                 _read_exactly(response, scratch[:stop - position])
             position = stop
 
-    def _part_ended(self, error: BaseException | None) -> None:
-        with self._lock:
-            first = error is not None and self._failure is None
-            if first:
-                self._failure = error
-            self._pending -= 1
-            last, failure = self._pending == 0, self._failure
-        if first:
-            self._live.cancel()  # wakes the other parts' threads
+    def _part_over(self, error: BaseException | None) -> None:
+        last, failure = self._part_ended(error)
         if last:
             self._finish(failure)
 

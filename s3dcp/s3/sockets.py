@@ -62,7 +62,6 @@ class SocketUpload(Flow):
         self._parts = part_layout(sum(v.nbytes for v in self._views), part_size)
         self._answers: list[tuple[str, str | None] | None] = [None] * len(self._parts)
         self._pending = len(self._parts)
-        self._failure: BaseException | None = None
         self._upload_id: str | None = None
         self.etag: str | None = None
 
@@ -97,7 +96,7 @@ class SocketUpload(Flow):
                           operation="CreateMultipartUpload", bucket=self.bucket, key=self.key)
         self._upload_id = upload_id
         for number in range(len(self._parts)):
-            self._run(lambda number=number: self._part(number), self._part_ended)
+            self._run(lambda number=number: self._part(number), self._part_over)
 
     def _part(self, number: int) -> None:
         if self._live.cancelled:
@@ -116,17 +115,10 @@ class SocketUpload(Flow):
             raise S3Error(f"UploadPart {number + 1} of s3://{self.bucket}/{self.key}: the answer has no ETag",
                           operation="UploadPart", bucket=self.bucket, key=self.key)
         self._answers[number] = (etag, value)
-        self._part_ended(None)
+        self._part_over(None)
 
-    def _part_ended(self, error: BaseException | None) -> None:
-        with self._lock:
-            first = error is not None and self._failure is None
-            if first:
-                self._failure = error
-            self._pending -= 1
-            last, failure = self._pending == 0, self._failure
-        if first:
-            self._live.cancel()  # wakes the other parts' threads
+    def _part_over(self, error: BaseException | None) -> None:
+        last, failure = self._part_ended(error)
         if last and failure is None:
             self._complete_or_abort()
         elif last:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from fault_proxy import FaultProxy, Rule
+from fault_proxy import Rule
 from s3dcp.config import MiB
 from s3dcp.errors import IntegrityError, NoSuchBucketError, NoSuchKeyError, RequestAbortedError, S3ConnectionError, S3Error
 from s3dcp.s3.client import S3Client
@@ -22,13 +22,6 @@ from s3dcp.s3.request import abort_and_wait
 
 PART = 256 * 1024  # the smallest download part: a few MiB make many parts
 FAST_RETRIES = dict(max_retries=3, retry_backoff_base_ms=10, retry_max_backoff_s=1)
-
-
-@pytest.fixture
-def proxy(s3_server):
-    u = urlsplit(s3_server.endpoint_url)
-    with FaultProxy(u.hostname, u.port) as p:
-        yield p
 
 
 def _client(s3_server, proxy=None, **overrides) -> S3Client:

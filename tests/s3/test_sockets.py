@@ -10,12 +10,11 @@ import threading
 import time
 import weakref
 from dataclasses import replace
-from urllib.parse import urlsplit
 
 import pytest
 from awscrt import checksums
 
-from fault_proxy import FaultProxy, Rule
+from fault_proxy import Rule
 from s3dcp.config import MiB, S3Config
 from s3dcp.errors import AccessDeniedError, ConfigError, NoSuchBucketError, RequestAbortedError, S3ConnectionError
 from s3dcp.s3.client import S3Client
@@ -25,13 +24,6 @@ from s3dcp.s3.sockets import part_layout
 
 PART = 5 * MiB
 FAST_RETRIES = dict(max_retries=3, retry_backoff_base_ms=10, retry_max_backoff_s=1)
-
-
-@pytest.fixture
-def proxy(s3_server):
-    u = urlsplit(s3_server.endpoint_url)
-    with FaultProxy(u.hostname, u.port) as p:
-        yield p
 
 
 def _client(s3_server, proxy, **overrides) -> S3Client:

@@ -264,7 +264,7 @@ def malloc_arenas() -> dict[str, int] | None:
     """glibc's malloc arenas now (``malloc_info``): how many, and the bytes their heaps hold
     from the OS: the main arena's (``main_heap_bytes``) and the thread arenas' mmapped heaps
     (``thread_heap_bytes``). glibc gives a thread that allocates an arena of its own (up to 8 per
-    core); what the threads of a load or a save (the CRT's event loops, copy threads) leave
+    core); what the threads of a load or a save (the CRT's event loops, the sender's threads) leave
     scattered in them stays there, unreturnable, until reused. None when the C library is not
     glibc."""
     import ctypes

@@ -33,7 +33,7 @@ One save's hold on an arena is a :class:`Lease`. Its whole life, every path incl
 
 This module owns the stager (:class:`StagingMixin`: the AsyncStager protocol of the writer,
 and the rounds) and the lease with its life. It must not do ``stage()``'s copies itself — their
-order, the copy threads and the CUDA side streams are :mod:`s3dcp.saving.copies`'s — nor upload
+order, the host copy and the CUDA side streams are :mod:`s3dcp.saving.copies`'s — nor upload
 or commit anything (the writer's).
 
 Host memory taken by staging is ``max_inflight_checkpoints × min(state bytes,
@@ -299,15 +299,13 @@ class StagingMixin:
 
                 raise ConfigError("this S3StorageWriter is still saving an earlier checkpoint: use one "
                                   "writer per async_save in flight")
-            copies = Copies(arena, found)  # the bulk of the bytes is being copied from here on
-            # the lease takes the copies' lists themselves: what finish() records, also before
-            # a failure, is what release() waits for
+            copies = Copies(arena, found)
+            # the lease takes the copies' lists themselves: what run() records, also before a
+            # failure, is what release() waits for
             lease.pending, lease.events, lease.training_done = copies.pending, copies.events, copies.training_done
-            try:
-                destinations = iter(copies.destinations())
-                staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))
-            finally:
-                copies.finish()  # also on errors: the arena must be quiet before it goes back
+            destinations = iter(copies.destinations())
+            staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))
+            copies.run()  # the bytes: the rest of the stage is the copy itself
         except BaseException:
             lease.release()
             raise

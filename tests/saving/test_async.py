@@ -195,31 +195,33 @@ def test_the_arena_and_the_staged_copy_go_back_when_the_save_thread_ends(bucket,
               timeout_s=5.0)
 
 
-def test_a_failure_while_building_the_staged_tree_waits_for_the_copy_threads(bucket, config, monkeypatch):
-    """The bulk copy runs on the copy threads while the training thread builds the staged dict;
-    if building it fails, the arena goes back to the pool only once no thread writes into it."""
-    from s3dcp.saving import copies, statetree
+def test_a_failure_while_building_the_staged_tree_copies_nothing_and_gives_the_arena_back(bucket, config,
+                                                                                          monkeypatch):
+    """The bytes are copied only once the staged dict is built: a failure before that leaves the
+    arena as it was and back in the pool, and the next stage gets the same arena."""
+    from s3dcp.saving import statetree
 
     pool = HostBufferPool()
     writer = S3StorageWriter(f"s3://{bucket}/tree-fails", config=config, pool=pool)
-    finished = []
-    run_moves = copies._run_moves
-
-    def slow_moves(work):
-        time.sleep(0.3)
-        run_moves(work)
-        finished.append(len(work))
+    state = {"w": torch.ones(4 * MiB)}
+    writer.warm_up(state)  # a zeroed arena, free in the pool
 
     def failing_copy_tree(value, stage_tensor):
         raise RuntimeError("cannot copy this state")
 
-    monkeypatch.setattr(copies, "_run_moves", slow_moves)
+    copy_tree = statetree.copy_tree
     monkeypatch.setattr(statetree, "copy_tree", failing_copy_tree)
-    state = {"w": torch.randn(4 * MiB)}  # 16 MiB: above the threshold for the copy threads
     with pytest.raises(RuntimeError, match="cannot copy this state"):
         writer.stage(state)
-    assert finished, "stage() returned the arena while the copy threads were still writing into it"
-    assert pool._in_use == 0
+    assert pool._in_use == 0 and len(pool._free) == 1
+    assert int(pool._free[0].buffer.count_nonzero()) == 0, "the failed stage copied into the arena"
+    monkeypatch.setattr(statetree, "copy_tree", copy_tree)
+    staged = writer.stage(state)
+    writer.synchronize_staging()
+    try:
+        assert torch.equal(staged["w"], state["w"]) and pool.allocations == 1
+    finally:
+        writer._lease.release()
 
 
 def test_staged_copies_of_tensors_that_require_grad_carry_no_autograd_history(bucket, config):
@@ -463,19 +465,19 @@ def _stage_in_child(queue, config, state):
     queue.put(torch.equal(staged["w"], state["w"]))
 
 
-def test_a_forked_child_stages_with_copy_threads_of_its_own(config):
-    """The copy threads' executor of the parent has no threads in a forked child: staging there
-    must start its own rather than queue the copy forever."""
+def test_a_forked_child_stages_after_its_parent_did(config):
+    """Staging in a child forked after its parent staged (and used torch's threads for it)
+    copies the child's own state."""
     import multiprocessing
 
     state = {"w": torch.randn(4 * MiB)}
     writer = S3StorageWriter("s3://bucket/parent", config=config, pool=HostBufferPool())
-    writer.stage(state)  # the parent's copy threads exist now
+    writer.stage(state)
     writer.synchronize_staging()
     writer._lease.release()
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child_state = {"w": torch.arange(4 * MiB, dtype=torch.float32)}  # 16 MiB: work for the copy threads
+    child_state = {"w": torch.arange(4 * MiB, dtype=torch.float32)}
     child = ctx.Process(target=_stage_in_child, args=(queue, config, child_state))
     child.start()
     try:
@@ -487,32 +489,41 @@ def test_a_forked_child_stages_with_copy_threads_of_its_own(config):
     assert child.exitcode == 0
 
 
-def test_staging_memcpy_copies_every_byte_in_equal_shares_without_cutting_finer(monkeypatch):
-    """``_memcpy_start`` deals the bytes out to its threads in equal shares: each move lands exactly
-    (the alignment gaps between staged tensors stay untouched), and a move is split only where
-    it straddles two shares (finer pieces lose glibc's non-temporal stores)."""
-    from s3dcp.saving import copies
+def test_staging_copies_every_tensor_to_its_place_and_leaves_the_gaps_between_them_untouched(config):
+    """Odd sizes, dtypes and layouts (strided, lazy conjugate and negative views, a 0-dim and an
+    empty tensor) each land exactly at their aligned place in the arena, with their values; the
+    alignment gaps between them keep what was there."""
+    from s3dcp.memory.pool import ALIGN_BYTES
 
-    monkeypatch.setattr(copies, "_COPY_THREADS", 3)
-    pieces = []
-    run_moves = copies._run_moves
-    monkeypatch.setattr(copies, "_run_moves", lambda work: (pieces.append(list(work)), run_moves(work)))
     gen = torch.Generator().manual_seed(7)
-    for sizes in ([1, 7, 4096], [5 * MiB, 3, 9 * MiB, 100, 2 * MiB], [24 * MiB], [MiB] * 20 + [17]):
-        pieces.clear()
-        total = sum(sizes)
-        src = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen)
-        dst = torch.zeros(total + 64 * len(sizes), dtype=torch.uint8)
-        moves, spans, at, out = [], [], 0, 0
-        for n in sizes:
-            moves.append((dst.data_ptr() + out, src.data_ptr() + at, n))
-            spans.append((out, at, n))
-            at, out = at + n, out + n + 64
-        copies._memcpy_start(moves)()
-        for out, at, n in spans:
-            assert torch.equal(dst[out:out + n], src[at:at + n])
-            assert int(dst[out + n:out + n + 64].sum()) == 0  # the gap after it
-        if total > copies._THREADED_MIN_BYTES:
-            assert len(pieces) == 3 and len(sum(pieces, [])) <= len(sizes) + 2
-            shares = [sum(n for _, _, n in lane) for lane in pieces]
-            assert max(shares) - min(shares) <= 2, shares
+    state = {
+        "byte": torch.randint(0, 256, (1,), dtype=torch.uint8, generator=gen),
+        "odd": torch.randint(0, 256, (7,), dtype=torch.uint8, generator=gen),
+        "bf16": torch.randn(5 * MiB + 3, generator=gen).to(torch.bfloat16),
+        "transposed": torch.randn(33, 65, generator=gen).t(),
+        "conj": torch.randn(17, dtype=torch.complex64, generator=gen).conj(),
+        "neg": torch._neg_view(torch.randn(9, dtype=torch.complex64, generator=gen).conj().resolve_conj()),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "big": torch.randn(3 * MiB + 1, generator=gen),
+    }
+    pool = HostBufferPool()
+    writer = S3StorageWriter("s3://bucket/places", config=config, pool=pool)
+    writer.warm_up(state)  # zeroed
+    staged = writer.stage(state)
+    writer.synchronize_staging()
+    try:
+        arena = writer._lease.arena
+        filled = torch.zeros(arena.capacity, dtype=torch.bool)
+        for name, value in state.items():
+            out = staged[name]
+            assert torch.equal(out, value.resolve_conj().resolve_neg()), name
+            assert out.is_contiguous() and not out.is_conj() and not out.is_neg(), name
+            if out.nbytes:
+                offset = out.data_ptr() - arena.address
+                assert offset % ALIGN_BYTES == 0, name
+                assert not filled[offset:offset + out.nbytes].any(), f"{name} overlaps another tensor"
+                filled[offset:offset + out.nbytes] = True
+        assert int(arena.buffer[~filled].count_nonzero()) == 0, "bytes were written outside the tensors' places"
+    finally:
+        writer._lease.release()

@@ -1,10 +1,15 @@
-"""Host memory for staging: arenas, and the pool that keeps them across checkpoints.
+"""Host memory for staging: arenas of shared-memory slabs, and the pool that keeps them.
 
-An :class:`Arena` is one contiguous host buffer (pinned where CUDA is available) that one
-checkpoint's tensors are carved from. The :class:`HostBufferPool` hands arenas out and takes
-them back, so only the first checkpoint of a job pays for allocating and page-faulting host
-memory; later ones are a memcpy. It also bounds how many arenas are in use at once
-(``max_inflight_checkpoints``): :meth:`HostBufferPool.acquire` waits for a free one.
+An :class:`Arena` is the host memory of one checkpoint: a few :class:`~s3dcp.memory.slabs.Slab`
+files (pinned where CUDA is available), each holding what becomes one data object, tensors
+placed one after the other (64-byte aligned) until the object size target; a tensor larger than
+the target gets a slab of its own. The CRT uploads each object from its slab's file. The
+:class:`HostBufferPool` hands arenas out and takes them back, so only the first checkpoint of a
+job pays for allocating and page-faulting host memory; later ones are a memcpy. It also bounds
+how many arenas are in use at once (``max_inflight_checkpoints``): :meth:`HostBufferPool.acquire`
+waits for a free one.
+
+    plan_slabs(sizes, target, budget) ──► slab sizes ──pool.acquire──► Arena ──reserve──► places
 
 Who holds an arena, and when it comes back, is the stager's business (:mod:`s3dcp.saving.staging`):
 the pool only asks each holder whether it is over (:meth:`Holder.over`) and takes back the
@@ -13,70 +18,162 @@ arenas of those that are.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import os
 import threading
 import time
-import weakref
-from typing import Callable, Protocol
+from typing import Protocol, Sequence
 
 import torch
 
 from ..config import MiB
+from .slabs import Slab, can_pin
 
-__all__ = ["Arena", "HostBufferPool", "Holder", "shared_pool", "release_staging_memory", "ALIGN_BYTES"]
+__all__ = ["Arena", "HostBufferPool", "Holder", "Placer", "plan_slabs", "shared_pool", "release_staging_memory",
+           "ALIGN_BYTES"]
 
 log = logging.getLogger("s3dcp")
 
 ALIGN_BYTES = 64  # every staged tensor starts on a cache line
-_ROUND = 8 * MiB  # arena sizes are rounded up so a slightly larger state reuses the arena
 _POLL_S = 0.05
 _MAX_VIEWS = 1 << 16  # staged tensors an arena keeps for reuse
 
+Place = tuple[int, int]  # (slab index, byte offset in the slab)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _rounded(nbytes: int) -> int:
+    """A slab's capacity for ``nbytes``: rounded up (to 1/16 of its power of two, at least
+    1 MiB), so that a slightly larger object next time reuses the slab."""
+    if nbytes <= 0:
+        return 0
+    grain = max(MiB, (1 << (nbytes.bit_length() - 1)) // 16)
+    return -(-nbytes // grain) * grain
+
+
+class Placer:
+    """Where tensors go, one after the other: in the current slab, 64-byte aligned, while the
+    slab stays within ``target_bytes`` (an object's size target) — a tensor larger than the
+    target starts a slab of its own — and within the slab's limit; then in the next slab.
+
+    With ``limits`` (the slab sizes of an arena) a tensor that fits no remaining slab gets no
+    place. Without them slabs are opened as needed, at most ``budget_bytes`` in all (a tensor
+    that would pass the budget gets no place, a later smaller one may): that is how
+    :func:`plan_slabs` sizes an arena, and the same rule then places the same tensors in it."""
+
+    def __init__(self, target_bytes: int | None, limits: Sequence[int] | None = None,
+                 budget_bytes: int | None = None) -> None:
+        self.target = target_bytes
+        self.limits = list(limits) if limits is not None else None
+        self.budget = budget_bytes
+        self.ends: list[int] = [0] if limits is None else [0] * len(self.limits)
+        self.current = 0
+
+    def place(self, nbytes: int) -> Place | None:
+        while self.current < len(self.ends):
+            end = self.ends[self.current]
+            start = _align(end)
+            fits_target = end == 0 or self.target is None or start + nbytes <= self.target
+            if self.limits is not None:
+                if fits_target and start + nbytes <= self.limits[self.current]:
+                    return self._take(start, nbytes)
+                self.current += 1
+                continue
+            if fits_target:
+                if not self._within_budget(start + nbytes - end):
+                    return None
+                return self._take(start, nbytes)
+            if not self._within_budget(nbytes):
+                return None
+            self.ends.append(0)
+            self.current += 1
+        return None
+
+    def _take(self, start: int, nbytes: int) -> Place:
+        self.ends[self.current] = start + nbytes
+        return self.current, start
+
+    def _within_budget(self, more: int) -> bool:
+        return self.budget is None or sum(self.ends) + more <= self.budget
+
+    def reset(self) -> None:
+        """Every slab empty again (the next round of a budget-bound save)."""
+        self.ends = [0] * len(self.ends)
+        self.current = 0
+
+
+def plan_slabs(sizes: Sequence[int], target_bytes: int | None, budget_bytes: int | None = None) -> list[int]:
+    """The slab sizes an arena needs for tensors of ``sizes`` bytes placed in order (see
+    :class:`Placer`; empty tensors take no place). Always at least one slab."""
+    placer = Placer(target_bytes, budget_bytes=budget_bytes)
+    for n in sizes:
+        if n:
+            placer.place(n)
+    return [e for e in placer.ends if e] or [0]
+
 
 class Arena:
-    """One contiguous host buffer (pinned when CUDA is there) carved into staged tensors."""
+    """The host memory of one checkpoint: slabs (pinned when CUDA is there) carved into
+    staged tensors, each slab one data object's bytes (see :class:`Placer`)."""
 
-    def __init__(self, capacity: int, pinned: bool, prefault: bool = True) -> None:
-        self.capacity = capacity
-        self.buffer, unpin, self.pinned = _allocate(capacity, pinned, prefault)
-        # Unpinned before the memory can be freed: the pool closes an arena it drops, and a
-        # collected arena's finalizer runs while its buffer is still alive.
-        self._unpin = weakref.finalize(self, unpin) if unpin is not None else None
-        self.cursor = 0
-        self.limit = capacity  # bytes of the buffer this checkpoint may use (its budget)
-        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
+    def __init__(self, sizes: Sequence[int], pinned: bool, prefault: bool = True) -> None:
+        self.slabs = [Slab(_rounded(n), pinned, prefault) for n in sizes]
+        self.pinned = all(s.pinned for s in self.slabs)
+        self.placer = Placer(None, sizes)
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # each slab viewed as each dtype
         self._views: dict[tuple, torch.Tensor] = {}  # view_like's tensors by place, for the next checkpoint
 
-    def carve(self, nbytes: int) -> torch.Tensor | None:
-        """The next ``nbytes`` of the arena as a uint8 tensor, or None when it does not fit."""
-        start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
-        if start + nbytes > self.limit:
-            return None
-        self.cursor = start + nbytes
-        return self.buffer[start:start + nbytes]
+    @property
+    def capacity(self) -> int:
+        return sum(s.capacity for s in self.slabs)
+
+    def fits(self, sizes: Sequence[int]) -> bool:
+        """Whether slabs of ``sizes`` bytes can be this arena's (each size within a slab)."""
+        have = sorted((s.capacity for s in self.slabs), reverse=True)
+        want = sorted(sizes, reverse=True)
+        return len(want) <= len(have) and all(w <= h for w, h in zip(want, have))
+
+    def assign(self, sizes: Sequence[int], target_bytes: int | None) -> None:
+        """Order the slabs for objects of ``sizes`` (each to a slab that holds it: :meth:`fits`)
+        and start placing from the first. Staged views of a slab that moves are dropped."""
+        free = sorted(range(len(self.slabs)), key=lambda i: self.slabs[i].capacity)
+        order = []
+        for n in sizes:
+            i = next(i for i in free if self.slabs[i].capacity >= n)
+            free.remove(i)
+            order.append(i)
+        order += free
+        if order != list(range(len(self.slabs))):
+            self.slabs = [self.slabs[i] for i in order]
+            self._typed.clear()
+            self._views.clear()
+        self.placer = Placer(target_bytes, list(sizes) + [0] * (len(self.slabs) - len(sizes)))
+
+    def reserve(self, nbytes: int) -> Place | None:
+        """The place of the next ``nbytes`` (a slab and an aligned offset in it), now taken, or
+        None when they fit no remaining slab. Plain integers: staging reserves every tensor's
+        place before it makes the tensors that view them."""
+        return self.placer.place(nbytes)
+
+    def reset(self) -> None:
+        """Every slab empty again (a budget-bound save's next round, once the uploads from the
+        arena have ended)."""
+        self.placer.reset()
+
+    def could_hold(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` would fit an empty slab of the arena (after :meth:`reset`)."""
+        return any(nbytes <= limit for limit in self.placer.limits or ())
 
     def carve_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """An uninitialised contiguous tensor of ``tensor``'s dtype and shape in the arena, or
         None when it does not fit."""
-        start = self.reserve(tensor.nbytes)
-        return None if start is None else self.view_like(start, tensor)
+        place = self.reserve(tensor.nbytes)
+        return None if place is None else self.view_like(place, tensor)
 
-    def reserve(self, nbytes: int) -> int | None:
-        """The offset of the next ``nbytes`` of the arena (aligned), now taken, or None when
-        they do not fit. Plain integers: staging reserves every tensor's place (and starts
-        copying into it) before it makes the tensors that view them."""
-        start = -(-self.cursor // ALIGN_BYTES) * ALIGN_BYTES
-        end = start + nbytes
-        if end > self.limit:
-            return None
-        self.cursor = end
-        return start
-
-    def view_like(self, start: int, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor of ``tensor``'s dtype and shape at offset ``start`` (from
+    def view_like(self, place: Place, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of ``tensor``'s dtype and shape at ``place`` (from
         :meth:`reserve`). This runs once per tensor on the training thread, inside the stall:
         one ``as_strided`` of a cached typed view the first time, and the same tensor again for
         every later checkpoint that puts a tensor of that dtype and shape at that place (a
@@ -92,117 +189,40 @@ class Arena:
                 strides.append(step)
                 step *= size
             strides = tuple(reversed(strides))
-        place = (start, dtype, shape, strides)
-        view = self._views.get(place)
+        index, start = place
+        key = (index, start, dtype, shape, strides)
+        view = self._views.get(key)
         if view is not None:
             return view
-        typed = self._typed.get(dtype)
-        if typed is None:
-            typed = self._typed[dtype] = self.buffer.view(dtype)  # capacity is a multiple of 8 MiB
+        typed = self._typed.get((index, dtype))
+        if typed is None:  # a slab's capacity is a whole number of MiB
+            typed = self._typed[(index, dtype)] = self.slabs[index].buffer.view(dtype)
         view = typed.as_strided(shape, strides, start // tensor.element_size())
         if tensor.nbytes:
             if len(self._views) >= _MAX_VIEWS:  # a state whose layout keeps changing
                 self._views.clear()
-            self._views[place] = view
+            self._views[key] = view
         return view
 
     @property
-    def address(self) -> int:
-        """Where the buffer starts in host memory."""
-        return self.buffer.data_ptr()
+    def buffer(self) -> torch.Tensor:
+        """The memory of a one-slab arena (a load's bounce window)."""
+        if len(self.slabs) != 1:
+            raise ValueError("buffer is the memory of a one-slab arena")
+        return self.slabs[0].buffer
 
     def close(self) -> None:
-        """Unpin the buffer (if pinned); its memory is freed once no staged tensor uses it."""
+        """Unpin the slabs (if pinned); their memory is freed once no staged tensor uses it."""
         self.unpin()
 
     def unpin(self) -> None:
-        """Unregister the buffer from CUDA now; it stays usable as ordinary memory."""
-        if self._unpin is not None:
-            self._unpin()
+        """Unregister the slabs from CUDA now; they stay usable as ordinary memory."""
+        for slab in self.slabs:
+            slab.unpin()
         self.pinned = False
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and (
-            tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
-
-
-def _allocate(capacity: int, pinned: bool,
-              prefault: bool) -> tuple[torch.Tensor, Callable[[], None] | None, bool]:
-    """A pre-faulted host buffer of exactly ``capacity`` bytes, how to unpin it, and whether it
-    is pinned.
-
-    Pinned arenas are ordinary memory registered with CUDA (``cudaHostRegister``), not
-    ``pin_memory=True``: torch's caching host allocator rounds a pinned block up to a power of
-    two (9 GB of state would pin 16 GB) and keeps it for the life of the process, while a
-    registered buffer is exactly its size and is unregistered when the pool lets it go. It is
-    mapped on its own pages: CUDA registers whole pages, and two arenas from the heap sharing
-    one would fail the second registration. Where registering fails, torch's pinned allocator
-    is the fallback, and ordinary memory where that fails too; in a child forked after the
-    parent used CUDA (which CUDA cannot be used from) arenas are ordinary memory.
-
-    ``prefault`` touches every page now (``warm_up``: the first checkpoint then copies into
-    warm memory); without it the first copy into the arena faults the pages in, which costs
-    less than touching them twice when the arena is made inside the stall anyway."""
-    if pinned and can_pin():
-        buf = _page_aligned(capacity)
-        if prefault:
-            buf.zero_()
-        unpin = _register(buf)
-        if unpin is not None:
-            return buf, unpin, True
-        try:
-            buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-            buf.zero_()
-            return buf, None, True
-        except RuntimeError as e:
-            log.warning("torch's pinned allocator failed too (%s); staging uses ordinary memory", e)
-    buf = torch.empty(capacity, dtype=torch.uint8)
-    if prefault:
-        buf.zero_()
-    return buf, None, False
-
-
-def can_pin() -> bool:
-    """Whether this process can pin memory: CUDA is there, and this is not a child forked after
-    its parent initialised CUDA."""
-    return torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
-
-
-def _page_aligned(capacity: int) -> torch.Tensor:
-    """``capacity`` bytes of anonymous memory on pages of their own, as a uint8 tensor; unmapped
-    when the last tensor viewing it is gone."""
-    return torch.frombuffer(mmap.mmap(-1, capacity), dtype=torch.uint8)
-
-
-def _register(buf: torch.Tensor) -> Callable[[], None] | None:
-    """Register ``buf`` with CUDA; return how to unregister it, or None if registering failed."""
-    cudart = torch.cuda.cudart()
-    ptr, pid = buf.data_ptr(), os.getpid()
-    err = cudart.cudaHostRegister(ptr, buf.numel(), 0)
-    if int(err) != 0:
-        _clear_cuda_error()
-        log.warning("cudaHostRegister of %d bytes failed (%s); staging uses torch's pinned allocator "
-                    "instead (rounded up to a power of two)", buf.numel(), cudart.cudaGetErrorString(err))
-        return None
-
-    def unpin() -> None:
-        if os.getpid() == pid:  # a forked child cannot call CUDA, and never registered it
-            cudart.cudaHostUnregister(ptr)
-
-    return unpin
-
-
-def _clear_cuda_error() -> None:
-    """Reset CUDA's last error after a failed call. torch's binding of ``cudaHostRegister``
-    leaves it set, and the next kernel launch anywhere in the process would report it as its
-    own failure. Best effort: through the libcudart torch loaded."""
-    try:
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
-        if path is not None:
-            ctypes.CDLL(path).cudaGetLastError()
-    except OSError:
-        log.debug("could not reset CUDA's last error", exc_info=True)
+        return any(slab.holds(tensor) for slab in self.slabs)
 
 
 class Holder(Protocol):
@@ -231,10 +251,13 @@ class HostBufferPool:
         self.allocations = 0
         self.bytes_allocated = 0
 
-    def acquire(self, nbytes: int, *, max_in_use: int = 1, prefault: bool = True) -> Arena:
-        """An arena of at least ``nbytes``, waiting while ``max_in_use`` are taken. A new
-        arena's pages are touched now unless ``prefault`` is False (see :func:`_allocate`)."""
-        needed = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+    def acquire(self, sizes: Sequence[int] | int, *, target_bytes: int | None = None, max_in_use: int = 1,
+                prefault: bool = True) -> Arena:
+        """An arena with a slab for each of ``sizes`` (bytes; an int: one slab), its places
+        given out by a :class:`Placer` with ``target_bytes`` over those sizes, waiting while
+        ``max_in_use`` arenas are taken. A new arena's pages are touched now unless
+        ``prefault`` is False (the first copy into it then faults them in)."""
+        needed = [max(0, sizes)] if isinstance(sizes, int) else [max(0, n) for n in sizes] or [0]
         waited = None
         while True:
             self.reclaim()  # saves that are over give their arena back first
@@ -262,16 +285,15 @@ class HostBufferPool:
                 raise
             with self._cond:
                 self.allocations += 1
-                self.bytes_allocated += needed
-        arena.cursor = 0
-        arena.limit = max(nbytes, 1)
+                self.bytes_allocated += arena.capacity
+        arena.assign(needed, target_bytes)
         return arena
 
-    def _take_free(self, needed: int) -> tuple[Arena | None, Arena | None]:
-        """A free arena that fits (the smallest), or None; and a free arena too small, dropped
-        so that memory stays bounded when the state grows (the caller closes it). Called with
-        the lock held."""
-        fits = [a for a in self._free if a.capacity >= needed]
+    def _take_free(self, needed: list[int]) -> tuple[Arena | None, Arena | None]:
+        """A free arena that fits (the smallest), or None; and a free arena that does not,
+        dropped so that memory stays bounded when the state grows (the caller closes it).
+        Called with the lock held."""
+        fits = [a for a in self._free if a.fits(needed)]
         if fits:
             arena = min(fits, key=lambda a: a.capacity)
             self._free.remove(arena)

@@ -165,6 +165,46 @@ class S3Client:
             clean_abort=multipart,
         )
 
+    @property
+    def sends_files(self) -> bool:
+        """Whether :meth:`put_file` is how large objects go (the CRT reads them from the file);
+        with ``transport="sockets"`` they go from memory (:meth:`put`)."""
+        return self.config.transport == "crt"
+
+    def put_file(self, bucket: str, key: str, path: str, nbytes: int, *, keep=(),
+                 content_type: str = "application/octet-stream") -> "Future[PutResult]":
+        """Upload the first ``nbytes`` of the file at ``path`` as ``key``. The CRT reads the file
+        part by part on its own threads straight into its requests (``S3FileIoOptions(
+        should_stream=True)``: no part buffers of its own, no Python in the loop); multipart
+        above the threshold, each part with the configured checksum. The ``Content-Length``
+        says how many of the file's bytes are the object (the file may be longer). ``keep`` is
+        held until the request has ended: what keeps ``path`` naming the file (a
+        ``/proc/self/fd`` path names another file once its descriptor is closed and reused)."""
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.s3 import S3FileIoOptions, S3RequestType
+
+        headers = [("Host", self._host_for(bucket)), ("Content-Length", str(nbytes)),
+                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
+        request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers))
+        etag: list[str | None] = [None]
+        held = [keep]
+
+        def on_headers(status_code, headers, **_):
+            for name, value in headers:
+                if name.lower() == "etag":
+                    etag[0] = value
+
+        return self._submit(
+            "PutObject", bucket, key,
+            lambda native, on_done: native.crt.make_request(
+                type=S3RequestType.PUT_OBJECT, request=request, send_filepath=path,
+                fio_options=S3FileIoOptions(should_stream=True), checksum_config=self._put_checksum(),
+                on_headers=on_headers, on_done=on_done),
+            result=lambda: PutResult(etag[0], nbytes),
+            releases=[held.clear],
+            clean_abort=nbytes > self.config.effective_multipart_threshold_bytes,
+        )
+
     def get_range_into(self, bucket: str, key: str, offset: int, dest) -> "Future[int]":
         """Read ``len(dest)`` bytes of ``key`` starting at ``offset`` into the writable buffer
         ``dest`` (bytearray, memoryview, tensor memory). Large ranges are split into parts

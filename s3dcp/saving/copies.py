@@ -22,7 +22,8 @@ from ..memory.pool import Arena
 class Copies:
     """One stage's copies:
 
-    1. ``Copies(arena, sources)`` reserves each source's place in the arena (integers only);
+    1. ``Copies(arena, sources)`` reserves each source's place in the arena (a slab and an
+       offset: integers only);
     2. :meth:`destinations` makes the staged tensors (views of those places) that the staged
        state dict is built from;
     3. :meth:`run` copies: CUDA sources ``non_blocking`` on a side stream into the pinned arena
@@ -48,7 +49,7 @@ class Copies:
         self.pending = False  # some source is beyond the budget
         self.events: list[tuple[int, Any]] = []  # (CUDA device, event after its copies into the arena)
         self.training_done: dict[int, Any] = {}  # CUDA device -> event after the work queued before the stage
-        self.starts: list[int | None] = []
+        self.starts: list[tuple[int, int] | None] = []  # each source's place (slab, offset) in the arena
         self._deferred_devices: set[int] = set()  # of CUDA sources beyond the budget (copied in rounds)
         for t in sources:
             nbytes = t.nbytes
@@ -68,7 +69,7 @@ class Copies:
         host_dsts, host_srcs = self._host
         for t, start in zip(self.sources, self.starts):
             if start is None:  # empty (a view of the arena like the others: pinned alike), or beyond the budget
-                out.append(arena.view_like(0, t) if t.nbytes == 0 else t.detach())
+                out.append(arena.view_like((0, 0), t) if t.nbytes == 0 else t.detach())
                 continue
             dst = arena.view_like(start, t)
             out.append(dst)

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool, release_staging_memory, shared_pool
+from ..memory.pool import Arena, HostBufferPool, plan_slabs, release_staging_memory, shared_pool
 from ..s3.streams import finalizer
 from . import statetree
 from .copies import Copies
@@ -275,7 +275,8 @@ class StagingMixin:
     def warm_up(self, state_dict: dict[str, Any]) -> None:
         """Allocate (and page-fault) the staging arena for ``state_dict`` before training."""
         pool = self._staging_pool()
-        arena = pool.acquire(self._arena_bytes(state_dict), max_in_use=self._max_in_flight())
+        arena = pool.acquire(self._arena_slabs(state_dict), target_bytes=self.config.object_size_target_bytes,
+                             max_in_use=self._max_in_flight())
         pool.release(arena)
 
     # ------------------------------------------------------------ training thread
@@ -289,7 +290,8 @@ class StagingMixin:
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
         found = statetree.tensors(state_dict)  # one walk: sizes the arena, then the copies
-        arena = pool.acquire(self._arena_bytes(found), max_in_use=self._max_in_flight(), prefault=False)
+        arena = pool.acquire(self._arena_slabs(found), target_bytes=self.config.object_size_target_bytes,
+                             max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
         pool.hold(lease)
         try:
@@ -384,12 +386,12 @@ class StagingMixin:
         for item, tensor in deferred:
             nbytes = tensor.nbytes
             copied = arena.carve_like(tensor)
-            if copied is None and nbytes <= arena.limit:
+            if copied is None and arena.could_hold(nbytes):
                 if batch:
                     put(batch)
                     batch, batch_bytes = [], 0
                 drain()
-                arena.cursor = 0
+                arena.reset()
                 copied = arena.carve_like(tensor)
             if copied is None:  # larger than the whole budget: one temporary host copy, a real
                 # one even of a contiguous CPU tensor: the caller may change the original as
@@ -430,12 +432,13 @@ class StagingMixin:
             self._pool = shared_pool()
         return self._pool
 
-    def _arena_bytes(self, state: dict[str, Any] | list[torch.Tensor]) -> int:
-        """Bytes of the arena for ``state`` (a state dict, or the tensors found in one)."""
+    def _arena_slabs(self, state: dict[str, Any] | list[torch.Tensor]) -> list[int]:
+        """The slab sizes of the arena for ``state`` (a state dict, or the tensors found in
+        one): its tensors placed in order, each slab one object of at most
+        ``object_size_target_bytes``, all of them within ``staging_budget_bytes``."""
         found = state if isinstance(state, list) else statetree.tensors(state)
-        total = sum(-(-t.nbytes // ALIGN_BYTES) * ALIGN_BYTES for t in found)
-        budget = self.config.staging_budget_bytes
-        return min(total, budget) if budget is not None else total
+        return plan_slabs([t.nbytes for t in found], self.config.object_size_target_bytes,
+                          self.config.staging_budget_bytes)
 
 
 _WARNED_INFLIGHT = False

@@ -4,8 +4,8 @@ Owns what ``write_data`` does with a rank's items: each item's data resolved fro
 (:func:`resolve`), the save's identity on this rank (:class:`SavePlanData`,
 :func:`save_identity`: never an object name an earlier save used), and the upload group
 (:class:`Uploads`): checksum each item, refer to an incremental base for the unchanged ones,
-pack the rest into objects, upload them in parallel, and on failure stop them and delete what
-they stored.
+send the rest as objects — a staging slab's file as it is, or items copied into one — in
+parallel, and on failure stop them and delete what they stored.
 
 Must not commit, nor touch anything but this rank's own new objects: the metadata, the
 pending-references marker and the objects of other checkpoints are the writer's commit
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from ..format import integrity, layout
 from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
 from ..format.tensors import byte_view
+from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool
+from ..memory.slabs import FileSpan, file_of
 from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
 from ..uri import S3Uri
@@ -48,13 +51,49 @@ class SavePlanData:
     save_id: str
 
 
+@dataclass
+class _Entry:
+    """One item to store: its data, byte view, checksums and what its location records."""
+
+    item: WriteItem
+    data: Any
+    view: memoryview
+    sums: integrity.ItemChecksums
+    dtype: str | None
+    shape: tuple[int, ...] | None
+
+
+# An object sent straight from a shared-memory file holds the file's first bytes up to its last
+# item; at most this share of them may be bytes no item of this save names (alignment gaps, a
+# tensor DCP gave another rank, an unchanged one of an incremental save), else the items are
+# copied into an object of their own.
+_MAX_UNNAMED_SHARE = 1 / 32
+# A smaller object (serialized values, a few small tensors) is one PUT whose body the CRT copies
+# from the items' memory: cheaper than a slab of shared memory for it.
+_COMPOSE_FROM_BYTES = 1 << 20
+
+
 class Uploads:
     """The objects one rank's write_data is uploading under ``uri``: futures, keys and write
     results. Items are checksummed with ``item_checksum``; ``config`` sizes the objects and
-    spreads their names."""
+    spreads their names; objects are composed in host memory from ``pool`` (at most
+    ``window_bytes`` of it at once: None, no bound); ``arena`` is the save's staging arena.
+
+    Where an object's bytes come from::
+
+        items whose tensors are views of one shared-memory file (a staging slab, or the
+        parent's slab in DCP's process executor), naming nearly all of its first bytes
+            -> that file is the object: the CRT sends its first bytes, read by path
+               (small serialized values are copied into the free room after them, in a slab
+               of this save's own arena)
+        every other item (a synchronous save's tensors, serialized bytes, a few changed items
+        of an incremental save, a slab most of whose bytes are not this save's)
+            -> copied, back to back, into a slab of the pool (one memcpy), sent the same way
+    """
 
     def __init__(self, client: S3Client, uri: S3Uri, config: S3Config, *, rank: int, save_id: str,
-                 item_checksum: str, base: BaseIndex | None = None) -> None:
+                 item_checksum: str, base: BaseIndex | None = None, pool: HostBufferPool | None = None,
+                 window_bytes: int | None = None, arena: Arena | None = None) -> None:
         self.client = client
         self.uri = uri
         self.config = config
@@ -62,22 +101,24 @@ class Uploads:
         self.rank = rank
         self.save_id = save_id
         self.base = base
+        self.pool = pool
+        self.window_bytes = window_bytes
+        self.arena = arena  # this save's staging arena, whose slabs' free tails may take small items
         self.inherited_bytes = 0
         self.inherited_items = 0
         self.futures: list[Future] = []
         self.keys: list[str] = []
         self.results: list[WriteResult] = []
         self.bytes = 0
+        self.copied_bytes = 0  # bytes composed into objects (copied once) rather than sent from their file
+        self._composing: list[tuple[Future, int]] = []  # composed objects in flight, and their bytes
         self._keep_alive: list[Any] = []  # resolved data must outlive its upload
 
     def add(self, pairs: list) -> None:
         """Checksum each ``(write item, data)`` pair; with a base, record the unchanged ones as
-        references to it; pack the rest, in order, into objects of about the configured target
-        size (an item larger than the target gets one of its own) and start uploading each
-        object as soon as it is complete."""
-        target = self.config.object_size_target_bytes
-        group: list = []
-        group_bytes = 0
+        references to it; upload the rest as objects of about the configured target size (see
+        the class docstring), each started as soon as its bytes are in place."""
+        entries: list[_Entry] = []
         for item, data in pairs:
             view = data if isinstance(data, memoryview) else byte_view(data)
             sums = integrity.compute(self.item_checksum, view)
@@ -91,33 +132,148 @@ class Uploads:
                     self.inherited_bytes += view.nbytes
                     self.inherited_items += 1
                     continue
-            if group and group_bytes + view.nbytes > target:
-                self._put(group)
-                group, group_bytes = [], 0
-            group.append((item, data, view, sums, dtype, shape))
-            group_bytes += view.nbytes
-        if group:
-            self._put(group)
+            entries.append(_Entry(item, data, view, sums, dtype, shape))
+        loose = self._send_files(entries)
+        self._compose(loose)
 
-    def _put(self, group: list) -> None:
-        """Upload checksummed items back to back as the rank's next object."""
+    def _send_files(self, entries: list[_Entry]) -> list[_Entry]:
+        """Upload each shared-memory file whose first bytes these items are as one object (see
+        the class docstring); return the entries left to compose."""
+        by_file: dict[int, tuple[FileSpan, list[tuple[int, _Entry]]]] = {}
+        loose: list[_Entry] = []
+        for e in entries:
+            span = file_of(e.data) if isinstance(e.data, torch.Tensor) and e.view.nbytes else None
+            if span is None:
+                loose.append(e)
+            else:
+                by_file.setdefault(span.address, (span, []))[1].append((span.offset, e))
+        direct: list[list] = []  # [file, its items by offset, end of the object]
+        for span, placed in by_file.values():
+            placed.sort(key=lambda p: p[0])
+            named, end = 0, 0  # bytes some item names; where the last one ends
+            for offset, e in placed:
+                stop = offset + e.view.nbytes
+                named += max(0, stop - max(offset, end))
+                end = max(end, stop)
+            if end - named > end * _MAX_UNNAMED_SHARE:
+                loose.extend(e for _, e in placed)
+            else:
+                direct.append([span, placed, end])
+        loose = self._fill_tails(direct, loose)
+        for span, placed, end in direct:
+            name = self._next_name()
+            for offset, e in placed:
+                self._record(name, offset, e)
+            buffer = torch.empty(0, dtype=torch.uint8).set_(span.owner)[:end]
+            self._put(name, end, span.path, buffer, keep=(span.owner, placed))
+        return loose
+
+    def _fill_tails(self, direct: list[list], loose: list[_Entry]) -> list[_Entry]:
+        """Copy small loose items (serialized values: a step count, a scheduler's state) into
+        the free room after the last tensor of this save's own staging slabs, so that they
+        travel in those objects instead of objects of their own; return the others."""
+        slabs = {slab.address: slab for slab in self.arena.slabs} if self.arena is not None else {}
+        homes = [d for d in direct if d[0].address in slabs]
+        if not homes:
+            return loose
+        rest: list[_Entry] = []
+        for e in loose:
+            n = e.view.nbytes
+            home = next((d for d in homes if -(-d[2] // ALIGN_BYTES) * ALIGN_BYTES + n
+                         <= slabs[d[0].address].capacity), None) if n < _COMPOSE_FROM_BYTES else None
+            if home is None:
+                rest.append(e)
+                continue
+            start = -(-home[2] // ALIGN_BYTES) * ALIGN_BYTES
+            if n:
+                slabs[home[0].address].buffer[start:start + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
+            home[1].append((start, e))
+            home[2] = start + n
+        return rest
+
+    def _compose(self, loose: list[_Entry]) -> None:
+        """Copy the entries, in order, back to back into objects of about the target size (an
+        item larger than the target gets one of its own), each in a slab of the pool."""
+        target = self.config.object_size_target_bytes
+        group: list[_Entry] = []
+        group_bytes = 0
+        for e in loose:
+            if group and group_bytes + e.view.nbytes > target:
+                self._compose_one(group, group_bytes)
+                group, group_bytes = [], 0
+            group.append(e)
+            group_bytes += e.view.nbytes
+        if group:
+            self._compose_one(group, group_bytes)
+
+    def _compose_one(self, group: list[_Entry], nbytes: int) -> None:
+        if self.pool is None or nbytes < _COMPOSE_FROM_BYTES:  # sent from the items' own buffers
+            name = self._next_name()
+            offset = 0
+            for e in group:
+                self._record(name, offset, e)
+                offset += e.view.nbytes
+            self._put(name, nbytes, None, [e.view for e in group], keep=(group,))
+            return
+        self._make_room(nbytes)
+        arena = self.pool.acquire(nbytes, max_in_use=sys.maxsize, prefault=False)
+        try:
+            slab = arena.slabs[0]
+            name = self._next_name()
+            offset = 0
+            for e in group:
+                n = e.view.nbytes
+                if n:
+                    slab.buffer[offset:offset + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
+                self._record(name, offset, e)
+                offset += n
+        except BaseException:
+            self.pool.release(arena)
+            raise
+        self.copied_bytes += nbytes
+        future = self._put(name, nbytes, slab.path, slab.buffer[:nbytes], keep=(slab,))
+        self._composing.append((future, nbytes))
+        future.add_done_callback(lambda _f, arena=arena: self.pool.release(arena))
+
+    def _make_room(self, nbytes: int) -> None:
+        """Wait, oldest first, for composed objects to be sent until ``nbytes`` more fit the
+        window (one object always may be composed); a failed upload raises here."""
+        if self.window_bytes is None:
+            return
+        while self._composing:
+            in_flight = sum(n for f, n in self._composing if not f.done())
+            if in_flight + nbytes <= self.window_bytes:
+                break
+            future, _ = self._composing.pop(0)
+            future.result()
+        self._composing = [(f, n) for f, n in self._composing if not f.done()]
+
+    def _next_name(self) -> str:
         name = layout.object_name(self.rank, len(self.keys), self.save_id, self.config.key_prefix_spread)
-        views: list[memoryview] = []
-        offset = 0
-        for item, _data, view, sums, dtype, shape in group:
-            self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ItemLocation(
-                object_name=name, offset=offset, length=view.nbytes, checksum=sums.whole,
-                dtype=dtype, shape=shape,
-                block_size=integrity.BLOCK_SIZE_BYTES if sums.blocks else 0,
-                block_checksums=sums.blocks,
-            )))
-            views.append(view)
-            offset += view.nbytes
-        key = self.uri.key(name)
-        self.keys.append(key)
-        self._keep_alive.append(group)
-        self.futures.append(self.client.put(self.uri.bucket, key, views))
-        self.bytes += offset
+        self.keys.append(self.uri.key(name))
+        return name
+
+    def _record(self, name: str, offset: int, e: _Entry) -> None:
+        self.results.append(WriteResult(index=e.item.index, size_in_bytes=e.view.nbytes, storage_data=ItemLocation(
+            object_name=name, offset=offset, length=e.view.nbytes, checksum=e.sums.whole,
+            dtype=e.dtype, shape=e.shape,
+            block_size=integrity.BLOCK_SIZE_BYTES if e.sums.blocks else 0,
+            block_checksums=e.sums.blocks,
+        )))
+
+    def _put(self, name: str, nbytes: int, path: str | None, buffers, *, keep: tuple) -> Future:
+        """Upload ``nbytes`` as object ``name``: through the CRT from the file at ``path`` (its
+        first bytes), or from ``buffers`` (the same bytes in memory) where there is no file or
+        the transport sends from memory. ``keep`` stays referenced until the upload ends."""
+        key = self.keys[-1]
+        if path is not None and self.client.sends_files:
+            future = self.client.put_file(self.uri.bucket, key, path, nbytes, keep=keep)
+        else:
+            self._keep_alive.append(keep)
+            future = self.client.put(self.uri.bucket, key, buffers)
+        self.futures.append(future)
+        self.bytes += nbytes
+        return future
 
     def drain(self) -> None:
         """Wait for every upload so far; raise the first failure as soon as it happens (then

@@ -187,7 +187,9 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         try:
             # in the try: the client may be made here, and a failure must still end the lease
             uploads = Uploads(self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
-                              item_checksum=self.item_checksum, base=self._base)
+                              item_checksum=self.item_checksum, base=self._base, pool=self._staging_pool(),
+                              window_bytes=self.config.staging_budget_bytes,
+                              arena=lease.arena if lease is not None else None)
             ready, deferred = [], []
             for item in plan.items:
                 data = resolve(planner, item)

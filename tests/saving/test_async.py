@@ -357,9 +357,9 @@ def test_pinned_arenas_are_exactly_their_size_and_unpinned_when_released():
     to a power of two and never gives memory back)."""
     pool = HostBufferPool()
     before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
-    size = 9 * MiB + 123  # rounds to 16 MiB in 8 MiB steps; torch's allocator would pin 16 MiB+
+    size = 9 * MiB + 123  # rounds to 10 MiB in 1 MiB steps; torch's allocator would pin 16 MiB+
     arena = pool.acquire(size)
-    assert arena.buffer.is_pinned() and arena.capacity == 16 * MiB
+    assert arena.buffer.is_pinned() and arena.capacity == 10 * MiB
     assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before
     buffer = arena.buffer
     pool.release(arena)
@@ -430,12 +430,14 @@ def test_a_staged_dict_pickles_as_a_plain_dict_once_its_arena_is_unpinned(config
     writer._lease.release()
 
 
-def test_pinned_arena_memory_is_mapped_on_pages_of_its_own_and_unmapped_with_its_last_view():
-    """CUDA registers whole pages: an arena sharing a page with another would fail the second
-    registration. The memory goes when the last tensor viewing it does."""
+def test_a_slab_is_a_shared_memory_file_on_pages_of_its_own_gone_with_its_last_view():
+    """A slab is a file the CRT reads by path (/proc/self/fd/N), mapped on pages of its own
+    (CUDA registers whole pages: a slab sharing a page with another would fail the second
+    registration). Its mapping and its descriptor go when the last tensor viewing it does."""
     import mmap
+    import os
 
-    from s3dcp.memory.pool import _page_aligned
+    from s3dcp.memory.slabs import Slab, file_of
 
     def mapped(address: int) -> bool:
         with open("/proc/self/maps") as maps:
@@ -446,15 +448,21 @@ def test_pinned_arena_memory_is_mapped_on_pages_of_its_own_and_unmapped_with_its
         return False
 
     size = 8 * MiB + 3 * mmap.PAGESIZE + 5
-    buf = _page_aligned(size)
-    address = buf.data_ptr()
-    assert address % mmap.PAGESIZE == 0 and buf.numel() == size and mapped(address)
-    view = buf[size - 10:]
-    del buf
-    view.fill_(7)  # still mapped while a view lives
-    assert mapped(address)
+    slab = Slab(size, pinned=False)
+    address, path = slab.address, slab.path
+    assert address % mmap.PAGESIZE == 0 and slab.buffer.numel() == size and mapped(address)
+    assert os.path.getsize(path) >= size  # the file the CRT opens by its path
+    view = slab.buffer[size - 10:]
+    view.fill_(7)
+    with open(path, "rb") as f:  # what is written through the mapping is the file's content
+        f.seek(size - 10)
+        assert f.read(10) == b"\x07" * 10
+    span = file_of(slab.buffer[100:200])
+    assert span is not None and span.path == path and span.offset == 100
+    del slab, span
+    assert mapped(address) and os.path.exists(path)  # still mapped while a view lives
     del view
-    assert not mapped(address)
+    assert not mapped(address) and not os.path.exists(path)
 
 
 def _stage_in_child(queue, config, state):
@@ -514,16 +522,21 @@ def test_staging_copies_every_tensor_to_its_place_and_leaves_the_gaps_between_th
     writer.synchronize_staging()
     try:
         arena = writer._lease.arena
-        filled = torch.zeros(arena.capacity, dtype=torch.bool)
+        filled = [torch.zeros(slab.capacity, dtype=torch.bool) for slab in arena.slabs]
         for name, value in state.items():
             out = staged[name]
             assert torch.equal(out, value.resolve_conj().resolve_neg()), name
             assert out.is_contiguous() and not out.is_conj() and not out.is_neg(), name
             if out.nbytes:
-                offset = out.data_ptr() - arena.address
+                (index,) = [i for i, slab in enumerate(arena.slabs) if slab.holds(out)]
+                offset = out.data_ptr() - arena.slabs[index].address
                 assert offset % ALIGN_BYTES == 0, name
-                assert not filled[offset:offset + out.nbytes].any(), f"{name} overlaps another tensor"
-                filled[offset:offset + out.nbytes] = True
-        assert int(arena.buffer[~filled].count_nonzero()) == 0, "bytes were written outside the tensors' places"
+                assert not filled[index][offset:offset + out.nbytes].any(), f"{name} overlaps another tensor"
+                filled[index][offset:offset + out.nbytes] = True
+        for slab, mask in zip(arena.slabs, filled):
+            assert int(slab.buffer[~mask].count_nonzero()) == 0, "bytes were written outside the tensors' places"
+            used = int(mask.nonzero().max()) + 1 if mask.any() else 0
+            # one object per slab: at most the object size target, unless one tensor is larger
+            assert used <= config.object_size_target_bytes or int(mask.sum()) == used, used
     finally:
         writer._lease.release()

@@ -1,15 +1,20 @@
 """S3 operations as futures: a small surface over awscrt's S3Client.
 
-    caller buffers ──put()──► one CRT PUT; above the threshold a SocketUpload (s3dcp.s3.sockets):
-                              parts sent from the buffers, each with its checksum
-    caller buffer  ◄─get_range_into()── ranged GETs in parallel received into it (socket_reads.py)
+    shared-memory file ──put_file()──► the CRT's PUT reading the file by path (multipart above the
+                                       threshold, each part with its checksum, no copy of ours)
+    caller buffers ──put()──► the CRT's PUT from a stream over them (small objects, .metadata)
+    caller buffers ◄─get_scatter()── the CRT's ranged GET, parts in parallel, each body chunk
+                                      copied into the buffers that cover it
     head / list / delete / copy / list_uploads / abort ── CRT "DEFAULT" requests, XML parsed here
+    (transport="sockets", opt-in: multipart uploads and ranged reads over s3dcp's own sockets,
+     s3dcp.s3.sockets and s3dcp.s3.socket_reads)
 
-Owns :class:`S3Client`: every operation's surface, what each single request sends (addressing,
-headers, checksums) and how its answer becomes a value (:class:`PutResult`; :class:`ObjectInfo`
-and :class:`UploadInfo` are defined with the listings and exported here). Flows of several
-requests live beside it and send through :meth:`S3Client._default`: paginated listings
-(:mod:`s3dcp.s3.listing`) and server-side copy (:mod:`s3dcp.s3.copies`). It must not manage a
+Owns :class:`S3Client`: every operation's surface, what each single request sends (its
+addressing and headers come from :mod:`s3dcp.s3.addressing`) and how its answer becomes a value
+(:class:`PutResult`; :class:`ObjectInfo` and :class:`UploadInfo` are defined with the listings
+and exported here). Flows of several requests live beside it and send through
+:meth:`S3Client._default`: paginated listings (:mod:`s3dcp.s3.listing`), batched deletes
+(:mod:`s3dcp.s3.deletes`) and server-side copy (:mod:`s3dcp.s3.copies`). It must not manage a
 request once submitted (deadlines, aborts, slots: :mod:`s3dcp.s3.request`) nor own native CRT
 clients or credentials (:mod:`s3dcp.s3.native`, :mod:`s3dcp.s3.crt`).
 
@@ -23,38 +28,34 @@ sends the writer to a child process) and each process builds its own native clie
 
 from __future__ import annotations
 
-import base64
 import bisect
-import hashlib
 import io
 import itertools
 import logging
 import threading
 import weakref
-import xml.etree.ElementTree as ET
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 from ..config import S3Config
 from ..errors import IntegrityError, NoSuchKeyError, S3Error
 from . import compat, listing
+from .addressing import Addressing
 from .copies import copy_object
+from .deletes import delete_objects
 from .listing import ObjectInfo, UploadInfo, UploadParts
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
 from .socket_reads import SocketRead
 from .sockets import SocketUpload
-from .responses import children, parse_http_date, text, xml_result
-from .streams import BufferStream, chain, copy_into, finalizer, gather
+from .responses import parse_http_date
+from .streams import BufferStream, copy_into, finalizer, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "UploadParts", "PutResult"]
 
 log = logging.getLogger("s3dcp")
-
-_DELETE_BATCH = 1000  # S3's DeleteObjects limit
-
 
 @dataclass(frozen=True)
 class PutResult:
@@ -80,11 +81,7 @@ class S3Client:
         self._lock = threading.Lock()
         self._use = _NativeUse()
         weakref.finalize(self, finalizer(self._use.release))  # dropped without close(): lets go too
-        parts = urlsplit(self.config.endpoint_url)
-        self._tls = parts.scheme == "https"
-        self._host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-        if ":" in (parts.hostname or "") and parts.port is not None:  # IPv6 literal
-            self._host = f"[{parts.hostname}]:{parts.port}"
+        self._at = Addressing(self.config)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
@@ -129,8 +126,8 @@ class S3Client:
                 lambda: self.get(bucket, key), body, operation="PutObject", bucket=bucket, key=key)
         stream = BufferStream(buffers)
         single_request = single_request or if_none_match
-        headers = [("Host", self._host_for(bucket)), ("Content-Length", str(stream.size)),
-                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers(), *create_only]
+        headers = [("Host", self._at.host_for(bucket)), ("Content-Length", str(stream.size)),
+                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.owner_headers(), *create_only]
         etag: list[str | None] = [None]
 
         def on_headers(status_code, headers, **_):
@@ -144,20 +141,20 @@ class S3Client:
         # RequestFuture.abort).
         multipart = not single_request and size > self.config.effective_multipart_threshold_bytes
         if multipart and self.config.transport == "sockets":  # parts sent from the buffers
-            checksum, owner = self._wire_checksum(), self._owner_headers()
-            create = [("Content-Type", content_type), *self._sse_headers(), *owner]
+            checksum, owner = self._at.wire_checksum(), self._at.owner_headers()
+            create = [("Content-Type", content_type), *self._at.sse_headers(), *owner]
             if checksum is not None:
                 create.append(("x-amz-checksum-algorithm", checksum.upper()))
-            upload = SocketUpload(bucket, key, self._host_for(bucket), self._path(bucket, key), stream.views,
+            upload = SocketUpload(bucket, key, self._at.host_for(bucket), self._at.path(bucket, key), stream.views,
                                   part_size=self.config.part_size_bytes, checksum=checksum,
                                   create_headers=create, part_headers=owner)
             return self._submit("PutObject", bucket, key, upload.start, result=lambda: PutResult(upload.etag, size),
                                 releases=[stream.release], clean_abort=True)
-        request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers), stream)
+        request = HttpRequest("PUT", self._at.path(bucket, key), HttpHeaders(headers), stream)
         return self._submit(
             "PutObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
-                type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._put_checksum(),
+                type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._at.put_checksum(),
                 multipart_upload_threshold=stream.size + 1 if single_request else None,
                 on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], size),
@@ -183,9 +180,9 @@ class S3Client:
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3FileIoOptions, S3RequestType
 
-        headers = [("Host", self._host_for(bucket)), ("Content-Length", str(nbytes)),
-                   ("Content-Type", content_type), *self._sse_headers(), *self._owner_headers()]
-        request = HttpRequest("PUT", self._path(bucket, key), HttpHeaders(headers))
+        headers = [("Host", self._at.host_for(bucket)), ("Content-Length", str(nbytes)),
+                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.owner_headers()]
+        request = HttpRequest("PUT", self._at.path(bucket, key), HttpHeaders(headers))
         etag: list[str | None] = [None]
         held = [keep]
 
@@ -198,7 +195,7 @@ class S3Client:
             "PutObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, send_filepath=path,
-                fio_options=S3FileIoOptions(should_stream=True), checksum_config=self._put_checksum(),
+                fio_options=S3FileIoOptions(should_stream=True), checksum_config=self._at.put_checksum(),
                 on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], nbytes),
             releases=[held.clear],
@@ -252,13 +249,13 @@ class S3Client:
             return length
 
         if self.config.transport == "sockets":  # straight from the socket into the sinks
-            read = SocketRead(bucket, key, self._host_for(bucket), self._path(bucket, key), start, end, sinks,
-                              part_size=self.config.download_part_size_bytes, headers=self._owner_headers())
+            read = SocketRead(bucket, key, self._at.host_for(bucket), self._at.path(bucket, key), start, end, sinks,
+                              part_size=self.config.download_part_size_bytes, headers=self._at.owner_headers())
             return self._submit("GetObject", bucket, key, read.start, result=lambda: result(read.received),
                                 releases=[sinks.clear, reach.clear], clean_abort=True)
-        headers = [("Host", self._host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
-                   *self._owner_headers()]
-        request = HttpRequest("GET", self._path(bucket, key), HttpHeaders(headers))
+        headers = [("Host", self._at.host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
+                   *self._at.owner_headers()]
+        request = HttpRequest("GET", self._at.path(bucket, key), HttpHeaders(headers))
         return self._submit(
             "GetObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
@@ -272,7 +269,7 @@ class S3Client:
     def get(self, bucket: str, key: str) -> "Future[bytes]":
         """Read a whole (small) object, e.g. the metadata object, in one request."""
         return self._default("GetObject", "GET", bucket, key, result=lambda status, headers, body: body,
-                             extra_headers=self._owner_headers())
+                             extra_headers=self._at.owner_headers())
 
     # ------------------------------------------------------------------ control plane
     def head(self, bucket: str, key: str) -> "Future[ObjectInfo]":
@@ -286,7 +283,7 @@ class S3Client:
                               last_modified=parse_http_date(h.get("last-modified")))
 
         inner = self._default("HeadObject", "HEAD", bucket, key, result=result,
-                              extra_headers=self._owner_headers())
+                              extra_headers=self._at.owner_headers())
 
         def done(f: Future) -> None:
             err = f.exception()
@@ -303,24 +300,21 @@ class S3Client:
 
     def head_bucket(self, bucket: str) -> "Future[None]":
         return self._default("HeadBucket", "HEAD", bucket, "", result=lambda status, headers, body: None,
-                             extra_headers=self._owner_headers())
+                             extra_headers=self._at.owner_headers())
 
     def list(self, bucket: str, prefix: str = "", *, delimiter: str | None = None,
              page_size: int = 1000) -> "Future[tuple[list[ObjectInfo], list[str]]]":
         """All objects under ``prefix`` (every page), and the common prefixes when a
         ``delimiter`` is given."""
-        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._owner_headers())
+        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._at.owner_headers())
 
     def delete(self, bucket: str, keys: Iterable[str]) -> "Future[None]":
         """Delete ``keys`` in batches of 1,000 (DeleteObjects). Missing keys are not errors."""
-        keys = list(keys)
-        futures = [self._delete_batch(bucket, keys[i:i + _DELETE_BATCH])
-                   for i in range(0, len(keys), _DELETE_BATCH)]
-        return gather(futures, lambda results: None)
+        return delete_objects(self._default, bucket, keys, self._at.owner_headers())
 
     def list_uploads(self, bucket: str, prefix: str = "") -> "Future[list[UploadInfo]]":
         """Unfinished multipart uploads under ``prefix`` (every page)."""
-        return listing.list_uploads(self._default, bucket, prefix, self._owner_headers())
+        return listing.list_uploads(self._default, bucket, prefix, self._at.owner_headers())
 
     def upload_activity(self, bucket: str, key: str, upload_id: str) -> "Future[float | None]":
         """When an unfinished multipart upload last received a part (seconds since the epoch;
@@ -329,13 +323,13 @@ class S3Client:
 
     def upload_parts(self, bucket: str, key: str, upload_id: str) -> "Future[UploadParts]":
         """The parts an unfinished multipart upload holds (count, bytes, newest), from ListParts."""
-        return listing.upload_activity(self._default, bucket, key, upload_id, self._owner_headers())
+        return listing.upload_activity(self._default, bucket, key, upload_id, self._at.owner_headers())
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":
         """Abort a multipart upload; an upload that is already gone is not an error."""
         outer: Future = Future()
         f = self._default("AbortMultipartUpload", "DELETE", bucket, key, query={"uploadId": upload_id},
-                          result=lambda status, headers, body: None, extra_headers=self._owner_headers())
+                          result=lambda status, headers, body: None, extra_headers=self._at.owner_headers())
 
         def done(f: Future) -> None:
             err = f.exception()
@@ -357,7 +351,7 @@ class S3Client:
         return copy_object(self._default, self.abort_upload, bucket, source_key, key, size,
                            part_size_bytes=self.config.part_size_bytes,
                            multipart_threshold_bytes=multipart_threshold_bytes,
-                           sse_headers=self._sse_headers(), owner_headers=self._owner_headers())
+                           sse_headers=self._at.sse_headers(), owner_headers=self._at.owner_headers())
 
     def close(self) -> None:
         """Stop using the shared native client. It shuts down once no S3Client uses it and its
@@ -372,7 +366,7 @@ class S3Client:
             native = self._use.native
             if native is None or native.closed:
                 self._use.release()
-                native = self._use.native = _acquire_native(self.config, self._tls, self._profile_given)
+                native = self._use.native = _acquire_native(self.config, self._at.tls, self._profile_given)
             return native
 
     def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable,
@@ -406,10 +400,10 @@ class S3Client:
         def collect(chunk, **_):
             chunks.append(bytes(chunk))
 
-        path = self._path(bucket, key) if key else self._bucket_path(bucket)
+        path = self._at.path(bucket, key) if key else self._at.bucket_path(bucket)
         if query:
             path += "?" + urlencode(query, quote_via=quote, safe="-_.~")
-        headers = [("Host", self._host_for(bucket)), *extra_headers]
+        headers = [("Host", self._at.host_for(bucket)), *extra_headers]
         stream = None
         if body is not None:
             headers.append(("Content-Length", str(len(body))))
@@ -426,65 +420,3 @@ class S3Client:
                 on_headers=on_headers, on_body=collect, on_done=on_done),
             result=value,
         )
-
-    def _delete_batch(self, bucket: str, keys: list[str]) -> Future:
-        root = ET.Element("Delete")
-        ET.SubElement(root, "Quiet").text = "true"
-        for k in keys:
-            ET.SubElement(ET.SubElement(root, "Object"), "Key").text = k
-        body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
-        md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
-        outer: Future = Future()
-        f = self._default("DeleteObjects", "POST", bucket, "", query={"delete": ""}, body=body,
-                          result=xml_result,
-                          extra_headers=[("Content-MD5", md5), ("Content-Type", "application/xml"),
-                                         *self._owner_headers()])
-
-        def handle(resp) -> None:
-            errors = [(text(e, "Key"), text(e, "Code"), text(e, "Message")) for e in children(resp, "Error")]
-            if errors:
-                key, code, message = errors[0]
-                raise S3Error(f"DeleteObjects failed for {len(errors)} key(s), first: {message}",
-                              operation="DeleteObjects", bucket=bucket, key=key, code=code)
-            outer.set_result(None)
-
-        f.add_done_callback(lambda f: chain(f, outer, handle))
-        return outer
-
-    def _path(self, bucket: str, key: str) -> str:
-        quoted = quote(key, safe="/-_.~")
-        return f"/{bucket}/{quoted}" if self.config.use_path_style else f"/{quoted}"
-
-    def _bucket_path(self, bucket: str) -> str:
-        return f"/{bucket}" if self.config.use_path_style else "/"
-
-    def _host_for(self, bucket: str) -> str:
-        return self._host if self.config.use_path_style else f"{bucket}.{self._host}"
-
-    def _wire_checksum(self) -> str | None:
-        """The checksum every uploaded part carries, or None where the store takes none (the item
-        checksums in the metadata still verify every load)."""
-        return self.config.checksum if compat.wire_checksums(self.config.compat) else None
-
-    def _put_checksum(self):
-        from awscrt.s3 import S3ChecksumAlgorithm, S3ChecksumConfig, S3ChecksumLocation
-
-        name = self._wire_checksum()
-        if name is None:
-            return None
-        algorithm = S3ChecksumAlgorithm.CRC32C if name == "crc32c" else S3ChecksumAlgorithm.CRC64NVME
-        return S3ChecksumConfig(algorithm=algorithm, location=S3ChecksumLocation.TRAILER)
-
-    def _sse_headers(self) -> list[tuple[str, str]]:
-        c = self.config
-        if c.sse is None:
-            return []
-        headers = [("x-amz-server-side-encryption", c.sse)]
-        if c.sse_kms_key_id:
-            headers.append(("x-amz-server-side-encryption-aws-kms-key-id", c.sse_kms_key_id))
-        return headers
-
-    def _owner_headers(self) -> list[tuple[str, str]]:
-        owner = self.config.expected_bucket_owner
-        return [("x-amz-expected-bucket-owner", owner)] if owner else []
-

@@ -240,13 +240,26 @@ class S3Client:
                     copy_into(view, lo - sink_off, chunk, lo - offset, hi - lo)
             received[0] += len(chunk)
 
+        def short(got: int) -> IntegrityError:
+            return IntegrityError(f"s3://{bucket}/{key}: asked for {length} bytes at offset {start}, got {got}"
+                                  " — the object is shorter than its metadata says (truncated or replaced)")
+
         def result(got: int) -> int:
             if got != length:
-                raise IntegrityError(
-                    f"s3://{bucket}/{key}: asked for {length} bytes at offset {start}, got {got}"
-                    " — the object is shorter than its metadata says (truncated or replaced)"
-                )
+                raise short(got)
             return length
+
+        def refine(failure: BaseException) -> BaseException:
+            # a range that starts past the object's end: 416 from moto and S3 (SeaweedFS sends
+            # what there is), the same short object as one that ends early; a 412: the CRT asks
+            # for every part after the first If-Match its ETag, so the object changed meanwhile
+            if isinstance(failure, S3Error) and failure.status in (412, 416):
+                error = short(0) if failure.status == 416 else IntegrityError(
+                    f"s3://{bucket}/{key} was replaced while it was read (a later part's If-Match on the "
+                    "first part's ETag failed)")
+                error.__cause__ = failure
+                return error
+            return failure
 
         if self.config.transport == "sockets":  # straight from the socket into the sinks
             read = SocketRead(bucket, key, self._at.host_for(bucket), self._at.path(bucket, key), start, end, sinks,
@@ -264,6 +277,7 @@ class S3Client:
             result=lambda: result(received[0]),
             releases=[sinks.clear, reach.clear],
             clean_abort=True,  # a read stopped halfway leaves nothing behind
+            refine=refine,
         )
 
     def get(self, bucket: str, key: str) -> "Future[bytes]":
@@ -370,7 +384,8 @@ class S3Client:
             return native
 
     def _submit(self, operation: str, bucket: str, key: str, start: Callable, *, result: Callable,
-                releases: Sequence[Callable[[], None]] = (), clean_abort: bool = False) -> Future:
+                releases: Sequence[Callable[[], None]] = (), clean_abort: bool = False,
+                refine: Callable[[BaseException], BaseException] | None = None) -> Future:
         """Queue one CRT meta request; return a future with its translated outcome. Never blocks:
         it may be called from a CRT callback (the next page of a listing).
 
@@ -379,9 +394,11 @@ class S3Client:
         not, its slot goes to the next queued request, its deadline is dropped and ``releases``
         run, so nothing keeps the caller's buffers alive after the future is done.
         ``clean_abort``: cancelling the request once sent leaves nothing stored (a read, a
-        multipart upload), see :meth:`RequestFuture.abort`.
+        multipart upload), see :meth:`RequestFuture.abort`. ``refine`` maps the translated
+        error of a failed request to what it means for this call.
         """
-        call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s, clean_abort)
+        call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s, clean_abort,
+                     refine)
         self._native().submit(call)
         return call.future
 

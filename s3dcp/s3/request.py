@@ -76,12 +76,15 @@ class _Call:
     """One request from submission to its end: what starts it, the future it completes, and
     the references (request, deadline, caller buffers) dropped the moment it ends."""
 
-    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_releases", "_timeout_s", "_clean_abort",
-                 "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native", "_waits_in")
+    __slots__ = ("operation", "bucket", "key", "_start", "_result", "_refine", "_releases", "_timeout_s",
+                 "_clean_abort", "future", "_request", "_deadline", "_timed_out", "_aborted", "_finished", "_native",
+                 "_waits_in")
 
-    def __init__(self, operation, bucket, key, start, result, releases, timeout_s, clean_abort=False) -> None:
+    def __init__(self, operation, bucket, key, start, result, releases, timeout_s, clean_abort=False,
+                 refine=None) -> None:
         self.operation, self.bucket, self.key = operation, bucket, key
         self._start, self._result, self._releases = start, result, list(releases)
+        self._refine = refine  # what a translated failure means for this call (e.g. 416: a short object)
         self._timeout_s = timeout_s
         self._clean_abort = clean_abort  # see RequestFuture.abort
         self.future = RequestFuture(self)
@@ -170,6 +173,8 @@ class _Call:
             else:  # keeps the CRT error as __cause__
                 value, failure = None, translate_error(error, operation=self.operation,
                                                        bucket=self.bucket, key=self.key)
+                if self._refine is not None:
+                    failure = self._refine(failure)
         except BaseException as e:  # noqa: BLE001 - e.g. a short read found by result()
             value, failure = None, e
         # Let go of everything this request held before anyone hears of its outcome.
@@ -177,7 +182,7 @@ class _Call:
             self._deadline.cancel()
         for release in self._releases:
             release()
-        self._start = self._result = self._request = self._deadline = self._waits_in = None
+        self._start = self._result = self._refine = self._request = self._deadline = self._waits_in = None
         self._releases = []
         self.future._call = None
         native, self._native = self._native, None

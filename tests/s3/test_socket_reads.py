@@ -25,7 +25,8 @@ FAST_RETRIES = dict(max_retries=3, retry_backoff_base_ms=10, retry_max_backoff_s
 
 
 def _client(s3_server, proxy=None, **overrides) -> S3Client:
-    config = s3_server.s3_config(download_part_size_bytes=PART, **{**FAST_RETRIES, **overrides})
+    """A client of the socket transport (the opt-in this file tests), or of ``transport=``."""
+    config = s3_server.s3_config(download_part_size_bytes=PART, **{"transport": "sockets", **FAST_RETRIES, **overrides})
     return S3Client(config if proxy is None else replace(config, endpoint_url=proxy.endpoint_url))
 
 
@@ -74,9 +75,10 @@ def test_gets_refused_for_now_or_cut_mid_body_are_sent_again(s3_server, proxy, b
     assert proxy.counts() == {"error": 2, "reset_response": 1}
 
 
+@pytest.mark.parametrize("transport", ["sockets", "crt"])
 def test_an_object_replaced_during_a_read_fails_instead_of_mixing_two_versions(s3_server, proxy, bucket,
-                                                                               boto3_client):
-    client = _client(s3_server, proxy)
+                                                                               boto3_client, transport):
+    client = _client(s3_server, proxy, transport=transport)
     client.put(bucket, "moving", bytes(2 * PART)).result(timeout=60)
     proxy.add_rule(Rule("delay", method="GET", header=f"^range: bytes={PART}-", delay_s=1.5, times=1))
     future = client.get_range_into(bucket, "moving", 0, bytearray(2 * PART))

@@ -27,7 +27,9 @@ FAST_RETRIES = dict(max_retries=3, retry_backoff_base_ms=10, retry_max_backoff_s
 
 
 def _client(s3_server, proxy, **overrides) -> S3Client:
-    return S3Client(replace(s3_server.s3_config(part_size_bytes=PART, **overrides), endpoint_url=proxy.endpoint_url))
+    """A client of the socket transport (the opt-in this file tests), or of ``transport=``."""
+    config = s3_server.s3_config(part_size_bytes=PART, **{"transport": "sockets", **overrides})
+    return S3Client(replace(config, endpoint_url=proxy.endpoint_url))
 
 
 def _uploads(boto3_client, bucket):
@@ -122,7 +124,7 @@ def test_a_missing_bucket_fails_at_create_by_name(s3_server, proxy):
 
 
 def test_an_unreachable_server_fails_as_a_connection_error_after_the_retries(s3_server):
-    client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART, **FAST_RETRIES),
+    client = S3Client(replace(s3_server.s3_config(part_size_bytes=PART, transport="sockets", **FAST_RETRIES),
                               endpoint_url="http://127.0.0.1:9"))  # discard port: nothing listens
     with pytest.raises(S3ConnectionError, match="CreateMultipartUpload"):
         client.put("bucket", "k", bytes(2 * PART)).result(timeout=60)

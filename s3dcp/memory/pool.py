@@ -55,8 +55,9 @@ def _rounded(nbytes: int) -> int:
 
 class Placer:
     """Where tensors go, one after the other: in the current slab, 64-byte aligned, while the
-    slab stays within ``target_bytes`` (an object's size target) — a tensor larger than the
-    target starts a slab of its own — and within the slab's limit; then in the next slab.
+    slab stays within ``target_bytes`` (an object's size target) and within the slab's limit;
+    then in the next slab. A tensor larger than the target gets a slab of its own, and the
+    current slab stays current for the tensors after it.
 
     With ``limits`` (the slab sizes of an arena) a tensor that fits no remaining slab gets no
     place. Without them slabs are opened as needed, at most ``budget_bytes`` in all (a tensor
@@ -72,28 +73,43 @@ class Placer:
         self.current = 0
 
     def place(self, nbytes: int) -> Place | None:
+        if self.target is not None and nbytes > self.target:
+            return self._alone(nbytes)
         while self.current < len(self.ends):
             end = self.ends[self.current]
             start = _align(end)
             fits_target = end == 0 or self.target is None or start + nbytes <= self.target
             if self.limits is not None:
                 if fits_target and start + nbytes <= self.limits[self.current]:
-                    return self._take(start, nbytes)
+                    return self._take(self.current, start, nbytes)
                 self.current += 1
                 continue
             if fits_target:
                 if not self._within_budget(start + nbytes - end):
                     return None
-                return self._take(start, nbytes)
+                return self._take(self.current, start, nbytes)
             if not self._within_budget(nbytes):
                 return None
             self.ends.append(0)
-            self.current += 1
+            self.current = len(self.ends) - 1
         return None
 
-    def _take(self, start: int, nbytes: int) -> Place:
-        self.ends[self.current] = start + nbytes
-        return self.current, start
+    def _alone(self, nbytes: int) -> Place | None:
+        """A tensor larger than the target: a slab of its own, after the current one, which
+        stays current (the small tensors after a large one fill it on)."""
+        if self.limits is None:
+            if not self._within_budget(nbytes):
+                return None
+            self.ends.append(0)
+            return self._take(len(self.ends) - 1, 0, nbytes)
+        for i in range(self.current, len(self.ends)):
+            if self.ends[i] == 0 and nbytes <= self.limits[i]:
+                return self._take(i, 0, nbytes)
+        return None
+
+    def _take(self, index: int, start: int, nbytes: int) -> Place:
+        self.ends[index] = start + nbytes
+        return index, start
 
     def _within_budget(self, more: int) -> bool:
         return self.budget is None or sum(self.ends) + more <= self.budget

@@ -24,6 +24,7 @@ class SaveStats:
     objects: int = 0
     inherited_bytes: int = 0  # bytes of unchanged items referenced in the base (incremental saves)
     inherited_items: int = 0
+    copied_bytes: int = 0  # bytes write_data copied into shared memory to upload them (see saving/uploads.py)
 
     @property
     def upload_gbps(self) -> float:

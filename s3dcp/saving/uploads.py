@@ -165,7 +165,7 @@ class Uploads:
             for offset, e in placed:
                 self._record(name, offset, e)
             buffer = torch.empty(0, dtype=torch.uint8).set_(span.owner)[:end]
-            self._put(name, end, span.path, buffer, keep=(span.owner, placed))
+            self._put(name, end, span.path, [buffer], keep=(span.owner, placed))
         return loose
 
     def _fill_tails(self, direct: list[list], loose: list[_Entry]) -> list[_Entry]:
@@ -187,6 +187,7 @@ class Uploads:
             start = -(-home[2] // ALIGN_BYTES) * ALIGN_BYTES
             if n:
                 slabs[home[0].address].buffer[start:start + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
+                self.copied_bytes += n
             home[1].append((start, e))
             home[2] = start + n
         return rest
@@ -207,7 +208,8 @@ class Uploads:
             self._compose_one(group, group_bytes)
 
     def _compose_one(self, group: list[_Entry], nbytes: int) -> None:
-        if self.pool is None or nbytes < _COMPOSE_FROM_BYTES:  # sent from the items' own buffers
+        if self.pool is None or nbytes < _COMPOSE_FROM_BYTES or not self.client.sends_files:
+            # sent from the items' own buffers (transport="sockets" sends every object so)
             name = self._next_name()
             offset = 0
             for e in group:
@@ -231,7 +233,7 @@ class Uploads:
             self.pool.release(arena)
             raise
         self.copied_bytes += nbytes
-        future = self._put(name, nbytes, slab.path, slab.buffer[:nbytes], keep=(slab,))
+        future = self._put(name, nbytes, slab.path, [slab.buffer[:nbytes]], keep=(slab,))
         self._composing.append((future, nbytes))
         future.add_done_callback(lambda _f, arena=arena: self.pool.release(arena))
 
@@ -270,7 +272,8 @@ class Uploads:
             future = self.client.put_file(self.uri.bucket, key, path, nbytes, keep=keep)
         else:
             self._keep_alive.append(keep)
-            future = self.client.put(self.uri.bucket, key, buffers)
+            future = self.client.put(self.uri.bucket, key,
+                                     [byte_view(b) if isinstance(b, torch.Tensor) else b for b in buffers])
         self.futures.append(future)
         self.bytes += nbytes
         return future

@@ -207,7 +207,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             self.last_stats = SaveStats(stage_s=self._stage_s if lease is not None else 0.0, upload_s=elapsed,
                                         bytes=uploads.bytes, objects=len(uploads.keys),
                                         inherited_bytes=uploads.inherited_bytes,
-                                        inherited_items=uploads.inherited_items)
+                                        inherited_items=uploads.inherited_items,
+                                        copied_bytes=uploads.copied_bytes)
         except BaseException as e:
             if uploads is not None:
                 uploads.discard(e)

@@ -63,7 +63,7 @@ class S3Config:
     coalesce_gap_bytes: int = 1 * MiB  # read ranges closer than this are fetched as one GET
     key_prefix_spread: int = 1  # data object names spread over this many key prefixes (S3 rates scale per prefix)
     crt_memory_limit_bytes: int | None = None  # cap on the CRT's part buffers; None: max(256 MiB, 4 parts); 0: CRT's own (2+ GiB)
-    transport: str = "sockets"  # multipart uploads and ranged reads: "sockets" (from and into the caller's memory) or "crt"
+    transport: str | None = None  # None: S3DCP_TRANSPORT, else "crt" (the AWS CRT moves every byte); "sockets": opt-in
 
     # Integrity.
     checksum: str | None = "crc32c"  # item checksums in the metadata, and on the wire when compat="s3"
@@ -132,6 +132,7 @@ class S3Config:
         return dataclasses.replace(
             self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style,
             compat=self.compat or _compat_from_env(env) or detect_compat(endpoint),
+            transport=self.transport or _transport_from_env(env) or "crt",
         )
 
     @property
@@ -185,6 +186,15 @@ def _compat_from_env(env) -> str | None:
     value = (env.get("S3DCP_COMPAT") or "").strip() or None
     if value is not None and value not in COMPAT_MODES:
         raise ConfigError(f"S3DCP_COMPAT={value!r} must be one of {COMPAT_MODES}")
+    return value
+
+
+def _transport_from_env(env) -> str | None:
+    """``S3DCP_TRANSPORT``, for tools that build their config themselves (the ``s3dcp`` command,
+    the trainer integrations' job configs)."""
+    value = (env.get("S3DCP_TRANSPORT") or "").strip() or None
+    if value is not None and value not in TRANSPORTS:
+        raise ConfigError(f"S3DCP_TRANSPORT={value!r} must be one of {TRANSPORTS}")
     return value
 
 
@@ -290,7 +300,7 @@ def _validate(c: S3Config) -> list[str]:
         f"key_prefix_spread={c.key_prefix_spread!r} must be an int in [1, 256]",
     )
     need(c.checksum in CHECKSUMS, f"checksum={c.checksum!r} must be one of {CHECKSUMS}")
-    need(c.transport in TRANSPORTS, f"transport={c.transport!r} must be one of {TRANSPORTS}")
+    need(c.transport is None or c.transport in TRANSPORTS, f"transport={c.transport!r} must be one of {TRANSPORTS}")
     need(c.compat is None or c.compat in COMPAT_MODES,
          f"compat={c.compat!r} must be None (detected from the endpoint) or one of {COMPAT_MODES}")
     need(

@@ -1,15 +1,15 @@
 """Save and load of a synthetic training state, 1 and 2 ranks, through four paths:
 
-    s3dcp       dcp.save / dcp.load with S3StorageWriter / S3StorageReader
+    s3dcp       dcp.save / dcp.load with S3StorageWriter / S3StorageReader (the CRT moves the bytes)
+    s3dcp-sockets  the same with the opt-in S3Config(transport="sockets")
     fs          dcp.save / dcp.load with FileSystemWriter / FileSystemReader to a local temp dir
     monolithic  gather the state to rank 0 (gather_object), torch.save to memory, boto3
                 upload_fileobj; load: rank 0 download_fileobj + torch.load, then each rank gets
                 its part (scatter_object_list: a kinder baseline than broadcasting everything)
                 and copies it into its state
     raw         each rank S3Client.put of as many bytes as its shard (one buffer) and
-                get_range_into back: the floor any S3 checkpoint path pays
-    raw-crt     the same through the CRT's PUT and GET (S3Config(transport="crt")), the transfer
-                s3dcp made before its own sockets
+                get_range_into back, through the CRT: the floor any S3 checkpoint path pays
+    raw-sockets the same over s3dcp's own sockets (S3Config(transport="sockets"))
     ts-s3dcp    TorchSnapshot Snapshot.take / restore through s3dcp's plugin (s3dcp://, the CRT
                 client); needs torchsnapshot (pip install -e '.[torchsnapshot]')
     ts-s3       TorchSnapshot's built-in s3:// plugin (aiobotocore), same state, same server;
@@ -81,7 +81,8 @@ from common import (  # noqa: E402
 
 from phases import LOAD_ORDER, LOAD_PHASES, SAVE_ORDER, SAVE_PHASES, clocked, floor_cpu_s_per_gib  # noqa: E402
 
-MODES = ("s3dcp", "s3dcp-cast", "fs", "monolithic", "raw", "raw-crt", "ts-s3dcp", "ts-s3", "s3tc")
+MODES = ("s3dcp", "s3dcp-sockets", "s3dcp-cast", "fs", "monolithic", "raw", "raw-sockets", "ts-s3dcp", "ts-s3",
+         "s3tc")
 
 
 def available_modes() -> list[str]:
@@ -480,17 +481,27 @@ class S3TorchConnectorPath(Path):
         return {"phases": clock.stop()}
 
 
-class RawCrtPath(RawPath):
-    """The same raw transfer through the CRT's PUT and GET (``S3Config(transport="crt")``)."""
+class RawSocketsPath(RawPath):
+    """The same raw transfer over s3dcp's own sockets (``S3Config(transport="sockets")``)."""
 
     def __init__(self, ctx, state, dest):
         from dataclasses import replace
 
-        super().__init__(dict(ctx, cfg=replace(ctx["cfg"], transport="crt")), state, dest)
+        super().__init__(dict(ctx, cfg=replace(ctx["cfg"], transport="sockets")), state, dest)
 
 
-PATHS = {"s3dcp": S3DCPPath, "s3dcp-cast": S3DCPCastPath, "fs": FSPath, "monolithic": MonolithicPath, "raw": RawPath,
-         "raw-crt": RawCrtPath, "ts-s3dcp": TorchSnapshotPath, "ts-s3": TorchSnapshotBuiltinS3Path,
+class S3DCPSocketsPath(S3DCPPath):
+    """s3dcp with the opt-in socket transport (``S3Config(transport="sockets")``)."""
+
+    def __init__(self, ctx, state, dest):
+        from dataclasses import replace
+
+        super().__init__(dict(ctx, cfg=replace(ctx["cfg"], transport="sockets")), state, dest)
+
+
+PATHS = {"s3dcp": S3DCPPath, "s3dcp-sockets": S3DCPSocketsPath, "s3dcp-cast": S3DCPCastPath, "fs": FSPath,
+         "monolithic": MonolithicPath, "raw": RawPath, "raw-sockets": RawSocketsPath, "ts-s3dcp": TorchSnapshotPath,
+         "ts-s3": TorchSnapshotBuiltinS3Path,
          "s3tc": S3TorchConnectorPath}
 
 
@@ -697,7 +708,7 @@ def main(argv=None) -> int:
             row["load_peak_rss_mib_max"] = max(s["load_peak_rss_mib"])
             row["load_rss_extra_x_shard_max"] = max(s["load_rss_extra_x_shard"])
             row["save_rss_extra_x_shard_max"] = max(s["save_rss_extra_x_shard"])
-            if mode in ("s3dcp", "s3dcp-cast"):
+            if mode in ("s3dcp", "s3dcp-sockets", "s3dcp-cast"):
                 infos = res["runs"][mode]
                 row["s3dcp_upload_s_median"] = median(max(i["upload_s"] for i in r["save_info"]) for r in infos)
                 row["s3dcp_read_s_median"] = median(max(i["read_s"] for i in r["load_info"]) for r in infos)
@@ -744,19 +755,20 @@ def main(argv=None) -> int:
     walled = [r for r in rows if "load_wall_read_s" in r and "load_x_raw" in r]
     if walled:
         raw_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw"}
-        crt_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw-crt"}
+        sockets_s = {r["nproc"]: r["load_s"] for r in rows if r["mode"] == "raw-sockets"}
         for row in walled:
             row["load_raw_get_s"] = raw_s[row["nproc"]]
             row["load_gap_s"] = row["load_s"] - row["load_raw_get_s"]
-            if row["nproc"] in crt_s:
-                row["load_x_raw_crt"] = row["load_s"] / crt_s[row["nproc"]]
+            if row["nproc"] in sockets_s:
+                row["load_x_raw_sockets"] = row["load_s"] / sockets_s[row["nproc"]]
         print()
         print_table(walled, [("nproc", "ranks"), ("mode", "mode"),
                              *[(f"load_wall_{p}_s", p, ".3f") for p in LOAD_ORDER],
                              ("load_wall_verify_s", "of read: verify", ".3f"), ("load_s", "load", ".3f"),
                              ("load_raw_get_s", "raw GET", ".3f"), ("load_gap_s", "load - raw", ".3f"),
                              ("load_x_raw", "load/raw", ".2f"),
-                             *([("load_x_raw_crt", "load/raw CRT GET", ".2f")] if "raw-crt" in args.modes else [])],
+                             *([("load_x_raw_sockets", "load/raw sockets GET", ".2f")]
+                               if "raw-sockets" in args.modes else [])],
                     title="what separates a load from the raw GET of the same bytes: wall s by phase, slowest rank, "
                           "medians (meta: the .metadata GET and decode; plan: planning calls; read: the GETs into "
                           "the tensors, with the item checksums verified as each GET ends ('verify', overlapping "

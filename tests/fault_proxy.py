@@ -49,6 +49,11 @@ fires (after its ``times``/``probability`` checks) is applied:
     empty-bodied 200 is never delivered).  Then the client connection is
     reset.  The upstream has processed the request: this simulates "the
     server did it, but the client never learnt".
+``stall_response``
+    As ``reset_response``, but instead of the reset the connection goes silent:
+    nothing more is relayed to the client, whose connection stays open until it
+    closes it (a server or network path that stops mid-answer). The upstream
+    connection is aborted.
 ``delay``
     Sleep ``delay_s`` seconds after the request head arrived, then forward
     normally.
@@ -95,7 +100,7 @@ from typing import Any, Optional
 
 __all__ = ["Rule", "FaultEvent", "RequestRecord", "FaultProxy", "ACTIONS", "STORES", "store_rules"]
 
-ACTIONS = ("error", "reset_request", "reset_response", "delay", "stall", "add_headers", "answer")
+ACTIONS = ("error", "reset_request", "reset_response", "stall_response", "delay", "stall", "add_headers", "answer")
 
 _READ_SIZE = 1 << 20  # max bytes per read when streaming bodies
 _STREAM_LIMIT = 1 << 20  # StreamReader buffer limit (also max head/line length)
@@ -516,8 +521,9 @@ class _Conn:
             head = _Head(head.raw[:-2] + added + b"\r\n")
 
         req_limit = rule.after_bytes if action == "reset_request" else None
-        resp_limit = rule.after_bytes if action == "reset_response" else None
-        return await self.forward(method, head, body_kind, req_limit, resp_limit, keep_alive)
+        resp_limit = rule.after_bytes if action in ("reset_response", "stall_response") else None
+        return await self.forward(method, head, body_kind, req_limit, resp_limit, keep_alive,
+                                  stall=action == "stall_response")
 
     # -- actions ----------------------------------------------------------------
 
@@ -563,7 +569,7 @@ class _Conn:
                 await asyncio.wait_for(discard(), 2.0)
         return not close
 
-    async def forward(self, method, head, body_kind, req_limit, resp_limit, keep_alive) -> bool:
+    async def forward(self, method, head, body_kind, req_limit, resp_limit, keep_alive, stall=False) -> bool:
         u_reader, u_writer = await self.upstream()
         req_meter = _Meter(u_writer, req_limit)
         if body_kind == "none" and req_limit is not None:
@@ -611,8 +617,13 @@ class _Conn:
             self.close_upstream(abort=True)
             return False
         except _Cut:
-            # reset_response (raised from resp_task via `await resp_task`)
+            # reset_response / stall_response (raised from resp_task via `await resp_task`)
             req_task.cancel()
+            if stall:  # silent from here on, until the client gives up on the connection
+                self.close_upstream(abort=True)
+                while await self.c_reader.read(_READ_SIZE):
+                    pass
+                return False
             await self.reset_client(flush=True)
             self.close_upstream(abort=True)
             return False

@@ -35,6 +35,8 @@ from .responses import text
 __all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender"]
 
 _MAX_ANSWER = 1 << 20  # bytes of an answer's body read at most (errors and XML results are small)
+STALL_S = 30.0  # a connection that moves no byte for this long is dropped and its request retried
+_SEND_SLICE = 1 << 20  # bytes per sendall, each bounded by STALL_S (a stall, not a slow link, fails)
 _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                           "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
                           "ServiceUnavailable", "BadDigest", "XAmzContentChecksumMismatch"})
@@ -175,8 +177,9 @@ class SocketSender:
                 for name, value in request.headers:
                     conn.putheader(name, value)
                 conn.endheaders()
-                for view in body:
-                    conn.send(view)
+                for view in body:  # in slices: a socket's timeout bounds each sendall as a whole
+                    for at in range(0, view.nbytes, _SEND_SLICE):
+                        conn.send(view[at:at + _SEND_SLICE])
                 response = conn.getresponse()
                 if into is not None and response.status < 300:
                     into(response)
@@ -211,7 +214,10 @@ class SocketSender:
         else:
             conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
         conn.connect()
-        conn.sock.settimeout(None)  # the request's deadline (request_timeout_s) bounds it; cancel() unblocks
+        # A send or receive that makes no progress for STALL_S fails the exchange, which is retried
+        # (the CRT drops a connection that stalls as long); the request's deadline
+        # (request_timeout_s) bounds the whole, and cancel() unblocks it at once.
+        conn.sock.settimeout(STALL_S)
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, False
 

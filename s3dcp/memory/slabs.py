@@ -83,12 +83,7 @@ class Slab:
 
     def __init__(self, capacity: int, pinned: bool, prefault: bool = True) -> None:
         self.capacity = capacity
-        if files_supported():
-            self.storage = torch.UntypedStorage._new_using_fd_cpu(max(capacity, 1))
-            self.path: str | None = f"{_PROC_FD}/{self.storage._get_shared_fd()}"
-        else:  # no /proc (not Linux): ordinary memory, uploaded through a stream over it
-            self.storage = torch.UntypedStorage(max(capacity, 1))
-            self.path = None
+        self.storage, self.path = _shared_file(capacity)
         self.buffer = torch.empty(0, dtype=torch.uint8).set_(self.storage)[:capacity]
         if prefault and capacity:
             self.buffer.zero_()  # tmpfs pages allocated now, not inside the first stall
@@ -117,6 +112,27 @@ class Slab:
     def close(self) -> None:
         """Unpin; the file and its mapping go once no tensor (nor request) holds the storage."""
         self.unpin()
+
+
+def _shared_file(capacity: int) -> tuple[torch.UntypedStorage, str | None]:
+    """A shared-memory file of ``capacity`` bytes and its path; ordinary memory (and no path)
+    where there is no ``/proc`` (not Linux) or ``/dev/shm`` cannot hold it (torch allocates the
+    file's pages at once, so a full ``/dev/shm`` is an error here, not a SIGBUS later)."""
+    global _WARNED_NO_SHM
+    if files_supported():
+        try:
+            storage = torch.UntypedStorage._new_using_fd_cpu(max(capacity, 1))
+            return storage, f"{_PROC_FD}/{storage._get_shared_fd()}"
+        except RuntimeError as e:
+            if not _WARNED_NO_SHM:
+                _WARNED_NO_SHM = True
+                log.warning("staging memory is ordinary memory, not shared-memory files (%s): uploads then go "
+                            "through a stream the CRT copies, at more CPU; give /dev/shm room for the state "
+                            "(a container's --shm-size; docs/memory.md)", e)
+    return torch.UntypedStorage(max(capacity, 1)), None
+
+
+_WARNED_NO_SHM = False
 
 
 def can_pin() -> bool:

@@ -117,3 +117,28 @@ def test_an_incremental_save_copies_only_what_changed(bucket, config):
     assert inherited_tensors < stats.inherited_bytes < inherited_tensors + 4096, stats
     assert stats.copied_bytes == state["w3"].nbytes and stats.bytes == changed, stats
     _assert_same(state, _load(f"s3://{bucket}/run/step-2", config, state))
+
+
+def test_without_room_in_dev_shm_staging_is_ordinary_memory_and_saves_still_work(bucket, config, monkeypatch,
+                                                                                  caplog):
+    """A container's small /dev/shm: torch refuses the shared-memory file at once (it allocates
+    the pages), the slab is ordinary memory, and the upload goes through a stream the CRT copies."""
+    import s3dcp.memory.slabs as slabs
+
+    def full(size):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_0>: No space left on device (28)")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", full, raising=False)
+    monkeypatch.setattr(slabs, "_WARNED_NO_SHM", False)
+    state = _state(4)
+    pool = HostBufferPool()
+    with caplog.at_level("WARNING", logger="s3dcp"):
+        dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/noshm", config=config,
+                                                             pool=pool)).result(timeout=120)
+        dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/noshm-sync", config=config, pool=pool))
+    assert any("give /dev/shm room" in r.getMessage() for r in caplog.records)
+    pool.reclaim()
+    slabs_made = [slab for arena in pool._free for slab in arena.slabs]
+    assert slabs_made and all(slab.path is None for slab in slabs_made)
+    _assert_same(state, _load(f"s3://{bucket}/noshm", config, state))
+    _assert_same(state, _load(f"s3://{bucket}/noshm-sync", config, state))

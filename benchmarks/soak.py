@@ -726,7 +726,8 @@ def main(argv=None) -> int:
         print(f"# {settings.cycles} cycles of a {settings.state_bytes / MiB:.0f} MiB state under {base_uri}; "
               f"load every {settings.load_every}, verify every {settings.verify_every}, sync save every "
               f"{settings.sync_every}, gc every {settings.gc_every}, keep_last={settings.keep_last}; "
-              f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')}", flush=True)
+              f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')}, "
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}", flush=True)
         started = time.perf_counter()
         tick = max(1, settings.cycles // 20)
 

@@ -168,7 +168,7 @@ class S3Client:
         with ``transport="sockets"`` they go from memory (:meth:`put`)."""
         return self.config.transport == "crt"
 
-    def put_file(self, bucket: str, key: str, path: str, nbytes: int, *, keep=(),
+    def put_file(self, bucket: str, key: str, path: str, nbytes: int, *, keep=(), stream_parts: bool = True,
                  content_type: str = "application/octet-stream") -> "Future[PutResult]":
         """Upload the first ``nbytes`` of the file at ``path`` as ``key``. The CRT reads the file
         part by part on its own threads straight into its requests (``S3FileIoOptions(
@@ -176,7 +176,9 @@ class S3Client:
         above the threshold, each part with the configured checksum. The ``Content-Length``
         says how many of the file's bytes are the object (the file may be longer). ``keep`` is
         held until the request has ended: what keeps ``path`` naming the file (a
-        ``/proc/self/fd`` path names another file once its descriptor is closed and reused)."""
+        ``/proc/self/fd`` path names another file once its descriptor is closed and reused).
+        ``stream_parts=False`` lets the CRT read each part into a buffer of its pool first (more
+        CPU and page faults: ``benchmarks/transport_cpu.py`` measures both)."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3FileIoOptions, S3RequestType
 
@@ -195,7 +197,7 @@ class S3Client:
             "PutObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, send_filepath=path,
-                fio_options=S3FileIoOptions(should_stream=True), checksum_config=self._at.put_checksum(),
+                fio_options=S3FileIoOptions(should_stream=stream_parts), checksum_config=self._at.put_checksum(),
                 on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], nbytes),
             releases=[held.clear],

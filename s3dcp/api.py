@@ -17,8 +17,13 @@ Why these exist next to ``dcp.save(..., storage_writer=S3StorageWriter(...))``:
   :class:`~s3dcp.errors.S3DCPError` subclass such as
   :class:`~s3dcp.errors.CheckpointNotFoundError` or :class:`~s3dcp.errors.AccessDeniedError`
   when s3dcp raised it, else the original exception (a planner's ``ValueError``, say) — with
-  ``failed_ranks`` (the ranks that failed, ascending) and ``rank_errors`` ({rank: exception})
-  attached, chained ``from`` DCP's exception.
+  ``failed_ranks`` (the ranks that failed, ascending), ``rank_errors`` ({rank: exception}) and
+  ``checkpoint_exception`` (DCP's) attached; its traceback is printed once, not again inside
+  DCP's. An :class:`~s3dcp.errors.S3ConnectionError` also says when the endpoint speaks the
+  other protocol (``https://`` at a plain-HTTP server: :func:`s3dcp.s3.probe.diagnose`).
+- Without torch.distributed DCP warns on every call that it assumes a single process; for
+  these calls that is what the caller asked for, so they hide that warning (and only for
+  their own calls: :mod:`s3dcp._dcp_warning`).
 - Any other keyword (``incremental_from=``, ``item_checksum=``, ``pool=``) goes to
   :class:`S3StorageWriter`; the figures of the save (:class:`~s3dcp.saving.writer.SaveStats`: bytes,
   stage and upload seconds, GB/s, bytes inherited) are ``future.stats`` of an async save and
@@ -33,13 +38,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any
 
+from ._dcp_warning import ours
 from .config import S3Config
-from .errors import ConfigError, unwrap_error
+from .errors import ConfigError, S3ConnectionError, unwrap_error
 from .loading.reader import S3StorageReader
 from .s3.client import S3Client
+from .s3.probe import diagnose
 from .saving.stats import last_committed, record_committed
 
 if TYPE_CHECKING:
@@ -112,13 +118,12 @@ def save(
 
     from .saving.writer import S3StorageWriter
 
-    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
+    writer = ours(S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options))
     try:
-        with _single_process_is_meant():
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                                no_dist=not _dist_on())
+        metadata = dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                            no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e)  # chained from DCP's exception
+        raise _unwrapped(e, writer)
     _record(writer)
     return metadata
 
@@ -159,17 +164,16 @@ def async_save(
             "process executor talks to its worker through the default process group), even for one "
             "process: call torch.distributed.init_process_group('gloo', ...) first (see "
             "examples/process_executor.py), or use the default thread executor")
-    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
+    writer = ours(S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options))
     try:
-        with _single_process_is_meant():
-            response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
-                                      process_group=process_group, async_checkpointer_type=executor,
-                                      no_dist=not _dist_on())
+        response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                  process_group=process_group, async_checkpointer_type=executor,
+                                  no_dist=not _dist_on())
         staged = getattr(response, "staging_completion", None)
         if staged is not None:  # an AsyncSaveResponse: keep "returns once staged"
             staged.result()
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e)  # chained from DCP's exception
+        raise _unwrapped(e, writer)
     upload = getattr(response, "upload_completion", response)
     outer = SaveFuture(writer)
     outer.set_running_or_notify_cancel()
@@ -177,8 +181,8 @@ def async_save(
     def done(inner: concurrent.futures.Future) -> None:
         try:
             result = inner.result()
-        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped (chained from DCP's), on the future
-            outer.set_exception(unwrap_error(e))
+        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped, on the future
+            outer.set_exception(_unwrapped(e, writer))
             return
         _record(writer)
         outer.set_result(result)
@@ -213,28 +217,25 @@ def load(
     """
     import torch.distributed.checkpoint as dcp
 
-    reader = S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle,
-                             cooperative=cooperative, process_group=process_group, **reader_kwargs)
+    reader = ours(S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle,
+                                  cooperative=cooperative, process_group=process_group, **reader_kwargs))
     try:
-        with _single_process_is_meant():
-            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                     no_dist=not _dist_on())
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                 no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e)  # chained from DCP's exception
+        raise _unwrapped(e, reader)
     with _last_load_lock:
         _last_load[0] = reader.last_stats
 
 
-@contextlib.contextmanager
-def _single_process_is_meant():
-    """Without torch.distributed, DCP warns on every call that it assumes a single process;
-    here that is what the caller asked for, so it says nothing."""
-    if _dist_on():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _unwrapped(error: BaseException, storage: Any) -> BaseException:
+    """The error to raise for DCP's ``error``: :func:`unwrap_error`'s, with the TLS/plain-HTTP
+    diagnosis of the endpoint when no HTTP answer came."""
+    error = unwrap_error(error)
+    if isinstance(error, S3ConnectionError):
+        with contextlib.suppress(ConfigError):
+            error = diagnose(error, storage.config.resolved().endpoint_url)
+    return error
 
 
 def _dist_on() -> bool:

@@ -36,19 +36,19 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from .._dcp_warning import ours
 from ..config import S3Config
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
-from ..format.layout import METADATA_NAME, is_data_object
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, S3ConnectionError, unwrap_error
+from ..format.layout import METADATA_NAME
 from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..s3.client import S3Client
+from ..s3.probe import diagnose
 from ..saving.stats import record_committed
-from ..uri import S3Uri, parse_s3_uri
-from .deletion import DeleteResult
-from .deletion import delete_checkpoint as _delete_checkpoint
-from .deletion import held_for_references
-from .directories import CheckpointInfo, name_pattern, scan_directories
+from ..uri import checkpoint_uri, parse_s3_uri
+from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete as retention does
+from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
 from .retention import Doomed, steps_to_delete
 
@@ -94,8 +94,8 @@ class CheckpointManager:
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
     triggers retention. Every error is raised as :func:`s3dcp.unwrap_error` gives it — the
     rank's own (an :class:`~s3dcp.errors.S3DCPError` when s3dcp raised it) with
-    ``failed_ranks`` and ``rank_errors``, chained from DCP's ``CheckpointException`` — never
-    the ``CheckpointException`` itself (a ``BaseException``).
+    ``failed_ranks``, ``rank_errors`` and DCP's ``checkpoint_exception`` — never the
+    ``CheckpointException`` itself (a ``BaseException``).
     """
 
     def __init__(
@@ -115,7 +115,7 @@ class CheckpointManager:
             raise ConfigError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep every checkpoint)")
         if keep_every is not None and (not _is_int(keep_every) or keep_every < 1):
             raise ConfigError(f"keep_every={keep_every!r} must be an int >= 1 or None")
-        self.base = parse_s3_uri(base_uri)
+        self.base = checkpoint_uri(base_uri, what="a CheckpointManager's run")
         self._pattern = name_pattern(name_format)
         self.name_format = name_format
         self.incremental = incremental
@@ -180,10 +180,10 @@ class CheckpointManager:
 
         base = self._choose_base(step) if self.incremental else None
         try:
-            writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client,
-                                     incremental_from=None if base is None else self.uri(base),
-                                     # the default; said for config.checksum=None, which records none
-                                     item_checksum=REFERENCE_CHECKSUM if self.incremental else None)
+            writer = ours(S3StorageWriter(self.uri(step), config=self.config, client=self.client,
+                                          incremental_from=None if base is None else self.uri(base),
+                                          # the default; said for config.checksum=None, which records none
+                                          item_checksum=REFERENCE_CHECKSUM if self.incremental else None))
             self.last_writer = writer
             no_dist = not _dist_on()
             started = time.perf_counter()
@@ -195,7 +195,7 @@ class CheckpointManager:
                                           no_dist=no_dist)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             self._release_base(step)
-            raise unwrap_error(e)  # chained from DCP's exception
+            raise self._unwrapped(e)
         if not self.async_mode:
             self._release_base(step)
             self._committed(writer)
@@ -213,7 +213,7 @@ class CheckpointManager:
             try:
                 metadata = f.result()
             except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
-                error = unwrap_error(e)  # s3dcp's (or the original) error, chained from DCP's
+                error = self._unwrapped(e)  # s3dcp's (or the original) error
                 log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
                           type(error).__name__, " ".join(str(error).split()))
                 outer.set_exception(error)
@@ -229,6 +229,11 @@ class CheckpointManager:
         self._saves.add(outer)
         inner.add_done_callback(done)
         return outer
+
+    def _unwrapped(self, error: BaseException) -> BaseException:
+        """The error to raise for DCP's ``error`` (:func:`unwrap_error`), with the TLS/plain-HTTP
+        diagnosis of the endpoint when no HTTP answer came."""
+        return diagnose(unwrap_error(error), self.client.config.endpoint_url)
 
     def _choose_base(self, step: int) -> int | None:
         """The step the incremental save of ``step`` uses as its base, claimed against
@@ -334,25 +339,10 @@ class CheckpointManager:
         """Every checkpoint directory under the base URI, committed or not, sorted by step; a
         deleted checkpoint whose objects are kept only because others reference them is not
         listed."""
-        infos = []
-        by_dir = scan_directories(self.client, self.base)
-        held = held_for_references(self.client, self.base.bucket, by_dir)  # deleted, objects kept for others
-        for directory, objects in by_dir.items():
-            if directory in held:
-                continue
-            relative = directory[len(self.base.dir_prefix):].rstrip("/")
-            step = self._step_of(relative)
-            if step is None:
-                continue
-            names = {o.key.rpartition("/")[2] for o in objects}
-            if METADATA_NAME not in names and not any(is_data_object(n) for n in names):
-                continue
-            stamps = [o.last_modified for o in objects if o.last_modified is not None]
-            infos.append(CheckpointInfo(
-                step=step, uri=str(self.base.child(relative)), committed=METADATA_NAME in names,
-                bytes=sum(o.size for o in objects), objects=len(objects),
-                last_modified=max(stamps) if stamps else None))
-        return sorted(infos, key=lambda i: i.step)
+        try:
+            return list_checkpoints(self.client, self.base, self._step_of)
+        except S3ConnectionError as e:
+            raise diagnose(e, self.client.config.endpoint_url)
 
     def latest(self) -> int | None:
         """The newest committed step, or ``None``; a newer incomplete one is ignored.
@@ -400,11 +390,11 @@ class CheckpointManager:
 
         from ..loading.reader import S3StorageReader
 
-        reader = S3StorageReader(self.uri(step), config=self.config, client=self.client)
+        reader = ours(S3StorageReader(self.uri(step), config=self.config, client=self.client))
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise unwrap_error(e)  # chained from DCP's exception
+            raise self._unwrapped(e)
         return step
 
     def _is_coordinator(self) -> bool:
@@ -413,14 +403,6 @@ class CheckpointManager:
         import torch.distributed as dist
 
         return dist.get_rank(self.process_group) == 0
-
-
-def delete_checkpoint(client: S3Client, uri: S3Uri, *,
-                      on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
-    """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
-    committed checkpoints under the same parent reference; see
-    :func:`s3dcp.lifecycle.deletion.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
-    return _delete_checkpoint(client, uri, on_deleted=on_deleted)
 
 
 def _multi_rank(process_group: Any) -> bool:

@@ -102,6 +102,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             part is ``config.checksum``, whatever this is.
     """
 
+    _writes = True  # never at a bucket's root
+
     def __init__(
         self,
         path: str | None = None,
@@ -161,8 +163,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._is_coordinator = is_coordinator
         if is_coordinator and not self.overwrite and self._committed():
             raise CheckpointExistsError(
-                f"{self._uri} already holds a committed checkpoint; pass overwrite=True to "
-                "S3StorageWriter to replace it, or save to a new path")
+                f"{self._uri} already holds a committed checkpoint; save to a new path, or pass "
+                "overwrite=True (to s3dcp.save / async_save or S3StorageWriter) to replace it")
         self._base, self._base_etag = None, None
         if self.incremental_from is not None:  # every rank: its own items are decided on it
             if is_coordinator:  # before the read: the commit checks the base is still this object

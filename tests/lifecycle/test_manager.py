@@ -149,7 +149,7 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     except Exception as e:  # noqa: BLE001 - s3dcp's error, not DCP's BaseException: except Exception catches it
         caught = e
     assert isinstance(caught, S3ServerError) and "injected" in str(caught) and caught.key.endswith("/.metadata")
-    assert caught.failed_ranks == [0] and isinstance(caught.__cause__, CheckpointException)
+    assert caught.failed_ranks == [0] and isinstance(caught.checkpoint_exception, CheckpointException)
     assert future.exception() is caught
     dirs = _dirs(boto3_client, bucket)
     assert _committed(dirs) == ["step-00000001"]  # the only good checkpoint stays
@@ -173,7 +173,7 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     manager.save(4, _state(4))  # a committed step is never overwritten
     with pytest.raises(CheckpointExistsError, match="already holds a committed checkpoint") as e:
         manager.close()
-    assert e.value.failed_ranks == [0] and isinstance(e.value.__cause__, CheckpointException)
+    assert e.value.failed_ranks == [0] and isinstance(e.value.checkpoint_exception, CheckpointException)
     manager.save(5, _state(5))  # and the failure left nothing stuck (the staging arena came back)
     manager.close()
     assert _committed(_dirs(boto3_client, bucket)) == ["step-00000005"]
@@ -188,11 +188,11 @@ def test_sync_save_and_load_raise_s3dcp_errors_not_checkpoint_exception(bucket, 
         caught = e
     assert isinstance(caught, CheckpointExistsError) and "overwrite" in str(caught)
     assert caught.failed_ranks == [0] and caught.rank_errors == {0: caught}
-    assert isinstance(caught.__cause__, CheckpointException)
+    assert isinstance(caught.checkpoint_exception, CheckpointException)
 
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint at") as e:
         manager.load(_state(0), step=7)  # an explicit step that was never saved
-    assert e.value.failed_ranks == [0] and isinstance(e.value.__cause__, CheckpointException)
+    assert e.value.failed_ranks == [0] and isinstance(e.value.checkpoint_exception, CheckpointException)
     boto3_client.put_object(Bucket=bucket, Key="run/step-00000009/__0_0.aaaaaaaaaaaa.distcp", Body=b"x" * 10)
     with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
         manager.load(_state(0), step=9)

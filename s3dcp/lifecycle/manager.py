@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._dcp_warning import ours
 from ..config import S3Config
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, S3ConnectionError, unwrap_error
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ConfigError,
+                      S3ConnectionError, unwrap_error)
 from ..format.layout import METADATA_NAME
 from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..s3.client import S3Client
@@ -89,6 +90,11 @@ class CheckpointManager:
 
     :attr:`last_save_stats`: this rank's :class:`~s3dcp.saving.writer.SaveStats` of the save that
     committed last (bytes uploaded and inherited, seconds), as ``s3dcp.last_save_stats()``.
+
+    A run never saves beside a newer one: the first :meth:`save` of a manager asks
+    :meth:`latest` (one LIST), and a step at or below a committed step already there (or one
+    this manager saved) is refused with :class:`~s3dcp.errors.CheckpointExistsError` before
+    anything is written — resume, save elsewhere, or delete the old run's checkpoints first.
 
     Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
@@ -139,6 +145,8 @@ class CheckpointManager:
         self._retention_lock = threading.Lock()
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
         self._doomed = Doomed()  # steps retention chose to delete: never a base again
+        self._newest: int | None = None  # newest committed step known (the bucket's at the first save, ours)
+        self._checked = False  # whether the first save asked the bucket for its newest step
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -174,6 +182,7 @@ class CheckpointManager:
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step={step!r} must be an int >= 0")
         self._saves.raise_finished()
+        self._refuse_an_older_step(step)
         import torch.distributed.checkpoint as dcp
 
         from ..saving.writer import S3StorageWriter
@@ -198,7 +207,7 @@ class CheckpointManager:
             raise self._unwrapped(e)
         if not self.async_mode:
             self._release_base(step)
-            self._committed(writer)
+            self._committed(writer, step)
             elapsed = time.perf_counter() - started
             self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
             return None
@@ -220,7 +229,7 @@ class CheckpointManager:
                 return
             upload_s = time.perf_counter() - returned
             try:  # whatever happens after the commit reaches the caller: wait() and close() never hang
-                self._committed(writer)
+                self._committed(writer, step)
                 self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
             except BaseException as e:  # noqa: BLE001
                 return outer.set_exception(e)
@@ -229,6 +238,19 @@ class CheckpointManager:
         self._saves.add(outer)
         inner.add_done_callback(done)
         return outer
+
+    def _refuse_an_older_step(self, step: int) -> None:
+        """Refuse ``step`` at or below the newest committed step: the bucket's when this manager
+        first saves (a run started over an earlier one), then the newest this manager saved."""
+        if not self._checked:  # no save of ours has committed yet
+            self._newest, self._checked = self.latest(), True  # collective: every rank refuses, or none
+        if self._newest is not None and step <= self._newest:
+            raise CheckpointExistsError(
+                f"{self.base} already holds a committed checkpoint at step {self._newest} "
+                f"({self.uri(self._newest)}); this manager does not save step {step} beside it (resuming takes "
+                f"the newest step, so two runs would mix). Resume from it (step = manager.load(state_dict), "
+                f"then save later steps), give this run a base folder of its own, or delete the old run's "
+                f"checkpoints first (s3dcp ls {self.base}/ lists them; s3dcp rm URI --yes)")
 
     def _unwrapped(self, error: BaseException) -> BaseException:
         """The error to raise for DCP's ``error`` (:func:`unwrap_error`), with the TLS/plain-HTTP
@@ -294,7 +316,9 @@ class CheckpointManager:
         if self._owns_client:
             self.client.close()  # an S3Client is usable again after close: it takes a native client again
 
-    def _committed(self, writer: S3StorageWriter) -> None:
+    def _committed(self, writer: S3StorageWriter, step: int) -> None:
+        with self._lock:
+            self._newest = step if self._newest is None else max(self._newest, step)
         self.last_save_stats = writer.last_stats
         record_committed(writer.last_stats)  # s3dcp.last_save_stats()
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -84,15 +85,45 @@ def _record(writer: "S3StorageWriter") -> None:
 class SaveFuture(concurrent.futures.Future):
     """What :func:`async_save` returns: resolves to DCP's ``Metadata`` once the checkpoint is
     committed, or raises the unwrapped error. ``writer`` is the :class:`S3StorageWriter` it
-    used; ``stats`` its :class:`~s3dcp.saving.writer.SaveStats`, complete once the future is done."""
+    used; ``stats`` its :class:`~s3dcp.saving.writer.SaveStats`, complete once the future is done.
 
-    def __init__(self, writer: "S3StorageWriter") -> None:
+    Ctrl-C while :meth:`result` waits stops the upload, as it stops a :func:`save`: the writer's
+    requests are aborted, what it wrote is deleted, nothing is committed (unless the commit was
+    already sent: then the checkpoint is whole), and ``KeyboardInterrupt`` is raised once that is
+    done — after a line on stderr if it takes longer than a second; a second Ctrl-C stops the
+    waiting (``s3dcp gc`` removes what is left). With DCP's process executor the upload runs in
+    another process, which Ctrl-C here does not stop: stderr says so."""
+
+    _QUIET_S = 1.0  # how long the stop may take before stderr says what is going on
+
+    def __init__(self, writer: "S3StorageWriter", *, stoppable: bool = True) -> None:
         super().__init__()
         self.writer = writer
+        self._stoppable = stoppable
 
     @property
     def stats(self) -> "SaveStats":
         return self.writer.last_stats
+
+    def result(self, timeout: float | None = None):
+        try:
+            return super().result(timeout)
+        except KeyboardInterrupt:
+            self._stop()
+            raise
+
+    def _stop(self) -> None:
+        where = self.writer.checkpoint_id
+        if not self._stoppable:
+            print(f"s3dcp: the upload of {where} goes on in DCP's process executor and commits when done "
+                  f"(Ctrl-C does not stop it there; if it is stopped, `s3dcp gc` removes what it leaves)",
+                  file=sys.stderr, flush=True)
+            return
+        self.writer.abandon()
+        if concurrent.futures.wait([self], timeout=self._QUIET_S).not_done:
+            print(f"s3dcp: Ctrl-C: stopping the upload of {where} and deleting what it wrote; Ctrl-C again to "
+                  f"stop waiting (then `s3dcp gc` removes what is left)", file=sys.stderr, flush=True)
+            concurrent.futures.wait([self])
 
 
 def save(
@@ -173,9 +204,10 @@ def async_save(
         if staged is not None:  # an AsyncSaveResponse: keep "returns once staged"
             staged.result()
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        writer.abandon()  # Ctrl-C while staging: the upload thread must not go on to upload and commit
         raise _unwrapped(e, writer)
     upload = getattr(response, "upload_completion", response)
-    outer = SaveFuture(writer)
+    outer = SaveFuture(writer, stoppable=executor != AsyncCheckpointerType.PROCESS)
     outer.set_running_or_notify_cancel()
 
     def done(inner: concurrent.futures.Future) -> None:

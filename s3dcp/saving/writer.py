@@ -37,6 +37,7 @@ from ..errors import (
     MetadataFormatError,
     NoSuchKeyError,
     PreconditionFailedError,
+    RequestAbortedError,
     S3DCPError,
 )
 from ..format import layout
@@ -46,6 +47,7 @@ from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, 
 from ..format.tensors import to_host_contiguous
 from ..s3.client import S3Client
 from ..s3.location import S3CheckpointPath
+from ..s3.request import abort_all
 from ..uri import object_key, parent_prefix, parse_s3_uri
 from .base import BaseIndex
 from .referenced import references
@@ -130,6 +132,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._rank = 0
         self._is_coordinator = False
         self._save_id: str | None = None  # this rank's identity of the save in progress
+        self._uploads: Uploads | None = None  # write_data's, while it runs (what abandon() stops)
+        self._abandoned = False
         self.last_stats = SaveStats()
         self._init_staging(pool)
 
@@ -188,8 +192,9 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         uploads: Uploads | None = None
         try:
             # in the try: the client may be made here, and a failure must still end the lease
-            uploads = Uploads(self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
-                              item_checksum=self.item_checksum, base=self._base)
+            self._check_not_abandoned()
+            uploads = self._uploads = Uploads(self.client, self._uri, self.config, rank=rank,
+                                              save_id=self._save_id, item_checksum=self.item_checksum, base=self._base)
             ready, deferred = [], []
             for item in plan.items:
                 data = resolve(planner, item)
@@ -213,6 +218,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 uploads.discard(e)
             raise
         finally:
+            self._uploads = None
             self._staging_end(lease)
         log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs (%d bytes referenced in the base)",
                   rank, uploads.bytes, len(uploads.keys), self._uri, elapsed, uploads.inherited_bytes)
@@ -246,6 +252,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 marker = True
                 self._check_base_unchanged()
             self._check_objects(metadata.storage_data.values())
+            self._check_not_abandoned()
             replaced = self._replaced_objects() if self.overwrite else set()
             body = encode_metadata(metadata)
         except BaseException:
@@ -278,6 +285,21 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                  uri, total, len(results),
                  f" ({inherited} referenced in {self.incremental_from})" if self.incremental_from else "",
                  stats.stage_s, stats.upload_s, stats.upload_gbps)
+
+    def abandon(self) -> None:
+        """Stop this save from another thread (Ctrl-C in ``s3dcp.async_save``'s ``result()``): the
+        uploads in flight are aborted, so ``write_data`` fails and deletes what this rank wrote,
+        and ``finish`` commits nothing. Never blocks; a commit already on its way still lands
+        (the checkpoint is then whole)."""
+        self._abandoned = True
+        uploads = self._uploads
+        if uploads is not None:
+            abort_all(list(uploads.futures))
+
+    def _check_not_abandoned(self) -> None:
+        if self._abandoned:
+            raise RequestAbortedError(f"the save to {self._uri} was abandoned (Ctrl-C while waiting for it); "
+                                      "nothing was committed")
 
     # ------------------------------------------------------------------ helpers
     def _committed(self) -> bool:

@@ -242,7 +242,7 @@ class CheckpointManager:
     def _refuse_an_older_step(self, step: int) -> None:
         """Refuse ``step`` at or below the newest committed step: the bucket's when this manager
         first saves (a run started over an earlier one), then the newest this manager saved."""
-        if not self._checked:  # no save of ours has committed yet
+        if not self._checked:  # the first save: what the bucket holds already
             self._newest, self._checked = self.latest(), True  # collective: every rank refuses, or none
         if self._newest is not None and step <= self._newest:
             raise CheckpointExistsError(

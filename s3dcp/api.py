@@ -17,8 +17,13 @@ Why these exist next to ``dcp.save(..., storage_writer=S3StorageWriter(...))``:
   :class:`~s3dcp.errors.S3DCPError` subclass such as
   :class:`~s3dcp.errors.CheckpointNotFoundError` or :class:`~s3dcp.errors.AccessDeniedError`
   when s3dcp raised it, else the original exception (a planner's ``ValueError``, say) — with
-  ``failed_ranks`` (the ranks that failed, ascending) and ``rank_errors`` ({rank: exception})
-  attached, chained ``from`` DCP's exception.
+  ``failed_ranks`` (the ranks that failed, ascending), ``rank_errors`` ({rank: exception}) and
+  ``checkpoint_exception`` (DCP's) attached; its traceback is printed once, not again inside
+  DCP's. An :class:`~s3dcp.errors.S3ConnectionError` also says when the endpoint speaks the
+  other protocol (``https://`` at a plain-HTTP server: :func:`s3dcp.s3.probe.diagnose`).
+- Without torch.distributed DCP warns on every call that it assumes a single process; for
+  these calls that is what the caller asked for, so they hide that warning (and only for
+  their own calls: :mod:`s3dcp._dcp_warning`).
 - Any other keyword (``incremental_from=``, ``item_checksum=``, ``pool=``) goes to
   :class:`S3StorageWriter`; the figures of the save (:class:`~s3dcp.saving.writer.SaveStats`: bytes,
   stage and upload seconds, GB/s, bytes inherited) are ``future.stats`` of an async save and
@@ -32,14 +37,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import sys
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any
 
+from ._dcp_warning import ours
 from .config import S3Config
-from .errors import ConfigError, unwrap_error
+from .errors import ConfigError, S3ConnectionError, unwrap_error
 from .loading.reader import S3StorageReader
 from .s3.client import S3Client
+from .s3.probe import diagnose
 from .saving.stats import last_committed, record_committed
 
 if TYPE_CHECKING:
@@ -78,15 +85,45 @@ def _record(writer: "S3StorageWriter") -> None:
 class SaveFuture(concurrent.futures.Future):
     """What :func:`async_save` returns: resolves to DCP's ``Metadata`` once the checkpoint is
     committed, or raises the unwrapped error. ``writer`` is the :class:`S3StorageWriter` it
-    used; ``stats`` its :class:`~s3dcp.saving.writer.SaveStats`, complete once the future is done."""
+    used; ``stats`` its :class:`~s3dcp.saving.writer.SaveStats`, complete once the future is done.
 
-    def __init__(self, writer: "S3StorageWriter") -> None:
+    Ctrl-C while :meth:`result` waits stops the upload, as it stops a :func:`save`: the writer's
+    requests are aborted, what it wrote is deleted, nothing is committed (unless the commit was
+    already sent: then the checkpoint is whole), and ``KeyboardInterrupt`` is raised once that is
+    done — after a line on stderr if it takes longer than a second; a second Ctrl-C stops the
+    waiting (``s3dcp gc`` removes what is left). With DCP's process executor the upload runs in
+    another process, which Ctrl-C here does not stop: stderr says so."""
+
+    _QUIET_S = 1.0  # how long the stop may take before stderr says what is going on
+
+    def __init__(self, writer: "S3StorageWriter", *, stoppable: bool = True) -> None:
         super().__init__()
         self.writer = writer
+        self._stoppable = stoppable
 
     @property
     def stats(self) -> "SaveStats":
         return self.writer.last_stats
+
+    def result(self, timeout: float | None = None):
+        try:
+            return super().result(timeout)
+        except KeyboardInterrupt:
+            self._stop()
+            raise
+
+    def _stop(self) -> None:
+        where = self.writer.checkpoint_id
+        if not self._stoppable:
+            print(f"s3dcp: the upload of {where} goes on in DCP's process executor and commits when done "
+                  f"(Ctrl-C does not stop it there; if it is stopped, `s3dcp gc` removes what it leaves)",
+                  file=sys.stderr, flush=True)
+            return
+        self.writer.abandon()
+        if concurrent.futures.wait([self], timeout=self._QUIET_S).not_done:
+            print(f"s3dcp: Ctrl-C: stopping the upload of {where} and deleting what it wrote; Ctrl-C again to "
+                  f"stop waiting (then `s3dcp gc` removes what is left)", file=sys.stderr, flush=True)
+            concurrent.futures.wait([self])
 
 
 def save(
@@ -112,13 +149,12 @@ def save(
 
     from .saving.writer import S3StorageWriter
 
-    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
+    writer = ours(S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options))
     try:
-        with _single_process_is_meant():
-            metadata = dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                                no_dist=not _dist_on())
+        metadata = dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                            no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e)  # chained from DCP's exception
+        raise _unwrapped(e, writer)
     _record(writer)
     return metadata
 
@@ -159,26 +195,26 @@ def async_save(
             "process executor talks to its worker through the default process group), even for one "
             "process: call torch.distributed.init_process_group('gloo', ...) first (see "
             "examples/process_executor.py), or use the default thread executor")
-    writer = S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options)
+    writer = ours(S3StorageWriter(path, config=config, client=client, overwrite=overwrite, **writer_options))
     try:
-        with _single_process_is_meant():
-            response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
-                                      process_group=process_group, async_checkpointer_type=executor,
-                                      no_dist=not _dist_on())
+        response = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                  process_group=process_group, async_checkpointer_type=executor,
+                                  no_dist=not _dist_on())
         staged = getattr(response, "staging_completion", None)
         if staged is not None:  # an AsyncSaveResponse: keep "returns once staged"
             staged.result()
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e)  # chained from DCP's exception
+        writer.abandon()  # Ctrl-C while staging: the upload thread must not go on to upload and commit
+        raise _unwrapped(e, writer)
     upload = getattr(response, "upload_completion", response)
-    outer = SaveFuture(writer)
+    outer = SaveFuture(writer, stoppable=executor != AsyncCheckpointerType.PROCESS)
     outer.set_running_or_notify_cancel()
 
     def done(inner: concurrent.futures.Future) -> None:
         try:
             result = inner.result()
-        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped (chained from DCP's), on the future
-            outer.set_exception(unwrap_error(e))
+        except BaseException as e:  # noqa: BLE001 - delivered, unwrapped, on the future
+            outer.set_exception(_unwrapped(e, writer))
             return
         _record(writer)
         outer.set_result(result)
@@ -213,28 +249,25 @@ def load(
     """
     import torch.distributed.checkpoint as dcp
 
-    reader = S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle,
-                             cooperative=cooperative, process_group=process_group, **reader_kwargs)
+    reader = ours(S3StorageReader(path, config=config, client=client, verify=verify, allow_pickle=allow_pickle,
+                                  cooperative=cooperative, process_group=process_group, **reader_kwargs))
     try:
-        with _single_process_is_meant():
-            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                     no_dist=not _dist_on())
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                 no_dist=not _dist_on())
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise unwrap_error(e)  # chained from DCP's exception
+        raise _unwrapped(e, reader)
     with _last_load_lock:
         _last_load[0] = reader.last_stats
 
 
-@contextlib.contextmanager
-def _single_process_is_meant():
-    """Without torch.distributed, DCP warns on every call that it assumes a single process;
-    here that is what the caller asked for, so it says nothing."""
-    if _dist_on():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _unwrapped(error: BaseException, storage: Any) -> BaseException:
+    """The error to raise for DCP's ``error``: :func:`unwrap_error`'s, with the TLS/plain-HTTP
+    diagnosis of the endpoint when no HTTP answer came."""
+    error = unwrap_error(error)
+    if isinstance(error, S3ConnectionError):
+        with contextlib.suppress(ConfigError):
+            error = diagnose(error, storage.config.resolved().endpoint_url)
+    return error
 
 
 def _dist_on() -> bool:

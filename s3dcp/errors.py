@@ -117,8 +117,8 @@ def root_error(error: BaseException) -> BaseException:
 
 def unwrap_error(error: BaseException) -> BaseException:
     """The exception that caused DCP's ``CheckpointException`` ``error``, with ``failed_ranks``
-    (ascending) and ``rank_errors`` ({rank: exception}) attached and ``__cause__`` set to
-    ``error``; any other exception as it is.
+    (ascending), ``rank_errors`` ({rank: exception}) and ``checkpoint_exception`` (``error``,
+    which holds every failed rank's traceback as text) attached; any other exception as it is.
 
     The cause is the lowest failing rank's error, preferring an s3dcp error over another
     rank's collateral one (a rank that failed only because a peer did). It is what
@@ -129,6 +129,10 @@ def unwrap_error(error: BaseException) -> BaseException:
             dcp.save(state_dict, storage_writer=S3StorageWriter(uri))
         except BaseException as e:  # CheckpointException is a BaseException
             raise s3dcp.unwrap_error(e)
+
+    Raised so, it prints one traceback: its own frames (they run through DCP to where it was
+    raised) and its own ``__cause__`` (an S3 error under a missing checkpoint, say), not DCP's
+    exception again, whose text repeats the same frames (``__suppress_context__`` is set).
     """
     failures = getattr(error, "failures", None)
     if not isinstance(failures, dict) or not failures or isinstance(error, Exception):
@@ -146,10 +150,10 @@ def unwrap_error(error: BaseException) -> BaseException:
     try:
         cause.failed_ranks = sorted(rank_errors)
         cause.rank_errors = rank_errors
+        cause.checkpoint_exception = error  # DCP's report (every rank's traceback) stays reachable
     except AttributeError:  # an exception type with __slots__: give it back as it is
         pass
-    cause.__cause__ = error  # DCP's report (every rank's traceback) stays reachable
-    cause.__suppress_context__ = True
+    cause.__suppress_context__ = True  # raised inside `except CheckpointException`: not printed again
     return cause
 
 

@@ -5,7 +5,8 @@
                                           runs, one is started in the background first; the
                                           buckets asked for, s3://demo by default, are created
                                           on it when missing)
-    s3dcp server --list                   every server that runs, and which one the others name
+    s3dcp server --list                   every server that runs, the buckets it has (asked with
+                                          ListBuckets), and which one the others name
     s3dcp server --stop                   stop it (--pid P: that one; --all: every one)
 
 The server is :class:`s3dcp.testing.SeaweedServer` (SeaweedFS ``weed mini`` on 127.0.0.1). Every
@@ -176,10 +177,17 @@ def print_env(*, buckets: Sequence[str], data_dir: str | None, port: int | None,
 
 
 def list_servers(*, as_json: bool = False) -> int:
-    """Print every running server, oldest first; the newest is the one ``--print-env`` names."""
+    """Print every running server, oldest first; the newest is the one ``--print-env`` names.
+    The buckets are the server's own (ListBuckets: those made with ``s3dcp mb`` or any client
+    too); a server that does not answer shows those its state file recorded, marked so."""
     running = servers()
+    for state in running:
+        live = _live_buckets(state)
+        state["buckets_from"] = "recorded" if live is None else "server"
+        state["buckets"] = list(state.get("buckets", [])) if live is None else live
     if as_json:
-        json.dump([{key: s.get(key) for key in ("pid", "endpoint_url", "buckets", "data_dir", "started_at")}
+        json.dump([{key: s.get(key) for key in ("pid", "endpoint_url", "buckets", "buckets_from", "data_dir",
+                                                "started_at")}
                    | {"named": i == len(running) - 1} for i, s in enumerate(running)], sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -187,8 +195,8 @@ def list_servers(*, as_json: bool = False) -> int:
         print("s3dcp: no s3dcp server is running", file=sys.stderr)
         return 0
     rows = [["*" if i == len(running) - 1 else "", str(s["pid"]), s["endpoint_url"],
-             ",".join(s.get("buckets", [])) or "-", s.get("data_dir") or "-",
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(s["started_at"])))]
+             (",".join(s["buckets"]) or "-") + (" (recorded; no answer)" if s["buckets_from"] == "recorded" else ""),
+             s.get("data_dir") or "-", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(s["started_at"])))]
             for i, s in enumerate(running)]
     header = ["", "PID", "ENDPOINT", "BUCKETS", "DATA", "STARTED"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -196,6 +204,14 @@ def list_servers(*, as_json: bool = False) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     print("# *: the one --print-env and --stop name (the newest)", file=sys.stderr)
     return 0
+
+
+def _live_buckets(state: dict[str, Any]) -> list[str] | None:
+    """The buckets the server of ``state`` has (ListBuckets), or None when it does not answer."""
+    try:
+        return sorted(b["Name"] for b in _client(state, timeout_s=5).list_buckets().get("Buckets", []))
+    except Exception:  # noqa: BLE001 - botocore's errors, a dead server: the recorded list is shown instead
+        return None
 
 
 def stop(*, pid: int | None = None, all_servers: bool = False) -> int:
@@ -285,14 +301,7 @@ def _create_missing_buckets(state: dict[str, Any], buckets: Sequence[str]) -> li
     in ``state`` and its file. Returns the names created."""
     if not buckets:
         return []
-    import boto3
-    from botocore.config import Config
-
-    env = state["env"]
-    client = boto3.session.Session().client(
-        "s3", endpoint_url=state["endpoint_url"], region_name=env.get("AWS_REGION", "us-east-1"),
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        config=Config(s3={"addressing_style": "path"}, proxies={}, retries={"max_attempts": 2}))
+    client = _client(state)
     existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     created = [name for name in buckets if name not in existing]
     for name in created:
@@ -303,6 +312,19 @@ def _create_missing_buckets(state: dict[str, Any], buckets: Sequence[str]) -> li
         if running_server(int(state["pid"])) is not None and state.get("state_file"):
             _write_state(state["state_file"], state)  # its file lists what --print-env names
     return created
+
+
+def _client(state: dict[str, Any], *, timeout_s: float | None = None):
+    """A boto3 client for the running server of ``state`` (its endpoint and keys, path-style)."""
+    import boto3
+    from botocore.config import Config
+
+    env = state["env"]
+    timeouts = {} if timeout_s is None else {"connect_timeout": timeout_s, "read_timeout": timeout_s}
+    return boto3.session.Session().client(
+        "s3", endpoint_url=state["endpoint_url"], region_name=env.get("AWS_REGION", "us-east-1"),
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}, proxies={}, retries={"max_attempts": 2}, **timeouts))
 
 
 def _create_buckets(server, buckets: Sequence[str]) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["S3Uri", "parse_s3_uri", "is_s3_uri", "object_key", "parent_prefix"]
+__all__ = ["S3Uri", "parse_s3_uri", "checkpoint_uri", "is_s3_uri", "object_key", "parent_prefix"]
 
 # S3's bucket naming rules (general purpose buckets): 3-63 chars, lowercase letters, digits,
 # dots and hyphens, starting and ending with a letter or digit. Underscores are tolerated
@@ -65,6 +65,18 @@ def parse_s3_uri(uri: object) -> S3Uri:
     if len(prefix.encode()) > 900:
         raise ConfigError(f"checkpoint path {uri!r} is too long for S3 keys (prefix over 900 bytes)")
     return S3Uri(bucket, prefix)
+
+
+def checkpoint_uri(uri: object, *, what: str = "a checkpoint") -> S3Uri:
+    """:func:`parse_s3_uri` for where something is saved, refusing a bucket's root by name: a
+    checkpoint there lists as ``.``, sits among every other object of the bucket, and is most
+    often an empty run-name variable (``f"s3://bucket/{run}"``)."""
+    parsed = parse_s3_uri(uri)
+    if not parsed.prefix:
+        raise ConfigError(
+            f"{uri!r} is the root of bucket {parsed.bucket!r}: {what} needs a folder of its own, as in "
+            f"s3://{parsed.bucket}/<run>/step-1000 (is a run-name variable empty?)")
+    return parsed
 
 
 def parent_prefix(uri: S3Uri) -> str:

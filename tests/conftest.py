@@ -43,6 +43,16 @@ def pytest_unconfigure(config):
 _TMP = pytest.StashKey[tuple]()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """After a run without failures the base temp directory (``--basetemp``, ``.pytest-tmp``) goes
+    too: passing tests' tmp_path dirs are gone already (``tmp_path_retention_policy = "failed"``),
+    what is left is session-scoped. After failures it stays, holding the failed tests' dirs."""
+    given = session.config.option.basetemp
+    if given and exitstatus == 0:
+        shutil.rmtree(os.path.abspath(given), ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """One SeaweedServer for the whole run; stopped at session end, also after failures."""

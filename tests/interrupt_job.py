@@ -1,9 +1,9 @@
 """Run by test_reliability.py in a child process that the test interrupts (SIGINT, as Ctrl-C
-does) while its ``s3dcp.save`` or ``s3dcp.load`` waits for requests the test's fault proxy
-holds. It reports how many requests were still in flight (or queued) in s3dcp's CRT clients
-when the KeyboardInterrupt reached it.
+does) while its ``s3dcp.save`` or ``s3dcp.load`` (or the ``result()`` of an ``s3dcp.async_save``)
+waits for requests the test's fault proxy holds. It reports how many requests were still in
+flight (or queued) in s3dcp's CRT clients when the KeyboardInterrupt reached it.
 
-Usage: python interrupt_job.py save|load URI  (endpoint and keys in AWS_ENDPOINT_URL_S3,
+Usage: python interrupt_job.py save|load|async_save URI  (endpoint and keys in AWS_ENDPOINT_URL_S3,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)
 """
 
@@ -49,10 +49,12 @@ def in_flight() -> int:
 
 def main(op: str, uri: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in an interactive shell
-    state = job_state() if op == "save" else job_state(fill=0.0)
+    state = job_state(fill=0.0) if op == "load" else job_state()
     print("started", flush=True)
     try:
-        if op == "save":
+        if op == "async_save":  # returns once staged; Ctrl-C comes while result() waits for the upload
+            s3dcp.async_save(state, uri, config=job_config()).result()
+        elif op == "save":
             s3dcp.save(state, uri, config=job_config())
         else:
             s3dcp.load(state, uri, config=job_config())

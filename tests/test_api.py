@@ -16,6 +16,7 @@ from s3dcp.errors import (
     CheckpointNotFoundError,
     ConfigError,
     IncompleteCheckpointError,
+    S3ConnectionError,
     S3DCPError,
 )
 
@@ -59,7 +60,8 @@ def test_loading_a_missing_checkpoint_raises_a_catchable_error_and_logs_no_trace
     assert isinstance(err, Exception) and isinstance(err, S3DCPError)
     assert str(err).startswith(f"no checkpoint at {uri}")
     assert err.failed_ranks == [0] and err.rank_errors == {0: err}
-    assert isinstance(err.__cause__, CheckpointException)  # DCP's report stays reachable
+    assert isinstance(err.checkpoint_exception, CheckpointException)  # DCP's report stays reachable
+    assert not isinstance(err.__cause__, CheckpointException)  # ...but is not printed as its cause
     assert not [r for r in caplog.records if "metadata is not found" in r.getMessage()], caplog.text
 
 
@@ -77,7 +79,7 @@ def test_save_errors_are_catchable_with_except_exception(uri, s3_config):
         s3dcp.save(_state(1), uri, config=s3_config)
     except Exception as e:  # noqa: BLE001 - what the issue asks for: plain except Exception works
         caught = e
-    assert isinstance(caught, CheckpointExistsError) and "overwrite=True" in str(caught)
+    assert isinstance(caught, CheckpointExistsError) and "overwrite=True (to s3dcp.save" in str(caught)
     assert caught.failed_ranks == [0]
     s3dcp.save(_state(1), uri, config=s3_config, overwrite=True)
     out = _zeros(_state())
@@ -145,7 +147,7 @@ def test_an_error_s3dcp_did_not_raise_comes_back_as_its_own_type(uri, s3_config)
     except Exception as e:  # noqa: BLE001 - catchable, as the README says
         caught = e
     assert type(caught) is ValueError and str(caught) == "planner says no"
-    assert caught.failed_ranks == [0] and isinstance(caught.__cause__, CheckpointException)
+    assert caught.failed_ranks == [0] and isinstance(caught.checkpoint_exception, CheckpointException)
     assert s3dcp.unwrap_error is s3dcp.errors.unwrap_error is s3dcp.api.unwrap_error
 
 
@@ -172,3 +174,111 @@ def test_two_ranks_get_the_same_unwrapped_errors(s3_config, uri, tmp_path):
     job = Job("api", _two_rank_worker, 2, (uri, s3_config))
     run_jobs(tmp_path, job)
     assert job.results == ["ok", "ok"]
+
+
+# ------------------------------------------------------------------------------ what a newcomer meets
+_ERRORS_SCRIPT = """
+import sys, torch, s3dcp
+from s3dcp import S3Config
+cfg = S3Config()
+uri, what = sys.argv[1], sys.argv[2]
+s3dcp.save({"w": torch.ones(3)}, uri + "/a", config=cfg)
+s3dcp.async_save({"w": torch.ones(3)}, uri + "/b", config=cfg).result()
+with s3dcp.CheckpointManager(uri + "/run", config=cfg) as manager:
+    manager.save(1, {"w": torch.ones(3)})
+    manager.load({"w": torch.zeros(3)})
+if what == "save":
+    s3dcp.save({"w": torch.ones(3)}, uri + "/a", config=cfg)
+else:
+    s3dcp.load({"w": torch.zeros(3)}, uri + "/nothing", config=cfg)
+"""
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_a_failed_call_prints_one_traceback_and_no_dcp_warning(what, uri, s3_server, tmp_path):
+    """An uncaught error from the one-call API prints its traceback once (it used to print DCP's
+    CheckpointException, whose text holds the same frames, then those frames again: 48-83
+    lines), and none of the calls, nor a manager's, prints DCP's "torch.distributed is
+    disabled" warning, though warnings are on ("-W always")."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_ERRORS_SCRIPT)
+    env = {**os.environ, **s3_server.env()}
+    done = subprocess.run([sys.executable, "-W", "always", str(script), uri, what], capture_output=True, text=True,
+                          env=env, timeout=120)
+    err = done.stderr
+    assert done.returncode == 1, err
+    assert "torch.distributed is disabled" not in err and "CheckpointException" not in err, err
+    frames = [line for line in err.splitlines() if line.lstrip().startswith("File ")]
+    assert len(frames) == len(set(frames)), err  # no frame printed twice
+    last = err.rstrip().splitlines()[-1]
+    if what == "save":
+        assert err.count("Traceback (most recent call last)") == 1, err
+        assert last.startswith(f"s3dcp.errors.CheckpointExistsError: {uri}/a already holds a committed checkpoint; "
+                               "save to a new path, or pass overwrite=True"), last
+    else:  # its own cause (the 404 of .metadata) is printed too, once
+        assert last.startswith(f"s3dcp.errors.CheckpointNotFoundError: no checkpoint at {uri}/nothing"), last
+    assert len(err.splitlines()) < 45, err
+
+
+def test_a_user_dcp_call_still_gets_dcps_warning(uri, s3_config):
+    """Only s3dcp's own calls hide DCP's single-process warning: dcp.save with a writer the
+    user made warns as DCP means it to, also after s3dcp's calls put their filter in place."""
+    import torch.distributed.checkpoint as dcp
+
+    from s3dcp import S3StorageWriter
+
+    s3dcp.save({"w": torch.ones(2)}, f"{uri}/ours", config=s3_config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s3dcp.save({"w": torch.ones(2)}, f"{uri}/ours-again", config=s3_config)  # puts its filter first again
+        dcp.save({"w": torch.ones(2)}, storage_writer=S3StorageWriter(f"{uri}/theirs", config=s3_config))
+    texts = [str(w.message) for w in caught]
+    assert sum(t.startswith("torch.distributed is disabled") for t in texts) == 1, texts
+
+
+def test_an_https_endpoint_at_a_plain_http_server_says_so(uri, s3_server):
+    """The Python API gives the diagnosis the CLI gives (it said only AWS_IO_SOCKET_CLOSED and
+    'check that the endpoint is reachable')."""
+    https = s3_server.endpoint_url.replace("http://", "https://")
+    config = s3_server.s3_config(endpoint_url=https, max_retries=1)
+    for call in (lambda: s3dcp.save(_state(), uri, config=config),
+                 lambda: s3dcp.load(_zeros(_state()), uri, config=config),
+                 lambda: s3dcp.async_save(_state(), uri, config=config).result(timeout=120),
+                 lambda: s3dcp.CheckpointManager(uri, config=config, async_mode=False).save(1, _state())):
+        with pytest.raises(S3ConnectionError) as info:
+            call()
+        text = str(info.value)
+        assert f"{https} answers plain HTTP, not TLS" in text and f"use {s3_server.endpoint_url}" in text, text
+
+
+def test_a_checkpoint_at_a_bucket_root_is_refused_by_name(bucket, s3_config, boto3_client):
+    """An empty run-name variable (f"s3://{bucket}/{run}") used to save a checkpoint at the
+    bucket's root, listed as '.'; the next save to s3://bucket/ failed."""
+    for root in (f"s3://{bucket}", f"s3://{bucket}/"):
+        with pytest.raises(ConfigError, match=f"is the root of bucket '{bucket}'.*folder of its own"):
+            s3dcp.save(_state(), root, config=s3_config)
+        with pytest.raises(ConfigError, match="is the root of bucket"):
+            s3dcp.async_save(_state(), root, config=s3_config)
+        with pytest.raises(ConfigError, match="CheckpointManager's run needs a folder of its own"):
+            s3dcp.CheckpointManager(root, config=s3_config)
+    assert boto3_client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
+
+def test_loading_a_run_folder_names_the_checkpoints_below_it(bucket, s3_config):
+    run = f"s3://{bucket}/m"
+    for step in (1, 2, 10):
+        s3dcp.save(_state(), f"{run}/step-{step}", config=s3_config)
+    s3dcp.save(_state(), f"{run}/other/step-1", config=s3_config)  # two levels down: not named
+    for given in (run, f"{run}/"):
+        with pytest.raises(CheckpointNotFoundError) as info:
+            s3dcp.load(_zeros(_state()), given, config=s3_config)
+        assert str(info.value) == (
+            f"no checkpoint at {run} (no .metadata and no data objects); it holds 3 checkpoint(s) right below it: "
+            f"step-1, step-2, step-10 — load one of them, e.g. {run}/step-10 (s3dcp ls {run}/ lists them)")
+    with pytest.raises(CheckpointNotFoundError) as info:  # nothing below either: the message as before
+        s3dcp.load(_zeros(_state()), f"s3://{bucket}/empty", config=s3_config)
+    assert str(info.value) == f"no checkpoint at s3://{bucket}/empty (no .metadata and no data objects)"

@@ -283,3 +283,47 @@ def test_the_cooperative_snippet(aws_env, s3_server):
     (stats,) = printed  # one process: plain reads, and the figures say so
     assert stats.unique_bytes == stats.job_s3_bytes == saved["w"].nbytes + saved["b"].nbytes
     assert s3dcp.last_load_stats().job_s3_bytes == stats.job_s3_bytes
+
+
+# ------------------------------------------------------------------ headline figures
+def test_the_headline_figures_come_from_one_source_and_say_their_spread():
+    """README.md and docs/benchmarks.md gave different stall.py figures and one train_loop.py
+    ratio (68x) where runs gave 12x and 190x: both pages now carry what benchmarks/figures.py
+    renders from docs/figures.json, the runs themselves, with the spread of each condition."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import figures
+
+    with open(os.path.join(ROOT, "docs", "figures.json"), encoding="utf-8") as f:
+        source = json.load(f)
+    expected = figures.render(source)
+    readme, page = figures.blocks_in(read()), figures.blocks_in(read("docs/benchmarks.md"))
+    assert readme == expected and page == {k: expected[k] for k in ("train_loop", "stall")}
+    assert figures.main(["check"]) == 0
+    for kind in ("train_loop", "stall"):
+        for record in source[kind]:
+            assert record["condition"] and record["source"] and record["when"], record
+    shared = [r for r in source["train_loop"] if r["condition"] == "2 cores shared with other work"]
+    ratios = sorted(r["x_less_stall"] for r in shared)
+    assert len(shared) >= 3 and f"{ratios[0]:g}–{ratios[-1]:.0f}x on 2 cores shared" in " ".join(readme["train_loop"].split())
+    assert "goal met" in expected["stall"] or "goal missed" in expected["stall"]  # a verdict, per condition
+
+
+def test_a_results_file_becomes_a_record_of_its_figures():
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import figures
+
+    env = {"time": "2026-12-05T18:17:45", "cpu_count": 2, "load_avg_1_5_15min": [4.36, 2.5, 1.3]}
+    rows = [{"mode": m, "stall_s": s, "checkpoint_mib": 132.0, "vs_monolithic": 4.029 / s}
+            for m, s in (("monolithic", 4.029), ("fs-sync", 0.79), ("s3-sync", 2.632), ("s3-async", 0.246))]
+    record = figures.train_loop_record({"rows": rows, "environment": env, "total_wall_s": 171.5},
+                                       condition="a test", source="x.json")
+    assert record == {"when": "2026-12-05T18:17:45", "condition": "a test", "source": "x.json", "cpus": 2,
+                      "load_avg_1min": 4.4, "job_s": 172, "state_mib": 132,
+                      "stall_s": {"monolithic": 4.029, "fs-sync": 0.79, "s3-sync": 2.632, "s3-async": 0.246},
+                      "x_less_stall": 16.4}
+    text = figures.render_train_loop([record, dict(record, x_less_stall=6.9, load_avg_1min=7.2)])
+    assert "by 6.9–16x on a test (2 runs, load average 4–7, median 12x;" in " ".join(text.split())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,10 +36,12 @@ def _configured_env(s3_server) -> dict[str, str]:
 
 def _no_warnings(output: str) -> None:
     """Our examples print none of torch's (or anyone's) warnings: Python's ("UserWarning: ..."),
-    those Lightning prints without their category ("... is deprecated"), and log records at
-    level WARNING (torchtitan's "[titan] ... - WARNING - ...")."""
+    those Lightning prints without their category ("path/x.py:224: You're resuming ..." or "...
+    is deprecated"), and log records at level WARNING (torchtitan's "[titan] ... - WARNING - ...")."""
     for mark in ("Warning", "deprecated", " WARNING "):
         assert mark not in output, output
+    located = [line for line in output.splitlines() if re.match(r"\S+\.py:\d+: ", line)]
+    assert not located, "\n".join(located)
 
 
 def _losses(path) -> list[dict]:
@@ -78,6 +81,18 @@ def test_train_fsdp2_is_killed_and_resumes_with_identical_losses(tmp_path):
     no_process_mentions(tmp_path, by=server_gone_by)
 
 
+def test_every_example_takes_uri_for_where_it_saves():
+    """The README says the examples take --uri: torchtitan_s3.py took only --folder and
+    lightning_s3.py only --root ("unrecognized arguments: --uri"). Those stay as other names."""
+    names = sorted(n for n in os.listdir(EXAMPLES) if n.endswith(".py"))
+    assert len(names) == 6, names
+    for name in names:
+        done = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), "--help"], capture_output=True, text=True,
+                              env=_env(), timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"^\s+--uri\b", done.stdout, re.M), (name, done.stdout)
+
+
 @pytest.mark.multiproc
 def test_train_fsdp2_uses_a_configured_endpoint_and_says_why_another_width_cannot_resume(tmp_path, s3_server,
                                                                                         demo_bucket):
@@ -90,6 +105,13 @@ def test_train_fsdp2_uses_a_configured_endpoint_and_says_why_another_width_canno
     assert "latest checkpoint s3://demo/fsdp2/step-00000003" in first.stdout
     assert not (tmp_path / "s3dcp-example-data").exists()  # no embedded server was started
     _no_warnings(first.stdout + first.stderr)
+    # run again once finished: it says there is nothing to do (it printed "resumed from" and exited 0)
+    again = subprocess.run([*torchrun, "--crash-at-step", "2"], capture_output=True, text=True, env=env, timeout=300,
+                           cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert ("# nothing left to train: s3://demo/fsdp2 already holds step 3, and --steps is 3; --crash-at-step 2 is "
+            "never reached. Give a larger --steps") in again.stdout, again.stdout
+    assert not [line for line in again.stdout.splitlines() if line.startswith("step ")], again.stdout  # no training
     other = subprocess.run([*torchrun, "--width", "32", "--steps", "6"], capture_output=True, text=True, env=env,
                            timeout=300, cwd=tmp_path)
     assert other.returncode != 0

@@ -18,7 +18,7 @@ import s3dcp
 from s3dcp import cli
 from s3dcp import localserver
 
-from doc_pages import ROOT, aws_env, blocks as _blocks, fresh_bucket as _fresh_bucket, in_bucket as _in, tiny_lightning_model  # noqa: F401,E501
+from doc_pages import ROOT, aws_env, blocks as _blocks, fresh_bucket as _fresh_bucket, in_bucket as _in, section as _section, tiny_lightning_model  # noqa: F401,E501
 
 
 # ------------------------------------------------------------------ Quick start
@@ -43,6 +43,9 @@ def test_the_quick_start_is_the_two_scripts_and_by_hand_the_same_steps():
     assert "s3dcp_env bench" in demo and "pip install -e '.[bench]'" in steps
     assert "benchmarks/train_loop.py" in demo and "python benchmarks/train_loop.py" in steps
     assert "s3dcp_env test" in test and "-m pytest" in test and "pip install -e '.[test]' && pytest" in steps
+    quick = _section("Quick start")
+    assert re.search(r"The whole suite takes \d+–\d+ minutes on a 2-core machine", quick), quick  # how long to wait
+    assert "leaves nothing in `.pytest-tmp/` when it passes" in quick  # tests/test_suite_cleanup.py
 
 
 

@@ -102,3 +102,41 @@ def test_a_durable_time_is_never_the_previous_checkpoints(monkeypatch, s3_config
     thread.join()
     assert durable_at >= done_at[0]
     assert not checkpointer.pending()
+
+
+def test_the_stall_bars_all_show_on_the_log_axis(monkeypatch, tmp_path):
+    """Every bar of the stall chart stands at least a tenth of the axis high: matplotlib's own
+    log limits, for bars from 0, put the bottom just under the smallest stall (a 0.02 s async
+    stall beside seconds-long ones was a sliver, or off the axis)."""
+    import math
+
+    import matplotlib
+    import matplotlib.figure
+
+    matplotlib.use("Agg")
+    limits: dict[str, list] = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: limits.setdefault(os.path.basename(path),
+                                                                  [ax.get_ylim() for ax in fig.axes]))
+    for stalls in ([1.32, 0.54, 1.03, 0.020], [4.03, 0.79, 2.63, 0.246], [0.9, 0.9, 0.9, 0.9]):
+        rows = [{"mode": m, "stall_s": s, "upload_gbps": 0.1} for m, s in zip(train_loop.MODES, stalls)]
+        limits.clear()
+        train_loop.plot([[train_loop.ModeResult(mode=m) for m in train_loop.MODES]], rows, str(tmp_path / "t"))
+        bottom, top = limits["t-bars.png"][0]
+        for stall in stalls:
+            assert math.log(stall / bottom) / math.log(top / bottom) >= 0.1, (stalls, stall, bottom, top)
+
+
+def test_stall_benchmark_gives_a_verdict_against_its_goal():
+    """stall.py printed its goal and no verdict: now one line per shape, and the whole."""
+    import stall
+
+    fast = {"stall_vs_memcpy_now": 1.05, "rss_spread_mib": 0.2, "state_mib": 512.0}
+    met, lines = stall.verdict({"large": fast, "small": dict(fast, stall_vs_memcpy_now=1.07)})
+    assert met and lines[-1] == "verdict: goal met"
+    assert lines[0] == ("verdict large: PASS — warm stall 1.05x the memcpy timed right before it (<= 1.2x), "
+                        "RSS spread 0.2 MiB (<= 5% of 512 MiB)")
+    met, lines = stall.verdict({"large": dict(fast, stall_vs_memcpy_now=2.77), "small": dict(fast, rss_spread_mib=60)})
+    assert not met and lines[0].startswith("verdict large: FAIL — warm stall 2.77x") and "(> 1.2x)" in lines[0]
+    assert lines[1].startswith("verdict small: FAIL") and "(> 5% of 512 MiB)" in lines[1]
+    assert lines[-1].startswith("verdict: goal NOT met")

@@ -36,19 +36,20 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from .._dcp_warning import ours
 from ..config import S3Config
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, unwrap_error
-from ..format.layout import METADATA_NAME, is_data_object
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ConfigError,
+                      S3ConnectionError, unwrap_error)
+from ..format.layout import METADATA_NAME
 from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..s3.client import S3Client
+from ..s3.probe import diagnose
 from ..saving.stats import record_committed
-from ..uri import S3Uri, parse_s3_uri
-from .deletion import DeleteResult
-from .deletion import delete_checkpoint as _delete_checkpoint
-from .deletion import held_for_references
-from .directories import CheckpointInfo, name_pattern, scan_directories
+from ..uri import checkpoint_uri, parse_s3_uri
+from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete as retention does
+from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
 from .retention import Doomed, steps_to_delete
 
@@ -90,12 +91,17 @@ class CheckpointManager:
     :attr:`last_save_stats`: this rank's :class:`~s3dcp.saving.writer.SaveStats` of the save that
     committed last (bytes uploaded and inherited, seconds), as ``s3dcp.last_save_stats()``.
 
+    A run never saves beside a newer one: the first :meth:`save` of a manager asks
+    :meth:`latest` (one LIST), and a step at or below a committed step already there (or one
+    this manager saved) is refused with :class:`~s3dcp.errors.CheckpointExistsError` before
+    anything is written — resume, save elsewhere, or delete the old run's checkpoints first.
+
     Errors of an asynchronous save reach its future and are raised again by :meth:`wait`,
     :meth:`close`, or the next :meth:`save` (so none goes unnoticed). A failed save never
     triggers retention. Every error is raised as :func:`s3dcp.unwrap_error` gives it — the
     rank's own (an :class:`~s3dcp.errors.S3DCPError` when s3dcp raised it) with
-    ``failed_ranks`` and ``rank_errors``, chained from DCP's ``CheckpointException`` — never
-    the ``CheckpointException`` itself (a ``BaseException``).
+    ``failed_ranks``, ``rank_errors`` and DCP's ``checkpoint_exception`` — never the
+    ``CheckpointException`` itself (a ``BaseException``).
     """
 
     def __init__(
@@ -115,7 +121,7 @@ class CheckpointManager:
             raise ConfigError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep every checkpoint)")
         if keep_every is not None and (not _is_int(keep_every) or keep_every < 1):
             raise ConfigError(f"keep_every={keep_every!r} must be an int >= 1 or None")
-        self.base = parse_s3_uri(base_uri)
+        self.base = checkpoint_uri(base_uri, what="a CheckpointManager's run")
         self._pattern = name_pattern(name_format)
         self.name_format = name_format
         self.incremental = incremental
@@ -139,6 +145,8 @@ class CheckpointManager:
         self._retention_lock = threading.Lock()
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
         self._doomed = Doomed()  # steps retention chose to delete: never a base again
+        self._newest: int | None = None  # newest committed step known (the bucket's at the first save, ours)
+        self._checked = False  # whether the first save asked the bucket for its newest step
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -174,16 +182,17 @@ class CheckpointManager:
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step={step!r} must be an int >= 0")
         self._saves.raise_finished()
+        self._refuse_an_older_step(step)
         import torch.distributed.checkpoint as dcp
 
         from ..saving.writer import S3StorageWriter
 
         base = self._choose_base(step) if self.incremental else None
         try:
-            writer = S3StorageWriter(self.uri(step), config=self.config, client=self.client,
-                                     incremental_from=None if base is None else self.uri(base),
-                                     # the default; said for config.checksum=None, which records none
-                                     item_checksum=REFERENCE_CHECKSUM if self.incremental else None)
+            writer = ours(S3StorageWriter(self.uri(step), config=self.config, client=self.client,
+                                          incremental_from=None if base is None else self.uri(base),
+                                          # the default; said for config.checksum=None, which records none
+                                          item_checksum=REFERENCE_CHECKSUM if self.incremental else None))
             self.last_writer = writer
             no_dist = not _dist_on()
             started = time.perf_counter()
@@ -195,10 +204,10 @@ class CheckpointManager:
                                           no_dist=no_dist)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             self._release_base(step)
-            raise unwrap_error(e)  # chained from DCP's exception
+            raise self._unwrapped(e)
         if not self.async_mode:
             self._release_base(step)
-            self._committed(writer)
+            self._committed(writer, step)
             elapsed = time.perf_counter() - started
             self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
             return None
@@ -213,14 +222,14 @@ class CheckpointManager:
             try:
                 metadata = f.result()
             except BaseException as e:  # noqa: BLE001 - the caller sees it on the future
-                error = unwrap_error(e)  # s3dcp's (or the original) error, chained from DCP's
+                error = self._unwrapped(e)  # s3dcp's (or the original) error
                 log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
                           type(error).__name__, " ".join(str(error).split()))
                 outer.set_exception(error)
                 return
             upload_s = time.perf_counter() - returned
             try:  # whatever happens after the commit reaches the caller: wait() and close() never hang
-                self._committed(writer)
+                self._committed(writer, step)
                 self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
             except BaseException as e:  # noqa: BLE001
                 return outer.set_exception(e)
@@ -229,6 +238,24 @@ class CheckpointManager:
         self._saves.add(outer)
         inner.add_done_callback(done)
         return outer
+
+    def _refuse_an_older_step(self, step: int) -> None:
+        """Refuse ``step`` at or below the newest committed step: the bucket's when this manager
+        first saves (a run started over an earlier one), then the newest this manager saved."""
+        if not self._checked:  # the first save: what the bucket holds already
+            self._newest, self._checked = self.latest(), True  # collective: every rank refuses, or none
+        if self._newest is not None and step <= self._newest:
+            raise CheckpointExistsError(
+                f"{self.base} already holds a committed checkpoint at step {self._newest} "
+                f"({self.uri(self._newest)}); this manager does not save step {step} beside it (resuming takes "
+                f"the newest step, so two runs would mix). Resume from it (step = manager.load(state_dict), "
+                f"then save later steps), give this run a base folder of its own, or delete the old run's "
+                f"checkpoints first (s3dcp ls {self.base}/ lists them; s3dcp rm URI --yes)")
+
+    def _unwrapped(self, error: BaseException) -> BaseException:
+        """The error to raise for DCP's ``error`` (:func:`unwrap_error`), with the TLS/plain-HTTP
+        diagnosis of the endpoint when no HTTP answer came."""
+        return diagnose(unwrap_error(error), self.client.config.endpoint_url)
 
     def _choose_base(self, step: int) -> int | None:
         """The step the incremental save of ``step`` uses as its base, claimed against
@@ -289,7 +316,9 @@ class CheckpointManager:
         if self._owns_client:
             self.client.close()  # an S3Client is usable again after close: it takes a native client again
 
-    def _committed(self, writer: S3StorageWriter) -> None:
+    def _committed(self, writer: S3StorageWriter, step: int) -> None:
+        with self._lock:
+            self._newest = step if self._newest is None else max(self._newest, step)
         self.last_save_stats = writer.last_stats
         record_committed(writer.last_stats)  # s3dcp.last_save_stats()
 
@@ -334,25 +363,10 @@ class CheckpointManager:
         """Every checkpoint directory under the base URI, committed or not, sorted by step; a
         deleted checkpoint whose objects are kept only because others reference them is not
         listed."""
-        infos = []
-        by_dir = scan_directories(self.client, self.base)
-        held = held_for_references(self.client, self.base.bucket, by_dir)  # deleted, objects kept for others
-        for directory, objects in by_dir.items():
-            if directory in held:
-                continue
-            relative = directory[len(self.base.dir_prefix):].rstrip("/")
-            step = self._step_of(relative)
-            if step is None:
-                continue
-            names = {o.key.rpartition("/")[2] for o in objects}
-            if METADATA_NAME not in names and not any(is_data_object(n) for n in names):
-                continue
-            stamps = [o.last_modified for o in objects if o.last_modified is not None]
-            infos.append(CheckpointInfo(
-                step=step, uri=str(self.base.child(relative)), committed=METADATA_NAME in names,
-                bytes=sum(o.size for o in objects), objects=len(objects),
-                last_modified=max(stamps) if stamps else None))
-        return sorted(infos, key=lambda i: i.step)
+        try:
+            return list_checkpoints(self.client, self.base, self._step_of)
+        except S3ConnectionError as e:
+            raise diagnose(e, self.client.config.endpoint_url)
 
     def latest(self) -> int | None:
         """The newest committed step, or ``None``; a newer incomplete one is ignored.
@@ -400,11 +414,11 @@ class CheckpointManager:
 
         from ..loading.reader import S3StorageReader
 
-        reader = S3StorageReader(self.uri(step), config=self.config, client=self.client)
+        reader = ours(S3StorageReader(self.uri(step), config=self.config, client=self.client))
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise unwrap_error(e)  # chained from DCP's exception
+            raise self._unwrapped(e)
         return step
 
     def _is_coordinator(self) -> bool:
@@ -413,14 +427,6 @@ class CheckpointManager:
         import torch.distributed as dist
 
         return dist.get_rank(self.process_group) == 0
-
-
-def delete_checkpoint(client: S3Client, uri: S3Uri, *,
-                      on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
-    """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
-    committed checkpoints under the same parent reference; see
-    :func:`s3dcp.lifecycle.deletion.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
-    return _delete_checkpoint(client, uri, on_deleted=on_deleted)
 
 
 def _multi_rank(process_group: Any) -> bool:

@@ -6,13 +6,15 @@ light commands (``s3dcp inspect`` and ``verify``, which decode it without torch:
 :func:`s3dcp.format.metadata.decode_plain`) share: throttling, 5xx answers and dropped connections
 are retried beyond the CRT's own retries; a missing object is told apart as
 :class:`IncompleteCheckpointError` (data objects but no commit marker) or
-:class:`CheckpointNotFoundError`.
+:class:`CheckpointNotFoundError`, which names the checkpoints right below the path when there
+are some (a run's folder given for one of its steps).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 
 from ..errors import (
@@ -20,6 +22,7 @@ from ..errors import (
     IncompleteCheckpointError,
     NoSuchKeyError,
     S3ConnectionError,
+    S3DCPError,
     S3ServerError,
     ThrottlingError,
 )
@@ -33,6 +36,8 @@ log = logging.getLogger("s3dcp")
 
 _METADATA_ATTEMPTS = 4  # reads of .metadata, each with the CRT's own retries inside
 _METADATA_BACKOFF_S = 0.2
+_BELOW_CHECKED = 200  # folders below a path without a checkpoint whose .metadata is looked for
+_BELOW_NAMED = 8  # of those found, how many the error names
 
 
 def fetch_metadata_bytes(client: S3Client, uri: S3Uri) -> bytes:
@@ -40,14 +45,41 @@ def fetch_metadata_bytes(client: S3Client, uri: S3Uri) -> bytes:
     try:
         return _get_with_retries(client, uri.bucket, uri.key(METADATA_NAME))
     except NoSuchKeyError as e:
-        objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
+        objects, prefixes = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
         data = [o for o in objects if is_data_object(o.key.rpartition("/")[2])]
         if data:
             raise IncompleteCheckpointError(
                 f"{uri} is incomplete: {len(data)} data object(s) but no {METADATA_NAME} (the commit "
                 "marker, written last). The save that wrote it failed or is still running; load an "
                 "earlier checkpoint, and run `s3dcp gc` to remove the leftovers") from e
-        raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no data objects)") from e
+        raise CheckpointNotFoundError(f"no checkpoint at {uri} (no {METADATA_NAME} and no data objects)"
+                                      f"{_below(client, uri, prefixes)}") from e
+
+
+def _below(client: S3Client, uri: S3Uri, prefixes: list[str]) -> str:
+    """What to say of the folders right below a path with no checkpoint (a run, say): the
+    committed checkpoints among them (one HEAD of ``.metadata`` each, for the last
+    ``_BELOW_CHECKED`` folders in name order), or nothing."""
+    checked = sorted(prefixes, key=_natural)[-_BELOW_CHECKED:]  # the newest, for numbered steps
+    heads = [(p, client.head(uri.bucket, f"{p}{METADATA_NAME}")) for p in checked]
+    found = []
+    for prefix, head in heads:
+        try:
+            head.result()
+        except S3DCPError:  # not a checkpoint, or not ours to see: this is only a hint
+            continue
+        found.append(prefix[len(uri.dir_prefix):].rstrip("/"))
+    if not found:
+        return ""
+    shown = found if len(found) <= _BELOW_NAMED else [*found[:2], "…", *found[-(_BELOW_NAMED - 3):]]
+    more = f", {len(prefixes) - len(checked)} more folder(s) not looked at" if len(prefixes) > len(checked) else ""
+    return (f"; it holds {len(found)} checkpoint(s) right below it: {', '.join(shown)}{more} — load one of them, "
+            f"e.g. {uri.child(found[-1])} (s3dcp ls {uri}/ lists them)")
+
+
+def _natural(text: str) -> list:
+    """Sort key that puts ``step-9`` before ``step-10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _get_with_retries(client: S3Client, bucket: str, key: str) -> bytes:

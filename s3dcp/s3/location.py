@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..config import S3Config
 from ..errors import ConfigError
-from ..uri import S3Uri, is_s3_uri, parse_s3_uri
+from ..uri import S3Uri, checkpoint_uri, is_s3_uri, parse_s3_uri
 from .client import S3Client
 
 __all__ = ["S3CheckpointPath", "UnreadableMetadata"]
@@ -22,14 +22,19 @@ class S3CheckpointPath:
     created on first use and is not pickled (each process makes its own).
     """
 
+    _writes = False  # a writer's path may not be a bucket's root (uri.checkpoint_uri); a reader's may
+
     def _init_path(self, path: str | None, config: S3Config | None, client: S3Client | None) -> None:
         self.config = config or (client.config if client is not None else S3Config())
         self._client = client
-        self._uri: S3Uri | None = parse_s3_uri(str(path)) if path is not None else None
+        self._uri: S3Uri | None = self._parse(path) if path is not None else None
 
     def _reset_path(self, checkpoint_id: str | os.PathLike | None) -> None:
         if checkpoint_id is not None:
-            self._uri = parse_s3_uri(str(checkpoint_id))
+            self._uri = self._parse(checkpoint_id)
+
+    def _parse(self, path: str | os.PathLike) -> S3Uri:
+        return checkpoint_uri(str(path)) if self._writes else parse_s3_uri(str(path))
 
     @property
     def checkpoint_id(self) -> str | None:

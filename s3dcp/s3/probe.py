@@ -4,7 +4,9 @@ An ``https://`` endpoint at a plain-HTTP server fails in the CRT with only
 ``AWS_IO_SOCKET_CLOSED`` ("socket is closed"), and an ``http://`` one at a TLS server gets no
 HTTP answer either; neither error says why. After such a failure, :func:`scheme_mismatch`
 connects once more and checks whether the server speaks the other protocol. It runs only on
-an error path (it costs a connection and up to 2 s), never on a request's way.
+an error path (it costs a connection and up to 2 s), never on a request's way: after the CLI's
+commands fail, and in :func:`diagnose` for the Python API (``s3dcp.save``/``load``/``async_save``,
+:class:`~s3dcp.CheckpointManager`), which adds the same sentence to the error they raise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import socket
 import ssl
 from urllib.parse import urlsplit
 
-__all__ = ["scheme_mismatch"]
+from ..errors import S3ConnectionError
+
+__all__ = ["scheme_mismatch", "diagnose"]
 
 _PROBE_TIMEOUT_S = 2.0
 
@@ -32,6 +36,22 @@ def scheme_mismatch(endpoint: str) -> str | None:
     except OSError:
         pass  # unreachable either way: the original error says so already
     return None
+
+
+def diagnose(error: BaseException, endpoint: str | None) -> BaseException:
+    """``error`` with the TLS/plain-HTTP diagnosis of ``endpoint`` added to its message, when it
+    is an :class:`S3ConnectionError` (no HTTP answer) and the endpoint speaks the other
+    protocol; any other error as it is. The error keeps its type, fields and traceback (its
+    text changes in place, so the one the caller catches is the one that was raised)."""
+    if not isinstance(error, S3ConnectionError) or not endpoint or getattr(error, "diagnosis", None):
+        return error
+    hint = scheme_mismatch(endpoint)
+    if hint is None:
+        return error
+    error.diagnosis = hint
+    error.args = (f"{error.args[0] if error.args else ''}. {hint} (S3Config(endpoint_url=...) or "
+                  "AWS_ENDPOINT_URL_S3)",) + tuple(error.args[1:])
+    return error
 
 
 def _answers_plain_http(host: str, port: int) -> bool:

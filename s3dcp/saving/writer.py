@@ -37,6 +37,7 @@ from ..errors import (
     MetadataFormatError,
     NoSuchKeyError,
     PreconditionFailedError,
+    RequestAbortedError,
     S3DCPError,
 )
 from ..format import layout
@@ -46,6 +47,7 @@ from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, 
 from ..format.tensors import to_host_contiguous
 from ..s3.client import S3Client
 from ..s3.location import S3CheckpointPath
+from ..s3.request import abort_all
 from ..uri import object_key, parent_prefix, parse_s3_uri
 from .base import BaseIndex
 from .referenced import references
@@ -102,6 +104,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             part is ``config.checksum``, whatever this is.
     """
 
+    _writes = True  # never at a bucket's root
+
     def __init__(
         self,
         path: str | None = None,
@@ -128,6 +132,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._rank = 0
         self._is_coordinator = False
         self._save_id: str | None = None  # this rank's identity of the save in progress
+        self._uploads: Uploads | None = None  # write_data's, while it runs (what abandon() stops)
+        self._abandoned = False
         self.last_stats = SaveStats()
         self._init_staging(pool)
 
@@ -161,8 +167,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._is_coordinator = is_coordinator
         if is_coordinator and not self.overwrite and self._committed():
             raise CheckpointExistsError(
-                f"{self._uri} already holds a committed checkpoint; pass overwrite=True to "
-                "S3StorageWriter to replace it, or save to a new path")
+                f"{self._uri} already holds a committed checkpoint; save to a new path, or pass "
+                "overwrite=True (to s3dcp.save / async_save or S3StorageWriter) to replace it")
         self._base, self._base_etag = None, None
         if self.incremental_from is not None:  # every rank: its own items are decided on it
             if is_coordinator:  # before the read: the commit checks the base is still this object
@@ -186,10 +192,11 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         uploads: Uploads | None = None
         try:
             # in the try: the client may be made here, and a failure must still end the lease
-            uploads = Uploads(self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
-                              item_checksum=self.item_checksum, base=self._base, pool=self._staging_pool(),
-                              window_bytes=self.config.staging_budget_bytes,
-                              arena=lease.arena if lease is not None else None)
+            self._check_not_abandoned()
+            uploads = self._uploads = Uploads(
+                self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
+                item_checksum=self.item_checksum, base=self._base, pool=self._staging_pool(),
+                window_bytes=self.config.staging_budget_bytes, arena=lease.arena if lease is not None else None)
             ready, deferred = [], []
             for item in plan.items:
                 data = resolve(planner, item)
@@ -214,6 +221,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 uploads.discard(e)
             raise
         finally:
+            self._uploads = None
             self._staging_end(lease)
         log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs (%d bytes referenced in the base)",
                   rank, uploads.bytes, len(uploads.keys), self._uri, elapsed, uploads.inherited_bytes)
@@ -247,6 +255,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 marker = True
                 self._check_base_unchanged()
             self._check_objects(metadata.storage_data.values())
+            self._check_not_abandoned()
             replaced = self._replaced_objects() if self.overwrite else set()
             body = encode_metadata(metadata)
         except BaseException:
@@ -279,6 +288,21 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                  uri, total, len(results),
                  f" ({inherited} referenced in {self.incremental_from})" if self.incremental_from else "",
                  stats.stage_s, stats.upload_s, stats.upload_gbps)
+
+    def abandon(self) -> None:
+        """Stop this save from another thread (Ctrl-C in ``s3dcp.async_save``'s ``result()``): the
+        uploads in flight are aborted, so ``write_data`` fails and deletes what this rank wrote,
+        and ``finish`` commits nothing. Never blocks; a commit already on its way still lands
+        (the checkpoint is then whole)."""
+        self._abandoned = True
+        uploads = self._uploads
+        if uploads is not None:
+            abort_all(list(uploads.futures))
+
+    def _check_not_abandoned(self) -> None:
+        if self._abandoned:
+            raise RequestAbortedError(f"the save to {self._uri} was abandoned (Ctrl-C while waiting for it); "
+                                      "nothing was committed")
 
     # ------------------------------------------------------------------ helpers
     def _committed(self) -> bool:

@@ -506,6 +506,13 @@ def test_server_print_env_starts_one_in_the_background_and_stop_ends_it(tmp_path
         assert "created: s3://second" in done.stdout and done.stdout.rstrip().endswith("us-east-1")
         assert "no checkpoints under s3://first" in done.stderr and "s3dcp server --stop" in done.stderr
         assert len(files) == 1 and oct(files[0].stat().st_mode & 0o777) == "0o600"
+        # --list asks the server: the bucket `mb` made is there too (it used to show only "first")
+        listed = subprocess.run([*CLI, "server", "--list", "--json"], capture_output=True, text=True, env=env,
+                                timeout=60)
+        (entry,) = json.loads(listed.stdout)
+        assert entry["buckets"] == ["first", "second"] and entry["buckets_from"] == "server", entry
+        table = subprocess.run([*CLI, "server", "--list"], capture_output=True, text=True, env=env, timeout=60)
+        assert "first,second" in table.stdout.splitlines()[1], table.stdout
     finally:
         stopped = subprocess.run([*CLI, "server", "--stop"], capture_output=True, text=True, env=env, timeout=60)
     assert state is not None and stopped.returncode == 0 and f"pid {state['pid']}" in stopped.stderr

@@ -224,7 +224,7 @@ def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_ser
     bucket = "lightning-example"
     s3_server.create_bucket(bucket)
     env = {**_env(), **s3_server.env()}
-    done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "lightning_s3.py"), "--root", f"s3://{bucket}/run",
+    done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "lightning_s3.py"), "--uri", f"s3://{bucket}/run",
                            "--width", "64"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out

@@ -308,6 +308,13 @@ def test_example_is_killed_and_resumes_with_identical_losses(tmp_path):
     assert "s3dcp: checkpoint step 6 committed" in resumed.stdout + resumed.stderr
     _no_warnings(crashed.stdout + crashed.stderr)
     _no_warnings(resumed.stdout + resumed.stderr)  # the resume loads torchtitan's lr schedulers
+    # once step 6 is saved, --crash-at-step 5 is never reached: it says so (it used to print "resumed
+    # from step 6" and exit 0, neither training nor crashing)
+    again = subprocess.run([*torchrun, "--crash-at-step", "5"], capture_output=True, text=True, env=_env(),
+                           timeout=300, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert ("# nothing left to train: s3://demo/torchtitan already holds step 6, and --steps is 6; --crash-at-step 5 "
+            "is never reached") in again.stdout, again.stdout
 
 
 def test_example_uses_a_configured_endpoint(s3_server, demo_bucket, tmp_path):

@@ -149,7 +149,7 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     except Exception as e:  # noqa: BLE001 - s3dcp's error, not DCP's BaseException: except Exception catches it
         caught = e
     assert isinstance(caught, S3ServerError) and "injected" in str(caught) and caught.key.endswith("/.metadata")
-    assert caught.failed_ranks == [0] and isinstance(caught.__cause__, CheckpointException)
+    assert caught.failed_ranks == [0] and isinstance(caught.checkpoint_exception, CheckpointException)
     assert future.exception() is caught
     dirs = _dirs(boto3_client, bucket)
     assert _committed(dirs) == ["step-00000001"]  # the only good checkpoint stays
@@ -170,11 +170,10 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
     assert {"step-00000002", "step-00000003"} <= set(dirs)  # incomplete ones: gc's business
     assert [i.committed for i in manager.list()] == [False, False, True]
 
-    manager.save(4, _state(4))  # a committed step is never overwritten
-    with pytest.raises(CheckpointExistsError, match="already holds a committed checkpoint") as e:
-        manager.close()
-    assert e.value.failed_ranks == [0] and isinstance(e.value.__cause__, CheckpointException)
-    manager.save(5, _state(5))  # and the failure left nothing stuck (the staging arena came back)
+    with pytest.raises(CheckpointExistsError, match="committed checkpoint at step 4"):
+        manager.save(4, _state(4))  # a committed step is never overwritten: refused before anything is written
+    manager.close()
+    manager.save(5, _state(5))
     manager.close()
     assert _committed(_dirs(boto3_client, bucket)) == ["step-00000005"]
 
@@ -182,23 +181,55 @@ def test_a_failed_save_never_deletes_older_good_ones(bucket, s3_config, boto3_cl
 def test_sync_save_and_load_raise_s3dcp_errors_not_checkpoint_exception(bucket, s3_config, boto3_client):
     manager = CheckpointManager(f"s3://{bucket}/run", config=s3_config, keep_last=None, async_mode=False)
     manager.save(1, _state(1))
+    CheckpointManager(f"s3://{bucket}/run", config=s3_config, async_mode=False).save(2, _state(2))  # another one
     try:
-        manager.save(1, _state(2))  # synchronous: raised by save itself
+        manager.save(2, _state(2))  # synchronous: raised by save itself (the writer refuses, inside DCP)
     except Exception as e:  # noqa: BLE001 - what a training script writes
         caught = e
-    assert isinstance(caught, CheckpointExistsError) and "overwrite" in str(caught)
+    assert isinstance(caught, CheckpointExistsError) and "already holds a committed checkpoint" in str(caught)
     assert caught.failed_ranks == [0] and caught.rank_errors == {0: caught}
-    assert isinstance(caught.__cause__, CheckpointException)
+    assert isinstance(caught.checkpoint_exception, CheckpointException)
 
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint at") as e:
         manager.load(_state(0), step=7)  # an explicit step that was never saved
-    assert e.value.failed_ranks == [0] and isinstance(e.value.__cause__, CheckpointException)
+    assert e.value.failed_ranks == [0] and isinstance(e.value.checkpoint_exception, CheckpointException)
     boto3_client.put_object(Bucket=bucket, Key="run/step-00000009/__0_0.aaaaaaaaaaaa.distcp", Body=b"x" * 10)
     with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
         manager.load(_state(0), step=9)
     out = _state(0)
-    assert manager.load(out) == 1 and torch.equal(out["w"], _state(1)["w"])  # nothing stuck
+    assert manager.load(out) == 2 and torch.equal(out["w"], _state(2)["w"])  # nothing stuck
     manager.close()
+
+
+@pytest.mark.parametrize("async_mode", [True, False])
+def test_a_run_started_over_an_existing_one_is_refused_before_anything_is_written(async_mode, bucket, s3_config,
+                                                                                   boto3_client):
+    """A second run under the same base: its first save used to write (the old run kept steps 2
+    and 3 only, so step 1 was saved among them) and the next one failed, advising
+    overwrite=True to S3StorageWriter, which the manager does not take. Now the first save is
+    refused, with advice that fits the manager, and the bucket is as the old run left it."""
+    old = CheckpointManager(f"s3://{bucket}/run", config=s3_config, keep_last=2, async_mode=False)
+    for step in (1, 2, 3):
+        old.save(step, _state(step))
+    old.close()
+    before = boto3_client.list_objects_v2(Bucket=bucket)["Contents"]
+    assert _committed(_dirs(boto3_client, bucket)) == ["step-00000002", "step-00000003"]
+
+    new = CheckpointManager(f"s3://{bucket}/run", config=s3_config, async_mode=async_mode)
+    for step in (1, 3):  # below the old run's newest, and at it
+        with pytest.raises(CheckpointExistsError) as info:
+            new.save(step, _state(step))
+        text = str(info.value)
+        assert f"s3://{bucket}/run already holds a committed checkpoint at step 3 (s3://{bucket}/run/step-00000003)" \
+            in text, text
+        assert "manager.load(state_dict)" in text and f"s3dcp ls s3://{bucket}/run/" in text and \
+            "S3StorageWriter" not in text, text
+    new.close()
+    assert boto3_client.list_objects_v2(Bucket=bucket)["Contents"] == before  # nothing written, nothing deleted
+    assert new.load(_state(0)) == 3  # what the advice says: resume, then save later steps
+    new.save(4, _state(4))
+    new.close()
+    assert _committed(_dirs(boto3_client, bucket)) == ["step-00000002", "step-00000003", "step-00000004"]
 
 
 def test_latest_ignores_an_incomplete_newer_checkpoint(bucket, s3_config, boto3_client):

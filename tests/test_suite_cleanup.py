@@ -1,0 +1,45 @@
+"""The suite leaves nothing in ``.pytest-tmp`` after a run that passes (a run left 144 MiB there),
+and keeps only a failed test's tmp_path dir after one that fails: checked on a small session of
+its own, with this checkout's pytest settings and tests/conftest.py, in a base temp dir of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_TESTS = '''
+def test_passes(tmp_path):
+    (tmp_path / "data").write_bytes(b"x" * 1_000_000)
+
+
+def test_fails(tmp_path):
+    (tmp_path / "kept").write_text("look at me")
+    assert False
+'''
+
+
+def _session(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    inner = tmp_path / "inner"
+    inner.mkdir(exist_ok=True)
+    (inner / "test_inner.py").write_text(_TESTS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests"), ROOT])}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                           os.path.join(ROOT, "pyproject.toml"), "-p", "conftest", f"--basetemp={tmp_path / 'base'}",
+                           str(inner / "test_inner.py"), *args], capture_output=True, text=True, env=env,
+                          cwd=inner, timeout=300)
+
+
+def test_a_passing_run_leaves_no_base_temp_dir(tmp_path):
+    done = _session(tmp_path, "-k", "passes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (tmp_path / "base").exists(), list((tmp_path / "base").rglob("*"))
+
+
+def test_a_failing_run_keeps_only_the_failed_tests_dir(tmp_path):
+    done = _session(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    left = sorted(p.relative_to(tmp_path / "base").as_posix() for p in (tmp_path / "base").rglob("*") if p.is_file())
+    assert left == ["test_fails0/kept"], left

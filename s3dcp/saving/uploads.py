@@ -38,6 +38,7 @@ from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
 from ..uri import S3Uri
 from .base import BaseIndex
+from .local_copy import LocalCopy
 
 log = logging.getLogger("s3dcp")
 
@@ -77,7 +78,9 @@ class Uploads:
     """The objects one rank's write_data is uploading under ``uri``: futures, keys and write
     results. Items are checksummed with ``item_checksum``; ``config`` sizes the objects and
     spreads their names; objects are composed in host memory from ``pool`` (at most
-    ``window_bytes`` of it at once: None, no bound); ``arena`` is the save's staging arena.
+    ``window_bytes`` of it at once: None, no bound); ``arena`` is the save's staging arena;
+    ``local``, the node-local copy every object also goes to; ``upload=False`` keeps the objects
+    in ``local`` only (a step of the local tier not sent to S3).
 
     Where an object's bytes come from::
 
@@ -93,7 +96,8 @@ class Uploads:
 
     def __init__(self, client: S3Client, uri: S3Uri, config: S3Config, *, rank: int, save_id: str,
                  item_checksum: str, base: BaseIndex | None = None, pool: HostBufferPool | None = None,
-                 window_bytes: int | None = None, arena: Arena | None = None) -> None:
+                 window_bytes: int | None = None, arena: Arena | None = None, local: LocalCopy | None = None,
+                 upload: bool = True) -> None:
         self.client = client
         self.uri = uri
         self.config = config
@@ -104,6 +108,9 @@ class Uploads:
         self.pool = pool
         self.window_bytes = window_bytes
         self.arena = arena  # this save's staging arena, whose slabs' free tails may take small items
+        self.local = local  # the node-local copy each object is also written to (the local tier)
+        self.upload = upload  # False: a step kept in the local tier only
+        self.objects = 0
         self.inherited_bytes = 0
         self.inherited_items = 0
         self.futures: list[Future] = []
@@ -251,8 +258,10 @@ class Uploads:
         self._composing = [(f, n) for f, n in self._composing if not f.done()]
 
     def _next_name(self) -> str:
-        name = layout.object_name(self.rank, len(self.keys), self.save_id, self.config.key_prefix_spread)
-        self.keys.append(self.uri.key(name))
+        name = layout.object_name(self.rank, self.objects, self.save_id, self.config.key_prefix_spread)
+        self.objects += 1
+        if self.upload:  # a local-only step puts nothing in the bucket, nor deletes anything there
+            self.keys.append(self.uri.key(name))
         return name
 
     def _record(self, name: str, offset: int, e: _Entry) -> None:
@@ -266,7 +275,17 @@ class Uploads:
     def _put(self, name: str, nbytes: int, path: str | None, buffers, *, keep: tuple) -> Future:
         """Upload ``nbytes`` as object ``name``: through the CRT from the file at ``path`` (its
         first bytes), or from ``buffers`` (the same bytes in memory) where there is no file or
-        the transport sends from memory. ``keep`` stays referenced until the upload ends."""
+        the transport sends from memory. ``keep`` stays referenced until the upload ends. With a
+        local copy the same bytes are written to the node's local directory first; a step kept
+        only there (``upload=False``) sends nothing."""
+        if self.local is not None:
+            self.local.write(name, buffers)
+        self.bytes += nbytes
+        if not self.upload:
+            done: Future = Future()
+            done.set_result(None)
+            self.futures.append(done)
+            return done
         key = self.keys[-1]
         if path is not None and self.client.sends_files:
             future = self.client.put_file(self.uri.bucket, key, path, nbytes, keep=keep)
@@ -275,7 +294,6 @@ class Uploads:
             future = self.client.put(self.uri.bucket, key,
                                      [byte_view(b) if isinstance(b, torch.Tensor) else b for b in buffers])
         self.futures.append(future)
-        self.bytes += nbytes
         return future
 
     def drain(self) -> None:

@@ -48,8 +48,10 @@ from ..format.tensors import to_host_contiguous
 from ..s3.client import S3Client
 from ..s3.location import S3CheckpointPath
 from ..s3.request import abort_all
-from ..uri import object_key, parent_prefix, parse_s3_uri
+from ..uri import parent_prefix, parse_s3_uri
 from .base import BaseIndex
+from .commit_check import check_objects
+from .local_copy import LocalCopy
 from .referenced import references
 from .staging import StagingMixin
 from .stats import SaveStats
@@ -116,6 +118,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         pool=None,
         incremental_from: str | None = None,
         item_checksum: str | None = None,
+        local_copy: LocalCopy | None = None,
+        upload: bool = True,
     ) -> None:
         super().__init__()
         self._init_path(path, config, client)
@@ -134,6 +138,11 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._save_id: str | None = None  # this rank's identity of the save in progress
         self._uploads: Uploads | None = None  # write_data's, while it runs (what abandon() stops)
         self._abandoned = False
+        self.local_copy = local_copy  # the local tier's copy of this rank's objects (CheckpointManager)
+        self.upload = upload  # False: the objects go to local_copy only; nothing is sent to S3
+        if not upload and (local_copy is None or incremental_from is not None):
+            raise ConfigError("upload=False keeps a checkpoint in its local copy only: it needs local_copy= "
+                              "and cannot be incremental")
         self.last_stats = SaveStats()
         self._init_staging(pool)
 
@@ -165,7 +174,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                               "the one metadata object that commits the checkpoint")
         self._rank = kwargs.get("rank") or 0
         self._is_coordinator = is_coordinator
-        if is_coordinator and not self.overwrite and self._committed():
+        if is_coordinator and self.upload and not self.overwrite and self._committed():
             raise CheckpointExistsError(
                 f"{self._uri} already holds a committed checkpoint; save to a new path, or pass "
                 "overwrite=True (to s3dcp.save / async_save or S3StorageWriter) to replace it")
@@ -196,7 +205,10 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             uploads = self._uploads = Uploads(
                 self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
                 item_checksum=self.item_checksum, base=self._base, pool=self._staging_pool(),
-                window_bytes=self.config.staging_budget_bytes, arena=lease.arena if lease is not None else None)
+                window_bytes=self.config.staging_budget_bytes, arena=lease.arena if lease is not None else None,
+                local=self.local_copy, upload=self.upload)
+            if self.local_copy is not None:
+                self.local_copy.begin(rank)
             ready, deferred = [], []
             for item in plan.items:
                 data = resolve(planner, item)
@@ -212,7 +224,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             results = uploads.wait()
             elapsed = time.perf_counter() - start
             self.last_stats = SaveStats(stage_s=self._stage_s if lease is not None else 0.0, upload_s=elapsed,
-                                        bytes=uploads.bytes, objects=len(uploads.keys),
+                                        bytes=uploads.bytes, objects=uploads.objects,
                                         inherited_bytes=uploads.inherited_bytes,
                                         inherited_items=uploads.inherited_items,
                                         copied_bytes=uploads.copied_bytes)
@@ -224,7 +236,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             self._uploads = None
             self._staging_end(lease)
         log.debug("rank %d uploaded %d bytes in %d objects to %s in %.3fs (%d bytes referenced in the base)",
-                  rank, uploads.bytes, len(uploads.keys), self._uri, elapsed, uploads.inherited_bytes)
+                  rank, uploads.bytes, uploads.objects, self._uri, elapsed, uploads.inherited_bytes)
         fut: TorchFuture = TorchFuture()
         fut.set_result(results)
         return fut
@@ -244,6 +256,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             metadata.storage_meta = self.storage_meta()
         metadata.storage_meta.checkpoint_id = self.checkpoint_id
         metadata.storage_meta.save_id = self._save_id or ""
+        if not self.upload:  # kept in the local tier only: the manager commits the local copies
+            return
         referenced = sorted({loc.object_name for loc in metadata.storage_data.values()
                              if is_reference(loc.object_name)})
         marker = False
@@ -353,46 +367,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                         uri.child(PENDING_NAME), exc_info=True)
 
     def _check_objects(self, locations) -> None:
-        """Refuse to commit unless every object the metadata names is there with its size:
-        this save's own objects exactly the size their items add up to; a referenced object of
-        the base exactly the size the base's metadata gives it, one the base itself references
-        at least as large as the base's items in it reach (:meth:`BaseIndex.object_sizes`).
-        One LIST per directory. Catches objects deleted or replaced by someone else (a
-        misjudged cleanup, a deleted base) between upload and commit."""
-        uri = self._uri
-        expected = layout.object_sizes(locations)
-        base_sizes = self._base.object_sizes() if self._base is not None and \
-            any(is_reference(name) for name in expected) else {}
-        by_dir: dict[str, dict[str, tuple[str, int, bool]]] = {}  # listing prefix -> key -> (name, size, exact)
-        for name, size in expected.items():
-            key = object_key(uri, name)
-            directory = key.rpartition("/")[0]
-            exact = not is_reference(name)
-            if not exact and name in base_sizes:
-                recorded, exact = base_sizes[name]
-                size = max(size, recorded)
-            by_dir.setdefault(f"{directory}/" if directory else "", {})[key] = (name, size, exact)
-        listings = {d: self.client.list(uri.bucket, d, delimiter="/") for d in by_dir}
-        missing, wrong = [], []
-        for directory, wanted in sorted(by_dir.items()):
-            found = {o.key: o.size for o in listings[directory].result()[0]}
-            for key, (name, size, exact) in sorted(wanted.items()):
-                where = f"s3://{uri.bucket}/{key}"
-                if key not in found:
-                    missing.append(where)
-                elif (found[key] != size) if exact else (found[key] < size):
-                    wrong.append(f"{where} ({found[key]} bytes, expected {'' if exact else 'at least '}{size})")
-        if missing or wrong:
-            problems = []
-            if missing:
-                problems.append(f"{len(missing)} missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-            if wrong:
-                problems.append(f"{len(wrong)} of the wrong size: {', '.join(wrong[:5])}")
-            raise IncompleteCheckpointError(
-                f"refusing to commit {uri}: objects the metadata references are not all there "
-                f"({'; '.join(problems)}). Something deleted or replaced them during the save (a "
-                "cleanup run with a short --older-than, or a deleted incremental base?); nothing was "
-                "committed — save again")
+        """Refuse to commit unless every object ``locations`` name is there at its size."""
+        check_objects(self.client, self._uri, locations, self._base)
 
     def _replaced_objects(self) -> set[str]:
         """The data objects of the committed checkpoint this save replaces (overwrite=True),

@@ -47,11 +47,11 @@ from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..s3.client import S3Client
 from ..s3.probe import diagnose
 from ..saving.stats import record_committed
-from ..uri import checkpoint_uri, parse_s3_uri
+from ..uri import checkpoint_uri
 from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete as retention does
 from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
-from .retention import Doomed, steps_to_delete
+from .retention import Doomed, apply_retention
 
 if TYPE_CHECKING:
     from ..saving.stats import SaveStats
@@ -338,25 +338,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def _apply_retention(self, just_saved: int) -> list[int]:
-        with self._retention_lock:
-            with self._lock:
-                self._doomed.spare(just_saved)  # saved again after an earlier deletion: a base again
-            committed = [info for info in self.list() if info.committed]
-            with self._lock:  # a base of a save in flight stays (it is released when that save ends)
-                steps = set(steps_to_delete([info.step for info in committed], just_saved=just_saved,
-                                            keep_last=self.keep_last, keep_every=self.keep_every,
-                                            in_use=self._bases_in_use.values()))
-                doomed = [info for info in committed if info.step in steps]
-                self._doomed.add(info.step for info in doomed)
-            for info in doomed:
-                result = delete_checkpoint(self.client, parse_s3_uri(info.uri))
-                with self._lock:
-                    self._doomed.deleted(info.step)
-                kept = (f"; kept {len(result.kept)} object(s), {result.kept_bytes} bytes, that newer checkpoints "
-                        "reference" if result.kept else "")
-                log.info("retention: deleted checkpoint step %d (%s, %d bytes)%s", info.step, info.uri,
-                         result.deleted_bytes, kept)
-            return [info.step for info in doomed]
+        return apply_retention(self, just_saved)
 
     # ------------------------------------------------------------------ discovery
     def list(self) -> list[CheckpointInfo]:

@@ -1,12 +1,19 @@
-"""Retention: which committed steps a policy deletes (:func:`steps_to_delete`, pure), and the
+"""Retention: which committed steps a policy deletes (:func:`steps_to_delete`, pure), the
 bookkeeping of those being deleted (:class:`Doomed`), remembered while a base choice may still see
-them committed, so that a save never takes a checkpoint being deleted as its base."""
+them committed, so that a save never takes a checkpoint being deleted as its base, and a
+manager's retention after a commit (:func:`apply_retention`)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+from typing import Any, Iterable
 
-__all__ = ["steps_to_delete", "Doomed"]
+from ..uri import parse_s3_uri
+from .deletion import delete_checkpoint
+
+__all__ = ["steps_to_delete", "Doomed", "apply_retention"]
+
+log = logging.getLogger("s3dcp")
 
 
 def steps_to_delete(committed: list[int], *, just_saved: int, keep_last: int | None, keep_every: int | None,
@@ -71,3 +78,28 @@ class Doomed:
         for step, finished in list(self._steps.items()):
             if finished is not None and finished <= oldest:
                 del self._steps[step]
+
+
+def apply_retention(manager: Any, just_saved: int) -> list[int]:
+    """A CheckpointManager's retention after ``just_saved`` committed (coordinator): delete the
+    committed steps :func:`steps_to_delete` gives, never the base of a save in flight, each
+    remembered in the manager's :class:`Doomed` while a base choice could still see it."""
+    with manager._retention_lock:
+        with manager._lock:
+            manager._doomed.spare(just_saved)  # saved again after an earlier deletion: a base again
+        committed = [info for info in manager.list() if info.committed]
+        with manager._lock:  # a base of a save in flight stays (it is released when that save ends)
+            steps = set(steps_to_delete([info.step for info in committed], just_saved=just_saved,
+                                        keep_last=manager.keep_last, keep_every=manager.keep_every,
+                                        in_use=manager._bases_in_use.values()))
+            doomed = [info for info in committed if info.step in steps]
+            manager._doomed.add(info.step for info in doomed)
+        for info in doomed:
+            result = delete_checkpoint(manager.client, parse_s3_uri(info.uri))
+            with manager._lock:
+                manager._doomed.deleted(info.step)
+            kept = (f"; kept {len(result.kept)} object(s), {result.kept_bytes} bytes, that newer checkpoints "
+                    "reference" if result.kept else "")
+            log.info("retention: deleted checkpoint step %d (%s, %d bytes)%s", info.step, info.uri,
+                     result.deleted_bytes, kept)
+        return [info.step for info in doomed]

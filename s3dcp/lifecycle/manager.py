@@ -18,22 +18,19 @@ running, or a failed one) are left to :func:`s3dcp.gc`, which judges them by age
 With ``incremental=True`` each save uses the newest committed checkpoint as its base
 (:mod:`s3dcp.saving.base`): unchanged items become references to it. Retention then deletes a
 checkpoint's metadata and only those of its objects that no kept checkpoint references; the
-rest go when the last checkpoint referencing them goes. Choosing the base:
+rest go when the last checkpoint referencing them goes. How the base is chosen beside
+retention: :func:`s3dcp.lifecycle.retention.choose_base`.
 
-- one save in flight (``max_inflight_checkpoints=1``, the default; always with several
-  ranks): :meth:`save` waits for it (commit and retention; staging waits for its upload
-  anyway), then takes the newest committed step, so back-to-back saves build on each other.
-  Several ranks agree through the coordinator (:meth:`latest`, a collective that must not run
-  beside a save's collectives on DCP's background thread);
-- more in flight, one process: the newest step committed when :meth:`save` is called (one
-  LIST), maybe the one before the save in flight (it only uploads more). Retention never
-  deletes a base of a save in flight: base choice and retention's choice take one lock.
+With ``local_dir`` every checkpoint is also kept on the node, every ``s3_every``-th one goes to
+S3 too, and :meth:`CheckpointManager.load` restores from the nearest copy
+(:mod:`s3dcp.lifecycle.tiers`, docs/restart.md).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -51,7 +48,8 @@ from ..uri import checkpoint_uri
 from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete as retention does
 from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
-from .retention import Doomed, apply_retention
+from .retention import Doomed, apply_retention, choose_base
+from .tiers import LocalTier
 
 if TYPE_CHECKING:
     from ..saving.stats import SaveStats
@@ -87,6 +85,12 @@ class CheckpointManager:
             checkpoint (unchanged items are references to it, not uploaded); every checkpoint
             records CRC64NVME item checksums so that the next one can compare. A save waits
             for the save in flight and builds on it (module docstring: more in flight).
+        local_dir: the node-local tier (a tmpfs such as ``/dev/shm/<run>``, or an NVMe path, of
+            this run alone): every checkpoint also kept there, per rank, as in S3; ``load``
+            restores from the nearest copy (docs/restart.md). ``s3_every``: every K-th checkpoint
+            (the first included) also goes to S3 (1: every one); ``local_keep_last`` steps are
+            kept there, in at most ``local_budget_bytes`` per rank; ``local_replicas=1`` sends
+            each rank's copy to a rank on another node too.
 
     :attr:`last_save_stats`: this rank's :class:`~s3dcp.saving.writer.SaveStats` of the save that
     committed last (bytes uploaded and inherited, seconds), as ``s3dcp.last_save_stats()``.
@@ -116,6 +120,11 @@ class CheckpointManager:
         process_group: Any = None,
         name_format: str = "step-{step:08d}",
         incremental: bool = False,
+        local_dir: str | os.PathLike | None = None,
+        s3_every: int = 1,
+        local_keep_last: int = 2,
+        local_budget_bytes: int | None = None,
+        local_replicas: int = 0,
     ) -> None:
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ConfigError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep every checkpoint)")
@@ -147,6 +156,17 @@ class CheckpointManager:
         self._doomed = Doomed()  # steps retention chose to delete: never a base again
         self._newest: int | None = None  # newest committed step known (the bucket's at the first save, ours)
         self._checked = False  # whether the first save asked the bucket for its newest step
+        self.last_load_stats: dict | None = None  # of the last load(): step, tier, bytes per tier
+        self._tiers: LocalTier | None = None
+        if local_dir is not None:
+            if incremental:
+                raise ConfigError("local_dir= and incremental=True cannot go together: a step kept only "
+                                  "locally would reference objects of S3")
+            self._tiers = LocalTier(local_dir, base=self.base, name=self.name, step_of=self._step_of,
+                                    s3_every=s3_every, keep_last=local_keep_last, budget_bytes=local_budget_bytes,
+                                    replicas=local_replicas, process_group=process_group)
+        elif (s3_every, local_keep_last, local_budget_bytes, local_replicas) != (1, 2, None, 0):
+            raise ConfigError("s3_every, local_keep_last, local_budget_bytes and local_replicas need local_dir=")
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.base)!r}, keep_last={self.keep_last}, "
@@ -188,11 +208,13 @@ class CheckpointManager:
         from ..saving.writer import S3StorageWriter
 
         base = self._choose_base(step) if self.incremental else None
+        copy, to_s3 = self._tiers.begin_save(step, state_dict) if self._tiers else (None, True)
         try:
             writer = ours(S3StorageWriter(self.uri(step), config=self.config, client=self.client,
                                           incremental_from=None if base is None else self.uri(base),
                                           # the default; said for config.checksum=None, which records none
-                                          item_checksum=REFERENCE_CHECKSUM if self.incremental else None))
+                                          item_checksum=REFERENCE_CHECKSUM if self.incremental else None,
+                                          local_copy=copy, upload=to_s3))
             self.last_writer = writer
             no_dist = not _dist_on()
             started = time.perf_counter()
@@ -204,12 +226,15 @@ class CheckpointManager:
                                           no_dist=no_dist)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             self._release_base(step)
+            if copy is not None:
+                self._tiers.failed(copy)
             raise self._unwrapped(e)
         if not self.async_mode:
             self._release_base(step)
-            self._committed(writer, step)
+            self._committed(writer, step, copy, metadata, to_s3)
             elapsed = time.perf_counter() - started
-            self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
+            if to_s3:
+                self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
             return None
 
         inner = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
@@ -225,12 +250,15 @@ class CheckpointManager:
                 error = self._unwrapped(e)  # s3dcp's (or the original) error
                 log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
                           type(error).__name__, " ".join(str(error).split()))
+                if copy is not None:
+                    self._tiers.failed(copy)
                 outer.set_exception(error)
                 return
             upload_s = time.perf_counter() - returned
             try:  # whatever happens after the commit reaches the caller: wait() and close() never hang
-                self._committed(writer, step)
-                self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
+                self._committed(writer, step, copy, metadata, to_s3)
+                if to_s3:
+                    self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
             except BaseException as e:  # noqa: BLE001
                 return outer.set_exception(e)
             outer.set_result(metadata)
@@ -258,41 +286,18 @@ class CheckpointManager:
         return diagnose(unwrap_error(error), self.client.config.endpoint_url)
 
     def _choose_base(self, step: int) -> int | None:
-        """The step the incremental save of ``step`` uses as its base, claimed against
-        retention until that save ends (see the module docstring)."""
-        if _multi_rank(self.process_group):
-            latest = self.latest()  # collective, after the save in flight (and its retention) ended
-            base = latest if latest is not None and latest != step else None
-            with self._lock:
-                if base is not None:
-                    self._bases_in_use[step] = base
-            return base
-        if self.config.max_inflight_checkpoints <= 1:  # build on the save in flight, not the one before
-            self._saves.drain()
-            self._saves.raise_finished()
-        with self._lock:
-            listing = self._doomed.listing_started()
-        try:
-            committed = [info.step for info in self.list() if info.committed]  # one LIST; waits for no upload
-        except BaseException:
-            with self._lock:
-                self._doomed.listing_ended(listing)
-            raise
-        with self._lock:  # the same lock retention takes to choose: a base is never one it is deleting
-            candidates = [s for s in committed if s != step and s not in self._doomed]
-            self._doomed.listing_ended(listing)  # only now: what this LIST saw may be forgotten
-            base = max(candidates) if candidates else None
-            if base is not None:
-                self._bases_in_use[step] = base
-        return base
+        return choose_base(self, step, multi_rank=_multi_rank(self.process_group))
 
     def _release_base(self, step: int) -> None:
         with self._lock:
             self._bases_in_use.pop(step, None)
 
     def wait(self) -> None:
-        """Wait for every save in flight; raise the first error among them (once)."""
+        """Wait for every save in flight (and, with local_replicas, its replication); raise the
+        first error among them (once)."""
         self._saves.wait()
+        if self._tiers is not None:
+            self._tiers.wait()
 
     def close(self) -> None:
         """Wait for the saves in flight (raising their error), then close the client the
@@ -316,7 +321,9 @@ class CheckpointManager:
         if self._owns_client:
             self.client.close()  # an S3Client is usable again after close: it takes a native client again
 
-    def _committed(self, writer: S3StorageWriter, step: int) -> None:
+    def _committed(self, writer: S3StorageWriter, step: int, copy=None, metadata=None, to_s3: bool = True) -> None:
+        if copy is not None:  # the local copy is complete; then replicated, older ones retained
+            self._tiers.committed(step, copy, metadata=metadata, in_s3=to_s3)
         with self._lock:
             self._newest = step if self._newest is None else max(self._newest, step)
         self.last_save_stats = writer.last_stats
@@ -383,7 +390,16 @@ class CheckpointManager:
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
         """Load checkpoint ``step`` (default: :meth:`latest`) into ``state_dict`` in place
-        (Stateful values get ``load_state_dict``); return the step loaded."""
+        (Stateful values get ``load_state_dict``); return the step loaded. With ``local_dir``:
+        the newest step the local copies, their replicas and S3 together hold in full, read from
+        the nearest (:mod:`s3dcp.lifecycle.tiers`); :attr:`last_load_stats` says from where."""
+        if self._tiers is not None:
+            self._saves.drain()
+            try:
+                step, self.last_load_stats = self._tiers.restore(self, state_dict, step)
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                raise self._unwrapped(e)
+            return step
         if step is None:
             step = self.latest()
             if step is None:

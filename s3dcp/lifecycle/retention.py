@@ -1,7 +1,8 @@
 """Retention: which committed steps a policy deletes (:func:`steps_to_delete`, pure), the
 bookkeeping of those being deleted (:class:`Doomed`), remembered while a base choice may still see
-them committed, so that a save never takes a checkpoint being deleted as its base, and a
-manager's retention after a commit (:func:`apply_retention`)."""
+them committed, so that a save never takes a checkpoint being deleted as its base, a manager's
+retention after a commit (:func:`apply_retention`), and the base an incremental save builds on
+(:func:`choose_base`), chosen under the same lock."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Iterable
 from ..uri import parse_s3_uri
 from .deletion import delete_checkpoint
 
-__all__ = ["steps_to_delete", "Doomed", "apply_retention"]
+__all__ = ["steps_to_delete", "Doomed", "apply_retention", "choose_base"]
 
 log = logging.getLogger("s3dcp")
 
@@ -103,3 +104,42 @@ def apply_retention(manager: Any, just_saved: int) -> list[int]:
             log.info("retention: deleted checkpoint step %d (%s, %d bytes)%s", info.step, info.uri,
                      result.deleted_bytes, kept)
         return [info.step for info in doomed]
+
+
+def choose_base(manager: Any, step: int, *, multi_rank: bool) -> int | None:
+    """The step the incremental save of ``step`` uses as its base, claimed against
+    retention until that save ends:
+
+    - one save in flight (``max_inflight_checkpoints=1``, the default; always with several
+      ranks): wait for it (commit and retention; staging waits for its upload anyway), then take
+      the newest committed step, so back-to-back saves build on each other. Several ranks agree
+      through the coordinator (``manager.latest()``, a collective that must not run beside a
+      save's collectives on DCP's background thread);
+    - more in flight, one process: the newest step committed when the save is called (one
+      LIST), maybe the one before the save in flight (it only uploads more). Retention never
+      deletes a base of a save in flight: base choice and retention's choice take one lock."""
+    if multi_rank:
+        latest = manager.latest()  # collective, after the save in flight (and its retention) ended
+        base = latest if latest is not None and latest != step else None
+        with manager._lock:
+            if base is not None:
+                manager._bases_in_use[step] = base
+        return base
+    if manager.config.max_inflight_checkpoints <= 1:  # build on the save in flight, not the one before
+        manager._saves.drain()
+        manager._saves.raise_finished()
+    with manager._lock:
+        listing = manager._doomed.listing_started()
+    try:
+        committed = [info.step for info in manager.list() if info.committed]  # one LIST; waits for no upload
+    except BaseException:
+        with manager._lock:
+            manager._doomed.listing_ended(listing)
+        raise
+    with manager._lock:  # the same lock retention takes to choose: a base is never one it is deleting
+        candidates = [s for s in committed if s != step and s not in manager._doomed]
+        manager._doomed.listing_ended(listing)  # only now: what this LIST saw may be forgotten
+        base = max(candidates) if candidates else None
+        if base is not None:
+            manager._bases_in_use[step] = base
+    return base

@@ -41,6 +41,7 @@ class LocalCopy:
         self.base = base
         self.step = step
         self.rank: int | None = None
+        self.refusal: BaseException | None = None  # why the tier cannot take this copy: raised by begin
 
     @property
     def dir(self) -> Path:
@@ -49,6 +50,8 @@ class LocalCopy:
         return self.root / rank_dir_name(self.rank)
 
     def begin(self, rank: int) -> None:
+        if self.refusal is not None:
+            raise self.refusal
         self.rank = rank
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)

@@ -1,0 +1,382 @@
+"""Restart from the nearest copy: a CheckpointManager's local tier, peer replicas and S3.
+
+    save(step), every rank:
+      begin_save     every s3_every-th checkpoint also goes to S3 (the first one included);
+                     room is made in local_dir (local_keep_last, local_budget_bytes)
+      the writer     writes each object to local_dir/<step>/rank-<R>/ as it uploads it (or
+                     instead: a local-only step), see saving/local_copy.py
+      committed      the save returned on every rank: .metadata and the marker, last; the copy
+                     is then sent to a peer node in the background (lifecycle/replicas.py);
+                     older local copies beyond local_keep_last go
+    load(), every rank:
+      1. what each node holds (complete copies: marker, files at their sizes) and what S3 holds
+      2. the newest step every saving rank's part of which is held somewhere: locally, by a
+         peer node, or in S3 — the same step on every rank, never a mix
+      3. the node's copies of that step verified against the item checksums (shared among the
+         node's ranks); a corrupt one is named in the log and its objects come from the next
+         tier (step 2 again, without it)
+      4. dcp.load through loading/tiered.py: local files, objects sent by peers, the rest from S3
+
+Owns the tier policy (which steps go where, what is kept, which step a restore takes, what is
+intact); the files are saving/local_copy.py's, the transfers lifecycle/replicas.py's and
+loading/tiered.py's. What it cannot survive: a node lost together with the node holding its
+replicas, for a step not in S3 (the restore then takes an older step).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
+from ..format import integrity
+from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, LocalMarker, parse_rank_dir, rank_dir_name
+from ..saving.local_copy import LocalCopy
+from ..uri import S3Uri
+
+__all__ = ["LocalTier", "choose_step", "scan"]
+
+log = logging.getLogger("s3dcp")
+
+Copies = dict  # (step, saving rank) -> LocalMarker of a complete copy
+
+
+def scan(local_dir: Path, base: str, step_of: Callable[[str], int | None]) -> dict[tuple[int, int], tuple]:
+    """The complete copies in ``local_dir`` of run ``base``: (step, saving rank) -> (marker,
+    directory). Complete: the marker reads, names this run and step, and every object it names
+    is there at its size. Anything else is left out (a save that died mid-write)."""
+    found = {}
+    if not local_dir.is_dir():
+        return found
+    for step_dir in local_dir.iterdir():
+        step = step_of(step_dir.name)
+        if step is None or not step_dir.is_dir():
+            continue
+        for rank_dir in step_dir.iterdir():
+            rank = parse_rank_dir(rank_dir.name)
+            marker_path = rank_dir / MARKER_NAME
+            if rank is None or not marker_path.is_file():
+                continue
+            try:
+                marker = LocalMarker.decode(marker_path.read_bytes(), str(marker_path))
+            except (MetadataFormatError, OSError) as e:
+                log.warning("local copy %s is unreadable (%s); not used", rank_dir, e)
+                continue
+            if marker.base != base or marker.step != step or marker.rank != rank:
+                continue
+            if not (rank_dir / LOCAL_METADATA_NAME).is_file() or any(
+                    not (rank_dir / name).is_file() or (rank_dir / name).stat().st_size != size
+                    for name, size in marker.objects.items()):
+                log.warning("local copy %s is partial (a file missing or of another size); not used", rank_dir)
+                continue
+            found[(step, rank)] = (marker, rank_dir)
+    return found
+
+
+def choose_step(reports: list[tuple[str, dict]], in_s3: set[int], *, wanted: int | None = None,
+                excluded: frozenset = frozenset()) -> int | None:
+    """The newest step (or ``wanted``) that the tiers together hold in full: in S3, or every
+    saving rank's copy (one save, one world size) held by some node. ``reports``: each rank's
+    (node, {(step, saving rank): (save id, world size, objects)}); ``excluded``: (node, step,
+    saving rank) of the copies found corrupt there."""
+    held: dict[int, dict[int, tuple]] = {}
+    for node, report in reports:
+        for (step, rank), (save_id, world_size, *_) in report.items():
+            if (node, step, rank) not in excluded:
+                held.setdefault(step, {}).setdefault(rank, (save_id, world_size))
+    candidates = sorted(set(held) | in_s3, reverse=True)
+    if wanted is not None:
+        candidates = [s for s in candidates if s == wanted]
+    for step in candidates:
+        if step in in_s3:
+            return step
+        idents = set(held[step].values())
+        if len(idents) == 1 and set(held[step]) == set(range(next(iter(idents))[1])):
+            return step
+    return None
+
+
+class LocalTier:
+    """The local (and peer) tier of one CheckpointManager (see the module docstring)."""
+
+    def __init__(self, local_dir: str | os.PathLike, *, base: S3Uri, name: Callable[[int], str],
+                 step_of: Callable[[str], int | None], s3_every: int = 1, keep_last: int = 2,
+                 budget_bytes: int | None = None, replicas: int = 0, process_group: Any = None) -> None:
+        for field, value, low in (("s3_every", s3_every, 1), ("local_keep_last", keep_last, 1),
+                                  ("local_replicas", replicas, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{field}={value!r} must be an int >= {low}")
+        if replicas > 1:
+            raise ConfigError(f"local_replicas={replicas}: one replica per copy is supported (0 or 1)")
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+            raise ConfigError(f"local_budget_bytes={budget_bytes!r} must be a positive int or None")
+        self.dir = Path(local_dir)
+        self.base, self.name, self.step_of = base, name, step_of
+        self.s3_every, self.keep_last, self.budget_bytes = s3_every, keep_last, budget_bytes
+        self.replicas_wanted = replicas
+        self.process_group = process_group
+        self.replicas = None  # lifecycle.replicas.Replicas, made at the first save (collective)
+        self._saves = 0
+        self._writing: set[int] = set()  # steps whose copy is being written: never retained away
+
+    # ------------------------------------------------------------------ save
+    def begin_save(self, step: int, state_dict: dict) -> tuple[LocalCopy, bool]:
+        """The local copy for ``step`` and whether it also goes to S3. Room is made for it now;
+        where there is none, the copy carries the refusal, raised in write_data so every rank
+        fails the save together (DCP spreads the error) instead of one leaving the others
+        waiting in a collective."""
+        to_s3 = self._saves % self.s3_every == 0
+        self._saves += 1
+        if self.replicas_wanted and self.replicas is None and _dist_on():
+            from .replicas import Replicas
+
+            self.replicas = Replicas(self.process_group)
+        from ..saving.statetree import tensors
+
+        copy = LocalCopy(self.dir, self.name(step), str(self.base), step)
+        try:
+            self._make_room(step, sum(t.nbytes for t in tensors(state_dict)))
+        except ConfigError as e:
+            copy.refusal = e
+        self._writing.add(step)
+        return copy, to_s3
+
+    def failed(self, copy: LocalCopy) -> None:
+        """The save of ``copy``'s step failed: its copy goes."""
+        self._writing.discard(copy.step)
+        copy.discard()
+
+    def committed(self, step: int, copy: LocalCopy, *, metadata: Any, in_s3: bool) -> None:
+        """The save of ``step`` returned on this rank (``metadata``: DCP's, every rank gets it):
+        complete the copy, replicate, retain."""
+        from ..format.metadata import encode_metadata
+
+        if copy.rank is None:  # written by DCP's process executor's child: this rank's, as DCP numbers it
+            copy.rank = _rank(self.process_group)
+        copy.commit(encode_metadata(metadata), save_id=metadata.storage_meta.save_id,
+                    world_size=_world(self.process_group) if _dist_on() else 1, in_s3=in_s3)
+        self._writing.discard(step)
+        if self.replicas is not None:
+            self.replicas.submit(copy.root, copy.rank)
+        self._retain(keep={step})
+
+    def wait(self) -> None:
+        """Every replication so far done (raising its error, once)."""
+        if self.replicas is not None:
+            self.replicas.wait()
+
+    def _own_dirs(self, step_dir: Path) -> list[Path]:
+        """This rank's copies in a step's directory: its own and the replicas it received."""
+        mine = {_rank(self.process_group)} | set(self.replicas.sources if self.replicas is not None else ())
+        return [step_dir / rank_dir_name(r) for r in sorted(mine) if (step_dir / rank_dir_name(r)).is_dir()]
+
+    def _steps(self) -> list[tuple[int, Path]]:
+        if not self.dir.is_dir():
+            return []
+        return sorted((s, d) for d in self.dir.iterdir() if (s := self.step_of(d.name)) is not None)
+
+    def _usage(self) -> dict[int, int]:
+        """Bytes of this rank's copies, by step."""
+        return {step: sum(f.stat().st_size for d in self._own_dirs(step_dir) for f in d.iterdir())
+                for step, step_dir in self._steps()}
+
+    def _retain(self, keep: set[int] = frozenset(), room_for: int = 0) -> None:
+        """Delete this rank's copies beyond the newest ``keep_last`` complete steps, and older
+        ones still while ``room_for`` more bytes would not fit the budget; never one in ``keep``,
+        nor the newest complete step."""
+        complete = sorted({s for (s, r) in scan(self.dir, str(self.base), self.step_of)
+                           if r == _rank(self.process_group)})
+        kept = set(complete[-self.keep_last:]) | set(keep) | set(complete[-1:]) | self._writing
+        usage = self._usage()
+        for step, step_dir in self._steps():
+            over = self.budget_bytes is not None and sum(usage.values()) + room_for > self.budget_bytes
+            newest = complete[-1] if complete else None
+            if step in kept and not (over and step not in keep | self._writing and step != newest):
+                continue
+            for d in self._own_dirs(step_dir):
+                shutil.rmtree(d, ignore_errors=True)
+            usage.pop(step, None)
+            try:
+                step_dir.rmdir()
+            except OSError:
+                pass
+
+    def _make_room(self, step: int, nbytes: int) -> None:
+        need = nbytes * (2 if self.replicas is not None and self.replicas.active else 1)
+        if self.budget_bytes is not None and need > self.budget_bytes:
+            raise ConfigError(
+                f"local_budget_bytes={self.budget_bytes} cannot hold checkpoint step {step}: this rank's "
+                f"copy{' and the replica it holds' if need > nbytes else ''} take {need} bytes; raise it")
+        self._retain(room_for=need)
+        if self.budget_bytes is not None:
+            used = sum(self._usage().values())
+            if used + need > self.budget_bytes:
+                raise ConfigError(
+                    f"local_budget_bytes={self.budget_bytes} cannot hold checkpoint step {step} ({need} bytes) "
+                    f"beside the newest complete local copy ({used} bytes, kept for a restart); raise the "
+                    "budget or checkpoint less state")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.dir).free
+        if free < need:
+            raise ConfigError(f"local_dir {self.dir} has {free} bytes free; checkpoint step {step} needs {need} "
+                              "(a tmpfs such as /dev/shm: its size, or a container's --shm-size)")
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, manager: Any, state_dict: dict, step: int | None = None) -> tuple[int, dict]:
+        """Load the newest step the tiers hold in full (or ``step``) into ``state_dict``; return
+        it and the load's figures (see :attr:`CheckpointManager.last_load_stats`)."""
+        import torch.distributed.checkpoint as dcp
+
+        from .._dcp_warning import ours
+        from ..format.metadata import decode_metadata
+        from ..loading.cooperative import node_name
+        from ..loading.tiered import TieredClient, TieredReader
+
+        self.wait()
+        group, dist_on = self.process_group, _dist_on()
+        me, world = (_rank(group), _world(group)) if dist_on else (0, 1)
+        here = scan(self.dir, str(self.base), self.step_of)
+        s3_steps = {info.step for info in manager.list() if info.committed} if me == 0 else set()
+        mine = {key: (m.save_id, m.world_size, tuple(sorted(m.objects))) for key, (m, _) in here.items()}
+        reports = _gather((node_name(), mine, sorted(s3_steps)), group) if dist_on else [(node_name(), mine,
+                                                                                          sorted(s3_steps))]
+        nodes = [r[0] for r in reports]
+        in_s3 = set(reports[0][2])
+        excluded: set = set()
+        while True:
+            chosen = choose_step([(r[0], r[1]) for r in reports], in_s3, wanted=step, excluded=frozenset(excluded))
+            if chosen is None:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint{'' if step is None else f' at step {step}'} of {self.base} is held in full by "
+                    f"the local copies ({self.dir} on each node), their replicas or S3")
+            gone = {(s, r) for n, s, r in excluded if n == nodes[me]}  # this node's corrupt copies
+            metadata_bytes = _local_metadata(here, chosen, gone)
+            locations = None
+            if metadata_bytes is not None:
+                locations = decode_metadata(metadata_bytes, source=f"{self.dir}/{self.name(chosen)}").storage_data
+            peers = [r for r, n in enumerate(nodes) if n == nodes[me]]
+            share = (lambda rank: rank % len(peers) == peers.index(me))  # noqa: E731
+            bad = {(nodes[me], s, r) for s, r in self.verify(chosen, {k: v for k, v in here.items() if k not in gone},
+                                                              share, locations.values())} if locations is not None else set()
+            all_bad = set().union(*_gather(bad, group)) if dist_on else bad
+            if not all_bad - excluded:
+                break
+            excluded |= all_bad
+        # the metadata: a copy on this node, else S3's, else sent by a rank whose node has one
+        if dist_on:
+            have = _gather(metadata_bytes is not None, group)
+            if not all(have) and chosen not in in_s3:
+                box = [metadata_bytes]
+                import torch.distributed as dist
+
+                dist.broadcast_object_list(box, group_src=have.index(True), group=group)
+                metadata_bytes = box[0]
+        uri = self.base.child(self.name(chosen))
+        if metadata_bytes is None:
+            from ..loading.fetch import fetch_metadata_bytes
+
+            metadata_bytes = fetch_metadata_bytes(manager.client, uri)
+        holders: dict[str, set[int]] = {}  # object -> ranks whose node holds an intact copy of it
+        for rank, (_, report, _) in enumerate(reports):
+            for (s, saver), (_, _, objects) in report.items():
+                if s == chosen and (nodes[rank], s, saver) not in excluded:
+                    for name in objects:
+                        holders.setdefault(name, set()).add(rank)
+        local_paths = {name: rank_dir / name for (s, saver), (marker, rank_dir) in here.items()
+                       if s == chosen and (s, saver) not in gone for name in marker.objects}
+        names = {loc.object_name for loc in decode_metadata(metadata_bytes, source=str(uri)).storage_data.values()}
+        from ..uri import object_key
+
+        client = TieredClient(manager.client, uri.bucket, {n: object_key(uri, n) for n in names}, metadata_bytes,
+                              uri.key(LOCAL_METADATA_NAME))
+        reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes, local_paths=local_paths,
+                                   process_group=group))
+        dcp.load(state_dict, storage_reader=reader, process_group=group, no_dist=not dist_on)
+        mine_bytes = dict(client.bytes)
+        totals = _gather(mine_bytes, group) if dist_on else [mine_bytes]
+        job = {tier: sum(t[tier] for t in totals) for tier in ("local", "peer", "s3")}
+        farthest = "s3" if job["s3"] else "peer" if job["peer"] else "local"
+        return chosen, {"step": chosen, "tier": farthest, "local_bytes": mine_bytes["local"],
+                        "peer_bytes": mine_bytes["peer"], "s3_bytes": mine_bytes["s3"], "job_bytes": job,
+                        "corrupt_copies": sorted([s, r] for _, s, r in excluded)}
+
+    def verify(self, step: int, copies: dict, share: Callable[[int], bool], locations) -> set[tuple[int, int]]:
+        """(step, saving rank) of this node's copies of ``step`` (those ``share`` gives this rank)
+        whose bytes do not match the item checksums; each is named in the log."""
+        bad = set()
+        for (s, rank), (marker, rank_dir) in sorted(copies.items()):
+            if s != step or not share(rank):
+                continue
+            problem = _check_copy(rank_dir, marker, locations)
+            if problem is not None:
+                log.warning("local copy %s of step %d is corrupt (%s): its objects come from the next tier",
+                            rank_dir, step, problem)
+                bad.add((s, rank))
+        return bad
+
+
+def _check_copy(rank_dir: Path, marker: LocalMarker, locations) -> str | None:
+    """What is wrong with a copy's bytes, or None: every item stored in one of its objects
+    checked against its checksum (items without one: against their object's size)."""
+    by_object: dict[str, list] = {}
+    for loc in locations:
+        if loc.object_name in marker.objects:
+            by_object.setdefault(loc.object_name, []).append(loc)
+    for name, locs in by_object.items():
+        path = rank_dir / name
+        size = path.stat().st_size
+        if not size:
+            continue
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                for loc in locs:
+                    if loc.offset + loc.length > size:
+                        return f"{name}: item at {loc.offset}+{loc.length} past the file's {size} bytes"
+                    if loc.checksum:
+                        algorithm = integrity.algorithm_of(loc.checksum)
+                        if integrity.checksum(algorithm, view[loc.offset:loc.offset + loc.length]) != loc.checksum:
+                            return f"{name}: the item at offset {loc.offset} does not match its checksum"
+            finally:
+                view.release()
+    return None
+
+
+def _local_metadata(here: dict, step: int, excluded: set) -> bytes | None:
+    """The bytes of a local copy's .metadata of ``step`` on this node (any intact one), or None."""
+    for (s, rank), (_, rank_dir) in sorted(here.items()):
+        if s == step and (s, rank) not in excluded:
+            return (rank_dir / LOCAL_METADATA_NAME).read_bytes()
+    return None
+
+
+def _gather(value: Any, group: Any) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: Any = None) -> int:
+    if not _dist_on():
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group)

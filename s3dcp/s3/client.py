@@ -43,6 +43,7 @@ from ..config import S3Config
 from ..errors import IntegrityError, NoSuchKeyError, S3Error
 from . import compat, listing
 from .addressing import Addressing
+from .clock import parse_http_date, with_measured_skew
 from .copies import copy_object
 from .deletes import delete_objects
 from .listing import ObjectInfo, UploadInfo, UploadParts
@@ -50,7 +51,6 @@ from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
 from .socket_reads import SocketRead
 from .sockets import SocketUpload
-from .responses import parse_http_date
 from .streams import BufferStream, copy_into, finalizer, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "UploadParts", "PutResult"]
@@ -397,6 +397,8 @@ class S3Client:
         multipart upload), see :meth:`RequestFuture.abort`. ``refine`` maps the translated
         error of a failed request to what it means for this call.
         """
+        refine = with_measured_skew(refine, lambda: self._default(  # the CRT withholds a skewed answer's Date
+            "HeadBucket", "HEAD", bucket, "", result=lambda status, headers, body: headers))
         call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s, clean_abort,
                      refine)
         self._native().submit(call)

@@ -11,6 +11,7 @@ from ..config import S3Config
 from ..errors import ConfigError
 from ..uri import S3Uri, is_s3_uri, parse_s3_uri
 from .client import S3Client
+from .sender import refuse_directory_bucket
 
 __all__ = ["S3CheckpointPath", "UnreadableMetadata"]
 
@@ -25,11 +26,17 @@ class S3CheckpointPath:
     def _init_path(self, path: str | None, config: S3Config | None, client: S3Client | None) -> None:
         self.config = config or (client.config if client is not None else S3Config())
         self._client = client
-        self._uri: S3Uri | None = parse_s3_uri(str(path)) if path is not None else None
+        self._uri: S3Uri | None = self._reachable(parse_s3_uri(str(path))) if path is not None else None
 
     def _reset_path(self, checkpoint_id: str | os.PathLike | None) -> None:
         if checkpoint_id is not None:
-            self._uri = parse_s3_uri(str(checkpoint_id))
+            self._uri = self._reachable(parse_s3_uri(str(checkpoint_id)))
+
+    def _reachable(self, uri: S3Uri) -> S3Uri:
+        """``uri``, once it is known that this config's transport can reach its bucket."""
+        if self.config.resolved_transport() == "sockets":
+            refuse_directory_bucket(uri.bucket)
+        return uri
 
     @property
     def checkpoint_id(self) -> str | None:

@@ -8,8 +8,9 @@ run on.
 
 Owns :class:`SocketSender` (one per native client: its signing config, threads and idle
 connections), :class:`Flow` (one operation's requests as the CRT's meta request behaves),
-:class:`Live` (whether a flow goes on; cancel wakes its blocked threads) and the answers and
-errors of one request (translated as the CRT's are). Each request is retried here, as the CRT
+:class:`Live` (whether a flow goes on; cancel wakes its blocked threads), the answers and
+errors of one request (translated as the CRT's are) and what these sockets cannot do, refused
+by name (:func:`refuse_proxy`, :func:`refuse_directory_bucket`). Each request is retried here, as the CRT
 retries its own, at most ``max_retries`` times. It must not know what an upload or a read is
 (:mod:`s3dcp.s3.sockets`, :mod:`s3dcp.s3.socket_reads`) nor queue requests or hold deadlines
 (:mod:`s3dcp.s3.request`).
@@ -29,10 +30,12 @@ from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 from ..config import S3Config
-from ..errors import S3ConnectionError, S3Error
+from ..errors import ConfigError, S3ConnectionError, S3Error
+from ..uri import directory_bucket_zone
+from .proxy import proxy_for
 from .responses import text
 
-__all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender"]
+__all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender", "refuse_proxy", "refuse_directory_bucket"]
 
 _MAX_ANSWER = 1 << 20  # bytes of an answer's body read at most (errors and XML results are small)
 STALL_S = 30.0  # a connection that moves no byte for this long is dropped and its request retried
@@ -40,6 +43,28 @@ _SEND_SLICE = 1 << 20  # bytes per sendall, each bounded by STALL_S (a stall, no
 _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                           "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
                           "ServiceUnavailable", "BadDigest", "XAmzContentChecksumMismatch"})
+
+
+def refuse_proxy(config: S3Config) -> None:
+    """ConfigError if the environment names an HTTP proxy for the endpoint: the CRT's requests
+    would go through it and these sockets, which connect directly, would not (where S3 is
+    reachable only through the proxy, every part would fail)."""
+    proxy = proxy_for(config.endpoint_url)
+    if proxy is not None:  # the variable's name only: its value may hold the proxy's password
+        raise ConfigError(
+            f"transport='sockets' does not go through HTTP proxies, and {proxy[0]} names one for "
+            f"{config.endpoint_url}: use transport='crt' (S3Config(transport='crt') or S3DCP_TRANSPORT=crt), "
+            f"whose requests follow {proxy[0]} and NO_PROXY, or name the endpoint's host in NO_PROXY")
+
+
+def refuse_directory_bucket(bucket: str) -> None:
+    """ConfigError for an S3 Express One Zone directory bucket, whose requests need the session
+    credentials (CreateSession) that only the CRT makes."""
+    if directory_bucket_zone(bucket) is not None:
+        raise ConfigError(
+            f"transport='sockets' cannot sign for the S3 Express One Zone directory bucket {bucket!r} (its "
+            "requests need the session credentials of CreateSession, which only the CRT makes): use "
+            "transport='crt' (S3Config(transport='crt') or S3DCP_TRANSPORT=crt)")
 
 
 class Cancelled(Exception):
@@ -296,6 +321,7 @@ class Flow:
 
     def start(self, native, on_done: Callable) -> "Flow":
         """Run on ``native.sender`` (the ``start`` of :class:`s3dcp.s3.request._Call`)."""
+        refuse_directory_bucket(self.bucket)
         self._sender, self._on_done = native.sender, on_done
         self._begin()
         return self

@@ -9,8 +9,9 @@ run on.
 Owns :class:`SocketSender` (one per native client: its signing config, threads and idle
 connections), :class:`Flow` (one operation's requests as the CRT's meta request behaves),
 :class:`Live` (whether a flow goes on; cancel wakes its blocked threads), the answers and
-errors of one request (translated as the CRT's are) and what these sockets cannot do, refused
-by name (:func:`refuse_proxy`, :func:`refuse_directory_bucket`). Each request is retried here, as the CRT
+errors of one request (translated as the CRT's are; an answer the server sent before it
+stopped reading a body is read, not lost) and what these sockets cannot do, refused by name
+(:func:`refuse_proxy`, :func:`refuse_directory_bucket`). Each request is retried here, as the CRT
 retries its own, at most ``max_retries`` times. It must not know what an upload or a read is
 (:mod:`s3dcp.s3.sockets`, :mod:`s3dcp.s3.socket_reads`) nor queue requests or hold deadlines
 (:mod:`s3dcp.s3.request`).
@@ -40,6 +41,7 @@ __all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender", "refuse_proxy"
 _MAX_ANSWER = 1 << 20  # bytes of an answer's body read at most (errors and XML results are small)
 STALL_S = 30.0  # a connection that moves no byte for this long is dropped and its request retried
 _SEND_SLICE = 1 << 20  # bytes per sendall, each bounded by STALL_S (a stall, not a slow link, fails)
+_EARLY_ANSWER_S = 5.0  # after a failed send, how long the answer the server may have sent is waited for
 _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                           "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
                           "ServiceUnavailable", "BadDigest", "XAmzContentChecksumMismatch"})
@@ -194,7 +196,7 @@ class SocketSender:
         request = HttpRequest(method, path, HttpHeaders([("Host", host), *headers]))
         aws_sign_request(request, self._signing).result()
         conn, reused = self._connection(host)
-        response = None
+        response = early = None
         try:
             live.track(conn)
             try:
@@ -202,10 +204,14 @@ class SocketSender:
                 for name, value in request.headers:
                     conn.putheader(name, value)
                 conn.endheaders()
-                for view in body:  # in slices: a socket's timeout bounds each sendall as a whole
-                    for at in range(0, view.nbytes, _SEND_SLICE):
-                        conn.send(view[at:at + _SEND_SLICE])
-                response = conn.getresponse()
+                try:
+                    for view in body:  # in slices: a socket's timeout bounds each sendall as a whole
+                        for at in range(0, view.nbytes, _SEND_SLICE):
+                            conn.send(view[at:at + _SEND_SLICE])
+                except OSError as unsent:
+                    response = early = _early_answer(conn, unsent, live)
+                else:
+                    response = conn.getresponse()
                 if into is not None and response.status < 300:
                     into(response)
                 data = response.read(_MAX_ANSWER + 1)
@@ -217,8 +223,10 @@ class SocketSender:
             if stale and not live.cancelled:  # the server had closed the idle connection: not a failure
                 return self._exchange(method, host, path, headers, body, live, into)
             raise
-        if len(data) > _MAX_ANSWER or not response.isclosed():
-            conn.close()  # an answer this large is not S3's; its rest is not read
+        if len(data) > _MAX_ANSWER or not response.isclosed() or early is not None:
+            # an answer this large is not S3's (its rest is not read); one that came before the
+            # whole body went out leaves the connection unusable
+            conn.close()
             if len(data) > _MAX_ANSWER:
                 raise S3Error(f"{method} {path}: the server's answer is larger than {_MAX_ANSWER} bytes")
         elif response.will_close:
@@ -234,10 +242,11 @@ class SocketSender:
                 return idle.pop(), True
         parts = urlsplit("//" + host)
         timeout = self.config.connect_timeout_s
+        port = parts.port or (443 if self._tls else 80)  # given: http.client would read "::1" as host ":", port 1
         if self._tls:
-            conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout, context=self._ssl)
+            conn = http.client.HTTPSConnection(parts.hostname, port, timeout=timeout, context=self._ssl)
         else:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+            conn = http.client.HTTPConnection(parts.hostname, port, timeout=timeout)
         conn.connect()
         # A send or receive that makes no progress for STALL_S fails the exchange, which is retried
         # (the CRT drops a connection that stalls as long); the request's deadline
@@ -252,6 +261,24 @@ class SocketSender:
                 self._idle.setdefault(host, []).append(conn)
                 return
         conn.close()
+
+
+def _early_answer(conn: http.client.HTTPConnection, unsent: OSError, live: "Live") -> http.client.HTTPResponse:
+    """The answer the server sent before it stopped reading the request's body, read after the
+    send failed: S3 refuses a request on its head alone (``ExpiredToken``, ``AccessDenied``) and
+    closes the connection while a large part is still being sent, and that answer, not a
+    connection error and a resent part, is what the caller needs. Only an error counts (a
+    success before the whole body went out is none); without one, the send's own failure."""
+    if live.cancelled or conn.sock is None:
+        raise unsent
+    try:
+        conn.sock.settimeout(_EARLY_ANSWER_S)  # it is there at once, or the server sent none
+        response = conn.getresponse()
+    except (OSError, http.client.HTTPException):
+        raise unsent from None
+    if response.status < 300:
+        raise unsent
+    return response
 
 
 def _response_error(answer: Answer, operation: str) -> BaseException:

@@ -2,6 +2,7 @@
 
     an answer RequestTimeTooSkewed ──clock_skew_error──► ClockSkewError: "ahead by N s" (its
         RequestTime less its ServerTime, else now less its Date)
+    a 403 without a body (a HEAD's) whose Date is more than 15 minutes off ──► the same
     the CRT's AWS_ERROR_S3_REQUEST_TIME_TOO_SKEWED (retried, then reported without the answer)
         ──with_measured_skew──► one HeadBucket ──its answer's Date──► ClockSkewError: "ahead by N s"
 
@@ -25,6 +26,7 @@ from ..errors import ClockSkewError
 __all__ = ["clock_skew_error", "skew_from_answer", "with_measured_skew", "parse_iso", "parse_http_date"]
 
 _CRT_SKEW = "AWS_ERROR_S3_REQUEST_TIME_TOO_SKEWED"  # the CRT's error, which carries no answer
+ALLOWED_SKEW_S = 15 * 60  # how far S3 lets a request's time be from its own
 
 
 def skew_from_answer(fields: dict, headers: dict) -> float | None:
@@ -98,15 +100,17 @@ def with_measured_skew(refine: Callable | None, probe: Callable[[], Future]) -> 
         out: Future = Future()
 
         def measured(f: Future) -> None:
-            error = f.exception()
-            headers = f.result() if error is None else getattr(error.__cause__, "headers", None)
-            skew = skew_from_answer({}, {name.lower(): value for name, value in headers or ()})
-            if skew is None:
-                out.set_result(failure)
-                return
-            better = clock_skew_error(skew, operation=failure.operation, bucket=failure.bucket, key=failure.key)
-            better.__cause__ = cause
-            out.set_result(better)
+            better = failure  # whatever goes wrong here, the call's future gets its error
+            try:
+                error = f.exception()
+                headers = f.result() if error is None else getattr(error.__cause__, "headers", None)
+                skew = skew_from_answer({}, {name.lower(): value for name, value in headers or ()})
+                if skew is not None:
+                    better = clock_skew_error(skew, operation=failure.operation, bucket=failure.bucket,
+                                              key=failure.key)
+                    better.__cause__ = cause
+            finally:
+                out.set_result(better)
 
         try:
             probe().add_done_callback(measured)

@@ -23,7 +23,7 @@ from ..errors import (
     ThrottlingError,
 )
 
-from .clock import clock_skew_error, parse_http_date, parse_iso, skew_from_answer
+from .clock import ALLOWED_SKEW_S, clock_skew_error, parse_http_date, parse_iso, skew_from_answer
 
 __all__ = ["translate_error", "xml_result", "children", "text", "parse_iso", "parse_http_date"]
 
@@ -83,7 +83,8 @@ def translate_error(error: BaseException, *, operation: str, bucket: str | None,
         if status in _REDIRECT_STATUSES or code in _REDIRECT_CODES or (
                 region and (code in _REGION_CODES or (status == 400 and code is None))):
             new = _wrong_region(region, status, code, op, bucket, key, request_id)
-        elif code == "RequestTimeTooSkewed":
+        elif code == "RequestTimeTooSkewed" or (status == 403 and code is None and _skewed(headers)):
+            # a HEAD's 403 has no body to say why: a Date further off than S3 allows says it
             new = clock_skew_error(skew_from_answer(fields, headers), operation=op, bucket=bucket, key=key or None,
                                    status=status, request_id=request_id)
         else:
@@ -122,6 +123,11 @@ def translate_error(error: BaseException, *, operation: str, bucket: str | None,
         return error
     new.__cause__ = error
     return new
+
+
+def _skewed(headers: dict) -> bool:
+    skew = skew_from_answer({}, headers)
+    return skew is not None and abs(skew) > ALLOWED_SKEW_S
 
 
 def _wrong_region(region, status, code, operation, bucket, key, request_id) -> WrongRegionError:

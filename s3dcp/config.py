@@ -2,8 +2,8 @@
 
 Unset fields are filled by :meth:`S3Config.resolved` from the same places, in the same order,
 as botocore: explicit argument, then ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
-``AWS_REGION`` / ``AWS_DEFAULT_REGION``, then the shared config file of ``AWS_PROFILE``
-(``region``, ``endpoint_url``, ``s3.addressing_style``). Credentials are not resolved here:
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_CA_BUNDLE``, then the shared config file of
+``AWS_PROFILE`` (``region``, ``endpoint_url``, ``ca_bundle``, ``s3.addressing_style``). Credentials are not resolved here:
 explicit keys, when given, are used as they are; otherwise the CRT's default credential
 chain (environment, profile, web identity, ECS, IMDS) is asked at request time.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -87,6 +88,7 @@ class S3Config:
     sse: str | None = None  # None | "AES256" | "aws:kms"
     sse_kms_key_id: str | None = None
     expected_bucket_owner: str | None = None
+    requester_pays: bool = False  # x-amz-request-payer: requester on every request (requester-pays buckets)
 
     # Staging (async_save).
     staging_budget_bytes: int | None = None  # None: stage the whole state at once
@@ -132,8 +134,24 @@ class S3Config:
         return dataclasses.replace(
             self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style,
             compat=self.compat or _compat_from_env(env) or detect_compat(endpoint),
-            transport=self.transport or _transport_from_env(env) or "crt",
+            transport=self.resolved_transport(env), ca_bundle=self._resolved_ca_bundle(env, file_cfg),
         )
+
+    def resolved_transport(self, environ: os._Environ | dict | None = None) -> str:
+        """The transport :meth:`resolved` gives: ``transport``, else ``S3DCP_TRANSPORT``, else "crt"."""
+        return self.transport or _transport_from_env(os.environ if environ is None else environ) or "crt"
+
+    def _resolved_ca_bundle(self, env, file_cfg: dict) -> str | None:
+        """``ca_bundle``, else ``AWS_CA_BUNDLE``, else the profile's ``ca_bundle`` (botocore's order);
+        a file that is not there is refused here, naming where the path came from."""
+        for source, path in (("ca_bundle", self.ca_bundle), ("AWS_CA_BUNDLE", env.get("AWS_CA_BUNDLE")),
+                             ("the profile's ca_bundle", file_cfg.get("ca_bundle"))):
+            if path:
+                path = os.path.expanduser(path)
+                if not os.path.isfile(path):
+                    raise ConfigError(f"{source}={path!r} is not a file: name a PEM file of CA certificates")
+                return path
+        return None
 
     @property
     def use_path_style(self) -> bool:
@@ -168,12 +186,24 @@ class S3Config:
 
 
 def normalize_endpoint(endpoint: str) -> str:
-    """Give an endpoint a scheme (https unless it is a loopback address) and drop a trailing '/'."""
+    """Give an endpoint a scheme (https unless it is a loopback address) and drop a trailing '/'.
+    An IPv6 address goes in brackets (``http://[::1]:9000``, ``http://[::1]``), as in any URL."""
     endpoint = endpoint.strip().rstrip("/")
     if "://" not in endpoint:
-        host = endpoint.split("/")[0].rsplit(":", 1)[0].strip("[]")
+        netloc = endpoint.split("/")[0]
+        host = netloc[1:netloc.find("]")] if netloc.startswith("[") else netloc.rsplit(":", 1)[0]
         endpoint = ("http://" if is_loopback_host(host) else "https://") + endpoint
-    parts = urlsplit(endpoint)
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # noqa: B018 - parsing it raises ValueError for a bad port
+    except ValueError as e:
+        raise ConfigError(f"endpoint_url={endpoint!r} is not a URL ({e}); an IPv6 address goes in brackets: "
+                          "http://[::1]:9000") from None
+    netloc = parts.netloc.rpartition("@")[2]
+    if netloc.startswith("[") and not re.fullmatch(r"\[[^\]]+\](:[0-9]+)?", netloc) or (
+            netloc.count(":") > 1 and not netloc.startswith("[")):
+        raise ConfigError(f"endpoint_url={endpoint!r}: an IPv6 address goes in brackets, with the port after "
+                          "them: http://[::1]:9000")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"endpoint_url={endpoint!r} is not an http(s) URL with a host")
     if parts.path not in ("", "/"):
@@ -329,6 +359,7 @@ def _validate(c: S3Config) -> list[str]:
         f"addressing_style={c.addressing_style!r} must be one of {ADDRESSING_STYLES}",
     )
     need(c.sse in SSE_MODES, f"sse={c.sse!r} must be one of {SSE_MODES}")
+    need(isinstance(c.requester_pays, bool), f"requester_pays={c.requester_pays!r} must be True or False")
     need(
         c.sse_kms_key_id is None or c.sse == "aws:kms",
         "sse_kms_key_id is set but sse is not 'aws:kms'",

@@ -7,6 +7,8 @@ message text.
 
     S3DCPError
     ├── ConfigError                 bad S3Config value or unusable environment
+    │   ├── WrongRegionError            (also an S3Error) the bucket is in another region than the one configured
+    │   └── ClockSkewError              (also an S3Error) S3 refused the request time: this machine's clock is off
     ├── CheckpointError             checkpoint-level problems
     │   ├── CheckpointNotFoundError     nothing at that path
     │   ├── IncompleteCheckpointError   data objects but no metadata (commit marker)
@@ -47,6 +49,8 @@ __all__ = [
     "S3ServerError",
     "S3ConnectionError",
     "RequestAbortedError",
+    "WrongRegionError",
+    "ClockSkewError",
     "unwrap_error",
 ]
 
@@ -241,3 +245,23 @@ class S3ConnectionError(S3Error, ConnectionError):
 class RequestAbortedError(S3Error):
     """s3dcp stopped the request before it ended, because the save or load it served had
     already failed or was interrupted (Ctrl-C); that first error is what the caller sees."""
+
+
+class WrongRegionError(S3Error, ConfigError):
+    """S3 answered that the bucket is in another region (301 PermanentRedirect, or a 400 naming
+    the region): :attr:`bucket_region` names it (None where S3 did not), and the message says
+    which setting to change. Not followed, see docs/aws.md."""
+
+    def __init__(self, message: str, *, bucket_region: str | None = None, **fields) -> None:
+        self.bucket_region = bucket_region
+        super().__init__(message, **fields)
+
+
+class ClockSkewError(S3Error, ConfigError):
+    """S3 refused the request's time (``RequestTimeTooSkewed``): this machine's clock differs from
+    S3's by more than S3 allows (15 minutes). :attr:`skew_s` is by how many seconds the clock is
+    ahead (negative: behind), or None where no answer said the server's time."""
+
+    def __init__(self, message: str, *, skew_s: float | None = None, **fields) -> None:
+        self.skew_s = skew_s
+        super().__init__(message, **fields)

@@ -7,12 +7,15 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["S3Uri", "parse_s3_uri", "checkpoint_uri", "is_s3_uri", "object_key", "parent_prefix"]
+__all__ = ["S3Uri", "parse_s3_uri", "checkpoint_uri", "is_s3_uri", "object_key", "parent_prefix",
+           "directory_bucket_zone"]
 
 # S3's bucket naming rules (general purpose buckets): 3-63 chars, lowercase letters, digits,
 # dots and hyphens, starting and ending with a letter or digit. Underscores are tolerated
 # because some S3-compatible stores (and legacy us-east-1 buckets) allow them.
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+# S3 Express One Zone directory buckets: ``<base name>--<zone id>--x-s3`` (``ckpt--usw2-az1--x-s3``)
+_DIRECTORY_BUCKET_RE = re.compile(r"^[a-z0-9].*--([a-z0-9][a-z0-9-]*)--x-s3$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,13 @@ class S3Uri:
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+def directory_bucket_zone(bucket: str) -> str | None:
+    """The zone id of an S3 Express One Zone directory bucket (``usw2-az1`` of
+    ``ckpt--usw2-az1--x-s3``), or None for any other bucket; by its name, as boto3 tells them."""
+    match = _DIRECTORY_BUCKET_RE.match(bucket)
+    return match[1] if match else None
 
 
 def is_s3_uri(value: object) -> bool:

@@ -64,6 +64,11 @@ fires (after its ``times``/``probability`` checks) is applied:
     The request is not forwarded (its body is read and discarded); ``status`` is returned
     with ``body`` (XML) verbatim and the connection stays usable: a hostile or broken server's
     answer, such as a listing page that names its own continuation token again.
+``answer_early``
+    The request is not forwarded and its body is not read: ``status`` with ``body`` (or, with no
+    body, the XML error of ``code``) is sent at once, then the connection is reset once the
+    answer has left (the body still coming in makes the close a RST), as S3 answers a request
+    it refuses on its head alone (``ExpiredToken``) while a large part is still being sent.
 ``add_headers``
     Forward the request with ``headers`` added to its head.  SigV4 checks only
     the headers a request signed, so an added header reaches the upstream as if
@@ -72,6 +77,8 @@ fires (after its ``times``/``probability`` checks) is applied:
 Besides method, path and query, a rule can look at the request's headers:
 ``header`` matches when some header, written ``name: value`` with the name in
 lower case, matches the regex (``re.search``); ``without_header`` when none does.
+``error``, ``answer`` and ``answer_early`` send ``answer_headers`` (``((name, value), ...)``)
+besides their own (``x-amz-bucket-region``, an answer's ``Date``: a later one replaces theirs).
 
 :func:`store_rules` builds the rules that make the upstream behave like a store
 without S3's newer features (see docs/compatibility.md): ``"basic"`` rejects
@@ -100,7 +107,8 @@ from typing import Any, Optional
 
 __all__ = ["Rule", "FaultEvent", "RequestRecord", "FaultProxy", "ACTIONS", "STORES", "store_rules"]
 
-ACTIONS = ("error", "reset_request", "reset_response", "stall_response", "delay", "stall", "add_headers", "answer")
+ACTIONS = ("error", "reset_request", "reset_response", "stall_response", "delay", "stall", "add_headers", "answer",
+           "answer_early")
 
 _READ_SIZE = 1 << 20  # max bytes per read when streaming bodies
 _STREAM_LIMIT = 1 << 20  # StreamReader buffer limit (also max head/line length)
@@ -136,7 +144,8 @@ class Rule:
     header: Optional[str] = None  # re.search on some "name: value" (name lower case)
     without_header: Optional[str] = None  # ... and on none of them
     headers: tuple = ()  # for "add_headers": ((name, value), ...) added to the request head
-    body: bytes = b""  # for "answer": the response body, with ``status``
+    body: bytes = b""  # for "answer" / "answer_early": the response body, with ``status``
+    answer_headers: tuple = ()  # for "error", "answer", "answer_early": ((name, value), ...) sent too
     fired: int = field(default=0, init=False, compare=False)  # times applied so far
 
     def __post_init__(self) -> None:
@@ -170,7 +179,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class FaultEvent:
-    """A fault that was applied.  ``status`` is the injected status for "error" and "answer", else None."""
+    """A fault that was applied.  ``status`` is the injected status for "error" and the answers, else None."""
 
     action: str
     method: str
@@ -510,6 +519,10 @@ class _Conn:
         action = rule.action if rule is not None else None
         if action in ("error", "answer"):
             return await self.answer_error(rule, method, head, body_kind, expect_100, keep_alive)
+        if action == "answer_early":
+            self.c_writer.write(self._answer_bytes(rule, method, close=True))
+            await self.reset_client(flush=True)
+            return False
         if action == "stall":
             while await self.c_reader.read(_READ_SIZE):
                 pass
@@ -527,34 +540,38 @@ class _Conn:
 
     # -- actions ----------------------------------------------------------------
 
-    async def answer_error(self, rule: Rule, method, head, body_kind, expect_100, keep_alive):
-        close = expect_100 or not keep_alive
-        if not expect_100:
-            await _copy_body(self.c_reader, _Meter(None), head, body_kind)
+    def _answer_bytes(self, rule: Rule, method: str, close: bool) -> bytes:
+        """The answer of an "error", "answer" or "answer_early" rule, head and body."""
         request_id = f"fault-{self.proxy._next_fault_id()}"
         message = _ERROR_MESSAGES.get(rule.code, "Injected fault.")
-        body = rule.body if rule.action == "answer" else (
-            '<?xml version="1.0" encoding="UTF-8"?>\n'
-            f"<Error><Code>{rule.code}</Code><Message>{message}</Message>"
-            f"<RequestId>{request_id}</RequestId></Error>"
-        ).encode()
+        body = rule.body
+        if rule.action == "error" or (rule.action == "answer_early" and not body):
+            body = ('<?xml version="1.0" encoding="UTF-8"?>\n'
+                    f"<Error><Code>{rule.code}</Code><Message>{message}</Message>"
+                    f"<RequestId>{request_id}</RequestId></Error>").encode()
         try:
             reason = http.HTTPStatus(rule.status).phrase
         except ValueError:
             reason = "Error"
-        lines = [
-            f"HTTP/1.1 {rule.status} {reason}",
-            "Content-Type: application/xml",
-            f"Content-Length: {len(body)}",
-            f"x-amz-request-id: {request_id}",
-            f"Date: {formatdate(usegmt=True)}",
-            "Server: FaultProxy",
-            f"Connection: {'close' if close else 'keep-alive'}",
+        headers = [
+            ("Content-Type", "application/xml"),
+            ("Content-Length", str(len(body))),
+            ("x-amz-request-id", request_id),
+            ("Date", formatdate(usegmt=True)),
+            ("Server", "FaultProxy"),
+            ("Connection", "close" if close else "keep-alive"),
         ]
+        replaced = {name.lower() for name, _ in rule.answer_headers}
+        headers = [(k, v) for k, v in headers if k.lower() not in replaced] + list(rule.answer_headers)
+        lines = [f"HTTP/1.1 {rule.status} {reason}", *(f"{k}: {v}" for k, v in headers)]
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        if method != "HEAD":
-            data += body
-        self.c_writer.write(data)
+        return data if method == "HEAD" else data + body
+
+    async def answer_error(self, rule: Rule, method, head, body_kind, expect_100, keep_alive):
+        close = expect_100 or not keep_alive
+        if not expect_100:
+            await _copy_body(self.c_reader, _Meter(None), head, body_kind)
+        self.c_writer.write(self._answer_bytes(rule, method, close))
         await self.c_writer.drain()
         if close and expect_100:
             # lingering close: stop writing, discard whatever the client still
@@ -684,11 +701,12 @@ class FaultProxy:
     """
 
     def __init__(
-        self, upstream_host: str, upstream_port: int, *, host: str = "127.0.0.1", seed: int = 0
+        self, upstream_host: str, upstream_port: int, *, host: str = "127.0.0.1", port: int = 0, seed: int = 0
     ):
         self.upstream_host = upstream_host
         self.upstream_port = int(upstream_port)
-        self.host = host
+        self.host = host  # "::1" listens on IPv6's loopback
+        self._listen_port = port  # 0: a free one
         self.port: Optional[int] = None
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
@@ -712,7 +730,8 @@ class FaultProxy:
     def endpoint_url(self) -> str:
         if self.port is None:
             raise RuntimeError("proxy not started")
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> "FaultProxy":
         if self._thread is not None:
@@ -727,7 +746,7 @@ class FaultProxy:
                 try:
                     self._server = loop.run_until_complete(
                         asyncio.start_server(
-                            self._on_client, self.host, 0, limit=_STREAM_LIMIT, backlog=256
+                            self._on_client, self.host, self._listen_port, limit=_STREAM_LIMIT, backlog=256
                         )
                     )
                     self.port = self._server.sockets[0].getsockname()[1]
@@ -854,7 +873,7 @@ class FaultProxy:
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
                     continue
                 rule.fired += 1
-                status = rule.status if rule.action in ("error", "answer") else None
+                status = rule.status if rule.action in ("error", "answer", "answer_early") else None
                 self._events.append(FaultEvent(rule.action, method, target, status))
                 return rule
         return None

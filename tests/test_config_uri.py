@@ -65,6 +65,7 @@ def test_key_building():
         ("max_inflight_checkpoints", 0, "max_inflight_checkpoints=0"),
         ("key_prefix_spread", 300, "key_prefix_spread=300 must be an int in [1, 256]"),
         ("crt_memory_limit_bytes", 100 * MiB, "crt_memory_limit_bytes=104857600 must be None (sized from the part size), 0"),
+        ("requester_pays", "yes", "requester_pays='yes' must be True or False"),
     ],
 )
 def test_invalid_config_values_are_named(field, value, words):
@@ -115,6 +116,46 @@ def test_endpoint_without_scheme_is_https_unless_loopback():
     assert S3Config(endpoint_url="127.0.0.1:9000").resolved({}).endpoint_url == "http://127.0.0.1:9000"
     assert S3Config(endpoint_url="localhost:9000").resolved({}).endpoint_url == "http://localhost:9000"
     assert S3Config(endpoint_url="minio.internal:9000").resolved({}).endpoint_url == "https://minio.internal:9000"
+
+
+@pytest.mark.parametrize("endpoint, expected", [
+    ("http://[::1]", "http://[::1]"),  # an IPv6 literal without a port: port 80 (docs/aws.md)
+    ("http://[::1]:9000", "http://[::1]:9000"),
+    ("[::1]:9000", "http://[::1]:9000"),  # no scheme: loopback, so http
+    ("[fd00::5]:9000", "https://[fd00::5]:9000"),
+])
+def test_ipv6_literal_endpoints(endpoint, expected):
+    assert S3Config(endpoint_url=endpoint).resolved({}).endpoint_url == expected
+
+
+@pytest.mark.parametrize("endpoint", ["http://::1", "http://::1:9000", "::1", "http://[::1", "http://[::1]9000"])
+def test_an_ipv6_address_out_of_brackets_is_named_with_the_form_to_use(endpoint):
+    with pytest.raises(ConfigError, match=r"an IPv6 address goes in brackets.*http://\[::1\]:9000"):
+        S3Config(endpoint_url=endpoint)
+
+
+def test_the_ca_bundle_comes_from_aws_ca_bundle_as_in_botocore(tmp_path):
+    bundles = {name: tmp_path / f"{name}.pem" for name in ("explicit", "env", "profile")}
+    for path in bundles.values():
+        path.write_text("-----BEGIN CERTIFICATE-----\n")
+    cfg = tmp_path / "config"
+    cfg.write_text(f"[default]\nca_bundle = {bundles['profile']}\n")
+    env = {"AWS_CONFIG_FILE": str(cfg)}
+    assert S3Config().resolved(env).ca_bundle == str(bundles["profile"])
+    env["AWS_CA_BUNDLE"] = str(bundles["env"])
+    assert S3Config().resolved(env).ca_bundle == str(bundles["env"])
+    assert S3Config(ca_bundle=str(bundles["explicit"])).resolved(env).ca_bundle == str(bundles["explicit"])
+    env["AWS_CA_BUNDLE"] = str(tmp_path / "missing.pem")
+    with pytest.raises(ConfigError, match="AWS_CA_BUNDLE='.*missing.pem' is not a file"):
+        S3Config().resolved(env)
+
+
+def test_the_transport_resolves_as_resolved_says(tmp_path):
+    assert S3Config().resolved_transport({}) == "crt"
+    assert S3Config().resolved_transport({"S3DCP_TRANSPORT": "sockets"}) == "sockets"
+    assert S3Config(transport="crt").resolved_transport({"S3DCP_TRANSPORT": "sockets"}) == "crt"
+    env = {"S3DCP_TRANSPORT": "sockets", "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert S3Config().resolved(env).transport == S3Config().resolved_transport(env)
 
 
 def test_crt_memory_limit_is_sized_from_what_is_in_use():

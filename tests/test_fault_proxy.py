@@ -293,6 +293,40 @@ def test_framing_error_rule_with_expect_answers_early_and_closes():
         assert proxy.upstream_connections == 0
 
 
+def test_framing_answer_rule_sends_its_headers_and_replaces_the_proxys_own():
+    never_used = socket.create_server(("127.0.0.1", 0))
+    port = never_used.getsockname()[1]
+    with never_used, FaultProxy("127.0.0.1", port) as proxy, _client(proxy) as c:
+        proxy.add_rule(Rule("answer", status=301, body=b"<Error/>", answer_headers=(
+            ("x-amz-bucket-region", "eu-west-1"), ("date", "Thu, 01 Jan 2099 00:00:00 GMT"))))
+        c.sendall(b"GET /b/k HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = c.recv(65536)
+        while not data.endswith(b"<Error/>"):
+            data += c.recv(65536)
+        head = data.split(b"\r\n\r\n")[0].decode().split("\r\n")
+        assert head[0] == "HTTP/1.1 301 Moved Permanently"
+        assert "x-amz-bucket-region: eu-west-1" in head and "date: Thu, 01 Jan 2099 00:00:00 GMT" in head
+        assert not any(line.startswith("Date:") for line in head)  # replaced, not doubled
+        assert proxy.upstream_connections == 0
+
+
+def test_framing_answer_early_answers_before_the_body_and_resets():
+    never_used = socket.create_server(("127.0.0.1", 0))
+    port = never_used.getsockname()[1]
+    with never_used, FaultProxy("127.0.0.1", port) as proxy, _client(proxy) as c:
+        proxy.add_rule(Rule("answer_early", status=400, code="ExpiredToken"))
+        c.sendall(b"PUT /b/k?partNumber=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n" + b"x" * 1000)
+        data, err = _recv_all(c)  # the answer, though the body is far from sent, then a reset
+        assert data.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"<Code>ExpiredToken</Code>" in data, data
+        assert b"Connection: close" in data
+        with pytest.raises(OSError):  # the connection was reset: the rest of the body cannot go
+            for _ in range(100):
+                c.sendall(b"x" * 65536)
+                time.sleep(0.01)
+        assert proxy.upstream_connections == 0
+        assert proxy.events == [FaultEvent("answer_early", "PUT", "/b/k?partNumber=1", 400)]
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_framing_reset_request_cut_point(chunked):
     if chunked:

@@ -43,14 +43,15 @@ from ..config import S3Config
 from ..errors import IntegrityError, NoSuchKeyError, S3Error
 from . import compat, listing
 from .addressing import Addressing
+from .clock import parse_http_date, with_measured_skew
 from .copies import copy_object
 from .deletes import delete_objects
 from .listing import ObjectInfo, UploadInfo, UploadParts
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
+from .sender import refuse_proxy
 from .socket_reads import SocketRead
 from .sockets import SocketUpload
-from .responses import parse_http_date
 from .streams import BufferStream, copy_into, finalizer, gather
 
 __all__ = ["S3Client", "ObjectInfo", "UploadInfo", "UploadParts", "PutResult"]
@@ -78,6 +79,8 @@ class S3Client:
         config = config or S3Config()
         self._profile_given = config.profile is not None  # a profile named in code beats env keys
         self.config = config.resolved()
+        if self.config.transport == "sockets":  # which has no proxy support
+            refuse_proxy(self.config)
         self._lock = threading.Lock()
         self._use = _NativeUse()
         weakref.finalize(self, finalizer(self._use.release))  # dropped without close(): lets go too
@@ -127,7 +130,7 @@ class S3Client:
         stream = BufferStream(buffers)
         single_request = single_request or if_none_match
         headers = [("Host", self._at.host_for(bucket)), ("Content-Length", str(stream.size)),
-                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.owner_headers(), *create_only]
+                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.bucket_headers(), *create_only]
         etag: list[str | None] = [None]
 
         def on_headers(status_code, headers, **_):
@@ -141,13 +144,13 @@ class S3Client:
         # RequestFuture.abort).
         multipart = not single_request and size > self.config.effective_multipart_threshold_bytes
         if multipart and self.config.transport == "sockets":  # parts sent from the buffers
-            checksum, owner = self._at.wire_checksum(), self._at.owner_headers()
-            create = [("Content-Type", content_type), *self._at.sse_headers(), *owner]
+            checksum, common = self._at.wire_checksum(), self._at.bucket_headers()
+            create = [("Content-Type", content_type), *self._at.sse_headers(), *common]
             if checksum is not None:
                 create.append(("x-amz-checksum-algorithm", checksum.upper()))
             upload = SocketUpload(bucket, key, self._at.host_for(bucket), self._at.path(bucket, key), stream.views,
                                   part_size=self.config.part_size_bytes, checksum=checksum,
-                                  create_headers=create, part_headers=owner)
+                                  create_headers=create, part_headers=common)
             return self._submit("PutObject", bucket, key, upload.start, result=lambda: PutResult(upload.etag, size),
                                 releases=[stream.release], clean_abort=True)
         request = HttpRequest("PUT", self._at.path(bucket, key), HttpHeaders(headers), stream)
@@ -156,7 +159,7 @@ class S3Client:
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, checksum_config=self._at.put_checksum(),
                 multipart_upload_threshold=stream.size + 1 if single_request else None,
-                on_headers=on_headers, on_done=on_done),
+                signing_config=native.signing_for(bucket), on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], size),
             releases=[stream.release],
             clean_abort=multipart,
@@ -183,7 +186,7 @@ class S3Client:
         from awscrt.s3 import S3FileIoOptions, S3RequestType
 
         headers = [("Host", self._at.host_for(bucket)), ("Content-Length", str(nbytes)),
-                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.owner_headers()]
+                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.bucket_headers()]
         request = HttpRequest("PUT", self._at.path(bucket, key), HttpHeaders(headers))
         etag: list[str | None] = [None]
         held = [keep]
@@ -198,7 +201,7 @@ class S3Client:
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.PUT_OBJECT, request=request, send_filepath=path,
                 fio_options=S3FileIoOptions(should_stream=stream_parts), checksum_config=self._at.put_checksum(),
-                on_headers=on_headers, on_done=on_done),
+                signing_config=native.signing_for(bucket), on_headers=on_headers, on_done=on_done),
             result=lambda: PutResult(etag[0], nbytes),
             releases=[held.clear],
             clean_abort=nbytes > self.config.effective_multipart_threshold_bytes,
@@ -265,17 +268,17 @@ class S3Client:
 
         if self.config.transport == "sockets":  # straight from the socket into the sinks
             read = SocketRead(bucket, key, self._at.host_for(bucket), self._at.path(bucket, key), start, end, sinks,
-                              part_size=self.config.download_part_size_bytes, headers=self._at.owner_headers())
+                              part_size=self.config.download_part_size_bytes, headers=self._at.bucket_headers())
             return self._submit("GetObject", bucket, key, read.start, result=lambda: result(read.received),
                                 releases=[sinks.clear, reach.clear], clean_abort=True)
         headers = [("Host", self._at.host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
-                   *self._at.owner_headers()]
+                   *self._at.bucket_headers()]
         request = HttpRequest("GET", self._at.path(bucket, key), HttpHeaders(headers))
         return self._submit(
             "GetObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done,
-                part_size=self.config.download_part_size_bytes),
+                part_size=self.config.download_part_size_bytes, signing_config=native.signing_for(bucket)),
             result=lambda: result(received[0]),
             releases=[sinks.clear, reach.clear],
             clean_abort=True,  # a read stopped halfway leaves nothing behind
@@ -285,7 +288,7 @@ class S3Client:
     def get(self, bucket: str, key: str) -> "Future[bytes]":
         """Read a whole (small) object, e.g. the metadata object, in one request."""
         return self._default("GetObject", "GET", bucket, key, result=lambda status, headers, body: body,
-                             extra_headers=self._at.owner_headers())
+                             extra_headers=self._at.bucket_headers())
 
     # ------------------------------------------------------------------ control plane
     def head(self, bucket: str, key: str) -> "Future[ObjectInfo]":
@@ -299,7 +302,7 @@ class S3Client:
                               last_modified=parse_http_date(h.get("last-modified")))
 
         inner = self._default("HeadObject", "HEAD", bucket, key, result=result,
-                              extra_headers=self._at.owner_headers())
+                              extra_headers=self._at.bucket_headers())
 
         def done(f: Future) -> None:
             err = f.exception()
@@ -316,21 +319,21 @@ class S3Client:
 
     def head_bucket(self, bucket: str) -> "Future[None]":
         return self._default("HeadBucket", "HEAD", bucket, "", result=lambda status, headers, body: None,
-                             extra_headers=self._at.owner_headers())
+                             extra_headers=self._at.bucket_headers())
 
     def list(self, bucket: str, prefix: str = "", *, delimiter: str | None = None,
              page_size: int = 1000) -> "Future[tuple[list[ObjectInfo], list[str]]]":
         """All objects under ``prefix`` (every page), and the common prefixes when a
         ``delimiter`` is given."""
-        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._at.owner_headers())
+        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._at.bucket_headers())
 
     def delete(self, bucket: str, keys: Iterable[str]) -> "Future[None]":
         """Delete ``keys`` in batches of 1,000 (DeleteObjects). Missing keys are not errors."""
-        return delete_objects(self._default, bucket, keys, self._at.owner_headers())
+        return delete_objects(self._default, bucket, keys, self._at.bucket_headers())
 
     def list_uploads(self, bucket: str, prefix: str = "") -> "Future[list[UploadInfo]]":
         """Unfinished multipart uploads under ``prefix`` (every page)."""
-        return listing.list_uploads(self._default, bucket, prefix, self._at.owner_headers())
+        return listing.list_uploads(self._default, bucket, prefix, self._at.bucket_headers())
 
     def upload_activity(self, bucket: str, key: str, upload_id: str) -> "Future[float | None]":
         """When an unfinished multipart upload last received a part (seconds since the epoch;
@@ -339,13 +342,13 @@ class S3Client:
 
     def upload_parts(self, bucket: str, key: str, upload_id: str) -> "Future[UploadParts]":
         """The parts an unfinished multipart upload holds (count, bytes, newest), from ListParts."""
-        return listing.upload_activity(self._default, bucket, key, upload_id, self._at.owner_headers())
+        return listing.upload_activity(self._default, bucket, key, upload_id, self._at.bucket_headers())
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> "Future[None]":
         """Abort a multipart upload; an upload that is already gone is not an error."""
         outer: Future = Future()
         f = self._default("AbortMultipartUpload", "DELETE", bucket, key, query={"uploadId": upload_id},
-                          result=lambda status, headers, body: None, extra_headers=self._at.owner_headers())
+                          result=lambda status, headers, body: None, extra_headers=self._at.bucket_headers())
 
         def done(f: Future) -> None:
             err = f.exception()
@@ -367,7 +370,7 @@ class S3Client:
         return copy_object(self._default, self.abort_upload, bucket, source_key, key, size,
                            part_size_bytes=self.config.part_size_bytes,
                            multipart_threshold_bytes=multipart_threshold_bytes,
-                           sse_headers=self._at.sse_headers(), owner_headers=self._at.owner_headers())
+                           sse_headers=self._at.sse_headers(), bucket_headers=self._at.bucket_headers())
 
     def close(self) -> None:
         """Stop using the shared native client. It shuts down once no S3Client uses it and its
@@ -399,6 +402,8 @@ class S3Client:
         multipart upload), see :meth:`RequestFuture.abort`. ``refine`` maps the translated
         error of a failed request to what it means for this call.
         """
+        refine = with_measured_skew(refine, lambda: self._default(  # the CRT withholds a skewed answer's Date
+            "HeadBucket", "HEAD", bucket, "", result=lambda status, headers, body: headers))
         call = _Call(operation, bucket, key, start, result, releases, self.config.request_timeout_s, clean_abort,
                      refine)
         self._native().submit(call)
@@ -436,6 +441,6 @@ class S3Client:
             operation, bucket, key,
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.DEFAULT, operation_name=operation, request=request,
-                on_headers=on_headers, on_body=collect, on_done=on_done),
+                signing_config=native.signing_for(bucket), on_headers=on_headers, on_body=collect, on_done=on_done),
             result=value,
         )

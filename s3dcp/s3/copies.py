@@ -25,11 +25,11 @@ __all__ = ["copy_object"]
 
 def copy_object(send: Callable[..., Future], abort_upload: Callable[[str, str, str], Future], bucket: str,
                 source_key: str, key: str, size: int, *, part_size_bytes: int, multipart_threshold_bytes: int,
-                sse_headers: Sequence[tuple[str, str]], owner_headers: Sequence[tuple[str, str]]) -> "Future[int]":
+                sse_headers: Sequence[tuple[str, str]], bucket_headers: Sequence[tuple[str, str]]) -> "Future[int]":
     """Copy ``source_key`` (``size`` bytes) to ``key`` (see :meth:`s3dcp.s3.client.S3Client.copy`).
     Parts are ``part_size_bytes`` long, more when 10,000 parts would not do. Resolves to ``size``."""
     source = quote(f"{bucket}/{source_key}", safe="/-_.~")
-    copy_headers = [("x-amz-copy-source", source), *sse_headers, *owner_headers]
+    copy_headers = [("x-amz-copy-source", source), *sse_headers, *bucket_headers]
     outer: Future = Future()
 
     def check(status, headers, body):  # CopyObject and UploadPartCopy may fail with a 200
@@ -52,7 +52,7 @@ def copy_object(send: Callable[..., Future], abort_upload: Callable[[str, str, s
         parts = [send("UploadPartCopy", "PUT", bucket, key, result=check, body=b"",
                       query={"partNumber": str(n + 1), "uploadId": upload_id},
                       extra_headers=[*copy_headers[:1], ("x-amz-copy-source-range", f"bytes={lo}-{hi - 1}"),
-                                     *owner_headers])
+                                     *bucket_headers])
                  for n, (lo, hi) in enumerate(ranges)]
         gather(parts, lambda roots: roots).add_done_callback(lambda g: copied(g, upload_id))
 
@@ -67,11 +67,11 @@ def copy_object(send: Callable[..., Future], abort_upload: Callable[[str, str, s
             ET.SubElement(p, "ETag").text = text(part_root, "ETag")
         body = ET.tostring(root, encoding="utf-8", xml_declaration=True)
         done = send("CompleteMultipartUpload", "POST", bucket, key, query={"uploadId": upload_id}, result=check,
-                    body=body, extra_headers=[("Content-Type", "application/xml"), *owner_headers])
+                    body=body, extra_headers=[("Content-Type", "application/xml"), *bucket_headers])
         done.add_done_callback(lambda f: chain(f, outer, lambda _: outer.set_result(size)))
 
     # body=b"": sends Content-Length: 0, which GCS requires on this POST (HTTP 411 without it)
     start = send("CreateMultipartUpload", "POST", bucket, key, query={"uploads": ""}, result=xml_result,
-                 body=b"", extra_headers=[*sse_headers, *owner_headers])
+                 body=b"", extra_headers=[*sse_headers, *bucket_headers])
     start.add_done_callback(lambda f: chain(f, outer, created))
     return outer

@@ -1,8 +1,8 @@
 """How one awscrt S3Client is built from an :class:`~s3dcp.config.S3Config`.
 
 Owns credential resolution (:func:`_credential_source`, boto3's order) and the construction of
-the CRT client (credentials provider, signing, TLS, retries, part size, memory limit) and of the
-signing config that :mod:`s3dcp.s3.sender` shares with it. It must
+the CRT client (credentials provider, signing, TLS, retries, part size, memory limit, S3 Express
+session auth) and of the signing config that :mod:`s3dcp.s3.sender` shares with it. It must
 not share, cache or close clients (:mod:`s3dcp.s3.native`) nor make requests.
 """
 
@@ -30,7 +30,11 @@ def _credential_source(config: S3Config, profile_given: bool, environ) -> tuple:
 
 
 def _make_crt_client(config: S3Config, tls: bool, source: tuple):
-    """The CRT client, and the signing config it signs with (the socket transfers sign with it too)."""
+    """The CRT client, and the signing config it signs with (the socket transfers sign with it too).
+
+    S3 Express One Zone is enabled: a request signed with :func:`express_signing` (a directory
+    bucket's) gets its credentials from a session the CRT makes (CreateSession) and renews; the
+    others are signed as they are."""
     from awscrt.auth import AwsCredentialsProvider
     from awscrt.io import ClientBootstrap, ClientTlsContext, TlsConnectionOptions, TlsContextOptions
     from awscrt.s3 import S3Client as CrtS3Client
@@ -72,7 +76,16 @@ def _make_crt_client(config: S3Config, tls: bool, source: tuple):
         memory_limit=config.effective_crt_memory_limit_bytes,
         retry_config=retry,
         connect_timeout_ms=int(config.connect_timeout_s * 1000),
+        enable_s3express=True,
     )
     return client, signing
+
+
+def express_signing(signing):
+    """The signing config of an S3 Express One Zone directory bucket's requests: SigV4 with the
+    session credentials the CRT derives from ``signing``'s (``x-amz-s3session-token``)."""
+    from awscrt.auth import AwsSigningAlgorithm
+
+    return signing.replace(algorithm=AwsSigningAlgorithm.V4_S3EXPRESS, service="s3express")
 
 

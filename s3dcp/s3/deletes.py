@@ -25,15 +25,15 @@ _BATCH = 1000  # S3's DeleteObjects limit
 
 
 def delete_objects(send: Callable[..., Future], bucket: str, keys: Iterable[str],
-                   owner_headers: Sequence[tuple[str, str]]) -> "Future[None]":
+                   bucket_headers: Sequence[tuple[str, str]]) -> "Future[None]":
     """Delete ``keys`` (see :meth:`s3dcp.s3.client.S3Client.delete`); missing keys are not errors."""
     keys = list(keys)
-    batches = [_delete_batch(send, bucket, keys[i:i + _BATCH], owner_headers) for i in range(0, len(keys), _BATCH)]
+    batches = [_delete_batch(send, bucket, keys[i:i + _BATCH], bucket_headers) for i in range(0, len(keys), _BATCH)]
     return gather(batches, lambda results: None)
 
 
 def _delete_batch(send: Callable[..., Future], bucket: str, keys: list[str],
-                  owner_headers: Sequence[tuple[str, str]]) -> Future:
+                  bucket_headers: Sequence[tuple[str, str]]) -> Future:
     root = ET.Element("Delete")
     ET.SubElement(root, "Quiet").text = "true"
     for k in keys:
@@ -42,7 +42,7 @@ def _delete_batch(send: Callable[..., Future], bucket: str, keys: list[str],
     md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
     outer: Future = Future()
     f = send("DeleteObjects", "POST", bucket, "", query={"delete": ""}, body=body, result=xml_result,
-             extra_headers=[("Content-MD5", md5), ("Content-Type", "application/xml"), *owner_headers])
+             extra_headers=[("Content-MD5", md5), ("Content-Type", "application/xml"), *bucket_headers])
 
     def handle(resp) -> None:
         errors = [(text(e, "Key"), text(e, "Code"), text(e, "Message")) for e in children(resp, "Error")]

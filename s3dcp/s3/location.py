@@ -11,6 +11,7 @@ from ..config import S3Config
 from ..errors import ConfigError
 from ..uri import S3Uri, checkpoint_uri, is_s3_uri, parse_s3_uri
 from .client import S3Client
+from .sender import refuse_directory_bucket
 
 __all__ = ["S3CheckpointPath", "UnreadableMetadata"]
 
@@ -34,7 +35,12 @@ class S3CheckpointPath:
             self._uri = self._parse(checkpoint_id)
 
     def _parse(self, path: str | os.PathLike) -> S3Uri:
-        return checkpoint_uri(str(path)) if self._writes else parse_s3_uri(str(path))
+        """The checkpoint's URI (never a bucket's root for a writer), once it is known that this
+        config's transport can reach its bucket."""
+        uri = checkpoint_uri(str(path)) if self._writes else parse_s3_uri(str(path))
+        if self.config.resolved_transport() == "sockets":
+            refuse_directory_bucket(uri.bucket)
+        return uri
 
     @property
     def checkpoint_id(self) -> str | None:

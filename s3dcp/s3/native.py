@@ -22,7 +22,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ..config import S3Config
-from .crt import _credential_source, _make_crt_client
+from ..uri import directory_bucket_zone
+from .crt import _credential_source, _make_crt_client, express_signing
+from .proxy import proxy_for
 from .sender import SocketSender
 from .streams import deadlines
 
@@ -37,9 +39,10 @@ class _NativeClient:
     process, with its admission queue: at most ``limit`` requests in flight, the rest wait
     their turn in order. Nothing here blocks, so it may be entered from CRT callbacks."""
 
-    def __init__(self, key, crt, limit: int, sender=None) -> None:
+    def __init__(self, key, crt, limit: int, sender=None, signing=None) -> None:
         self.key = key
         self.crt = crt
+        self._express = None if signing is None else express_signing(signing)
         self.sender = sender  # the socket transfers' threads and connections (s3dcp.s3.sender)
         self.limit = limit
         self.users = 0  # S3Clients holding it
@@ -57,6 +60,11 @@ class _NativeClient:
                 return
             self.in_flight += 1
         self._launch(call)
+
+    def signing_for(self, bucket: str):
+        """The signing config of a request to ``bucket``: S3 Express session auth for a directory
+        bucket, else None (the client's own)."""
+        return self._express if directory_bucket_zone(bucket) is not None else None
 
     def unqueue(self, call: _Call) -> bool:
         """Take ``call`` out of the queue; False if it is not there (started, or about to)."""
@@ -119,18 +127,20 @@ class _NativeUse:
 
 
 def _acquire_native(config: S3Config, tls: bool, profile_given: bool) -> _NativeClient:
-    """The shared native client for ``config`` and the credentials in force now, made on first
-    use. Keyed by process (a forked child builds its own) and by a digest of static credentials,
-    so a secret changed in the environment is used by the next S3Client, as with boto3."""
+    """The shared native client for ``config`` and the credentials and proxy in force now, made on
+    first use. Keyed by process (a forked child builds its own), by a digest of static credentials,
+    so a secret changed in the environment is used by the next S3Client, as with boto3, and by the
+    proxy the environment names for the endpoint (the CRT reads it when it connects)."""
 
     source = _credential_source(config, profile_given, os.environ)
-    key = (os.getpid(), config, source[0], hashlib.sha256(repr(source).encode()).hexdigest())
+    key = (os.getpid(), config, source[0], hashlib.sha256(repr(source).encode()).hexdigest(),
+           proxy_for(config.endpoint_url))
     with _NATIVE_LOCK:
         native = _NATIVE.get(key)
         if native is None:
             crt, signing = _make_crt_client(config, tls, source)
             sender = SocketSender(config, signing, tls) if config.transport == "sockets" else None
-            native = _NATIVE[key] = _NativeClient(key, crt, config.max_concurrency, sender)
+            native = _NATIVE[key] = _NativeClient(key, crt, config.max_concurrency, sender, signing)
         native.users += 1
         return native
 

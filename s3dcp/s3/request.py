@@ -84,7 +84,9 @@ class _Call:
                  refine=None) -> None:
         self.operation, self.bucket, self.key = operation, bucket, key
         self._start, self._result, self._releases = start, result, list(releases)
-        self._refine = refine  # what a translated failure means for this call (e.g. 416: a short object)
+        # what a translated failure means for this call (e.g. 416: a short object); a future of
+        # that error where it takes one more request to say (the clock's skew)
+        self._refine = refine
         self._timeout_s = timeout_s
         self._clean_abort = clean_abort  # see RequestFuture.abort
         self.future = RequestFuture(self)
@@ -190,5 +192,7 @@ class _Call:
             native.finished()
         if failure is None:
             self.future.set_result(value)
+        elif isinstance(failure, Future):  # refine sent a follow-up request to say what failed (clock.py)
+            failure.add_done_callback(lambda f: self.future.set_exception(f.result()))
         else:
             self.future.set_exception(failure)

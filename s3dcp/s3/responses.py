@@ -1,7 +1,9 @@
 """Reading S3's answers: errors translated into the s3dcp hierarchy, and XML bodies.
 
 Errors are classified here, once, by HTTP status and S3 error code — never by message text —
-and keep the CRT's exception as ``__cause__``.
+and keep the CRT's exception as ``__cause__``. Those a setting causes say which to change: a
+bucket in another region names its region (``x-amz-bucket-region``, or the body's ``Region``),
+a refused request time says by how much the clock is off (:mod:`s3dcp.s3.clock`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import xml.etree.ElementTree as ET
 
 from ..errors import (
     AccessDeniedError,
+    WrongRegionError,
     IntegrityError,
     NoSuchBucketError,
     NoSuchKeyError,
@@ -19,6 +22,8 @@ from ..errors import (
     S3ServerError,
     ThrottlingError,
 )
+
+from .clock import ALLOWED_SKEW_S, clock_skew_error, parse_http_date, parse_iso, skew_from_answer
 
 __all__ = ["translate_error", "xml_result", "children", "text", "parse_iso", "parse_http_date"]
 
@@ -46,6 +51,11 @@ _UNSUPPORTED_CODES = frozenset({None, "InvalidArgument", "InvalidRequest", "NotI
 _COMPAT_ADVICE = (" — this store may not accept S3's flexible checksums (aws-chunked trailers), If-None-Match on "
                   "PUT, or multipart requests without Content-Length: set S3Config(compat=\"gcs\") for Google "
                   "Cloud Storage or compat=\"basic\" for other stores (see docs/compatibility.md)")
+# S3's answers to a request sent to another region than the bucket's: a redirect (301, or 307 while
+# a new bucket's name propagates), or a 400 that names the bucket's region (body or header)
+_REDIRECT_STATUSES = frozenset({301, 307})
+_REDIRECT_CODES = frozenset({"PermanentRedirect", "TemporaryRedirect"})
+_REGION_CODES = frozenset({"AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
 _AUTH_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
      "TokenRefreshRequired", "AllAccessDisabled"}
@@ -69,11 +79,28 @@ def translate_error(error: BaseException, *, operation: str, bucket: str | None,
         request_id = fields.get("RequestId") or headers.get("x-amz-request-id")
         message = fields.get("Message") or _STATUS_TEXT.get(status, f"HTTP {status}")
         op = error.operation_name or operation
-        cls, advice = _classify(status, code, op, key)
-        new = cls(f"{op} failed: {message}{advice}", operation=op, bucket=bucket, key=key or None,
-                  status=status, code=code, request_id=request_id)
+        region = headers.get("x-amz-bucket-region") or fields.get("Region") or None
+        if status in _REDIRECT_STATUSES or code in _REDIRECT_CODES or (
+                region and (code in _REGION_CODES or (status == 400 and code is None))):
+            new = _wrong_region(region, status, code, op, bucket, key, request_id)
+        elif code == "RequestTimeTooSkewed" or (status == 403 and code is None and _skewed(headers)):
+            # a HEAD's 403 has no body to say why: a Date further off than S3 allows says it
+            new = clock_skew_error(skew_from_answer(fields, headers), operation=op, bucket=bucket, key=key or None,
+                                   status=status, request_id=request_id)
+        else:
+            cls, advice = _classify(status, code, op, key)
+            new = cls(f"{op} failed: {message}{advice}", operation=op, bucket=bucket, key=key or None,
+                      status=status, code=code, request_id=request_id)
     elif isinstance(error, AwsCrtError):
-        if "CHECKSUM_MISMATCH" in error.name:
+        if error.name == "AWS_ERROR_S3_REQUEST_TIME_TOO_SKEWED":  # retried by the CRT, reported without the answer
+            new = clock_skew_error(None, operation=operation, bucket=bucket, key=key or None)
+        elif error.name == "AWS_ERROR_S3_MISSING_ETAG":
+            new = S3Error(
+                f"{operation} failed: the server answered without an ETag header ({error.name}), which the CRT "
+                "needs (CompleteMultipartUpload names every uploaded part by its ETag; a read in parts asks for the "
+                "same object by it); S3 always sends one, so something in between (a proxy, a gateway) may drop "
+                "response headers", operation=operation, bucket=bucket, key=key or None)
+        elif "CHECKSUM_MISMATCH" in error.name:
             new = IntegrityError(f"{operation} s3://{bucket}/{key}: the data failed its wire checksum "
                                  f"({error.name}); the object or the connection corrupted it")
         elif error.name.startswith("AWS_AUTH_"):
@@ -96,6 +123,24 @@ def translate_error(error: BaseException, *, operation: str, bucket: str | None,
         return error
     new.__cause__ = error
     return new
+
+
+def _skewed(headers: dict) -> bool:
+    skew = skew_from_answer({}, headers)
+    return skew is not None and abs(skew) > ALLOWED_SKEW_S
+
+
+def _wrong_region(region, status, code, operation, bucket, key, request_id) -> WrongRegionError:
+    """The bucket is in another region than the one configured: not followed (docs/aws.md says
+    why), named, with the setting to change."""
+    if region:
+        where = (f"s3://{bucket} is in region {region}: set S3Config(region={region!r}) or AWS_REGION={region} "
+                 f"(and, if you set endpoint_url, that region's endpoint, https://s3.{region}.amazonaws.com)")
+    else:
+        where = (f"s3://{bucket} is in another region than the one configured, and S3 did not say which: set "
+                 "S3Config(region=...) or AWS_REGION to the bucket's (`aws s3api head-bucket` shows it)")
+    return WrongRegionError(f"{operation} failed: {where}", bucket_region=region, operation=operation,
+                            bucket=bucket, key=key or None, status=status, code=code, request_id=request_id)
 
 
 def _classify(status: int | None, code: str | None, operation: str, key: str | None):
@@ -149,25 +194,3 @@ def text(node, name: str) -> str:
         if _local(c.tag) == name:
             return c.text or ""
     return ""
-
-
-def parse_iso(value: str) -> float | None:
-    if not value:
-        return None
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def parse_http_date(value: str | None) -> float | None:
-    if not value:
-        return None
-    from email.utils import parsedate_to_datetime
-
-    try:
-        return parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None

@@ -8,8 +8,10 @@ run on.
 
 Owns :class:`SocketSender` (one per native client: its signing config, threads and idle
 connections), :class:`Flow` (one operation's requests as the CRT's meta request behaves),
-:class:`Live` (whether a flow goes on; cancel wakes its blocked threads) and the answers and
-errors of one request (translated as the CRT's are). Each request is retried here, as the CRT
+:class:`Live` (whether a flow goes on; cancel wakes its blocked threads), the answers and
+errors of one request (translated as the CRT's are; an answer the server sent before it
+stopped reading a body is read, not lost) and what these sockets cannot do, refused by name
+(:func:`refuse_proxy`, :func:`refuse_directory_bucket`). Each request is retried here, as the CRT
 retries its own, at most ``max_retries`` times. It must not know what an upload or a read is
 (:mod:`s3dcp.s3.sockets`, :mod:`s3dcp.s3.socket_reads`) nor queue requests or hold deadlines
 (:mod:`s3dcp.s3.request`).
@@ -29,17 +31,42 @@ from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 from ..config import S3Config
-from ..errors import S3ConnectionError, S3Error
+from ..errors import ConfigError, S3ConnectionError, S3Error
+from ..uri import directory_bucket_zone
+from .proxy import proxy_for
 from .responses import text
 
-__all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender"]
+__all__ = ["Answer", "Cancelled", "Flow", "Live", "SocketSender", "refuse_proxy", "refuse_directory_bucket"]
 
 _MAX_ANSWER = 1 << 20  # bytes of an answer's body read at most (errors and XML results are small)
 STALL_S = 30.0  # a connection that moves no byte for this long is dropped and its request retried
 _SEND_SLICE = 1 << 20  # bytes per sendall, each bounded by STALL_S (a stall, not a slow link, fails)
+_EARLY_ANSWER_S = 5.0  # after a failed send, how long the answer the server may have sent is waited for
 _RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                           "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
                           "ServiceUnavailable", "BadDigest", "XAmzContentChecksumMismatch"})
+
+
+def refuse_proxy(config: S3Config) -> None:
+    """ConfigError if the environment names an HTTP proxy for the endpoint: the CRT's requests
+    would go through it and these sockets, which connect directly, would not (where S3 is
+    reachable only through the proxy, every part would fail)."""
+    proxy = proxy_for(config.endpoint_url)
+    if proxy is not None:  # the variable's name only: its value may hold the proxy's password
+        raise ConfigError(
+            f"transport='sockets' does not go through HTTP proxies, and {proxy[0]} names one for "
+            f"{config.endpoint_url}: use transport='crt' (S3Config(transport='crt') or S3DCP_TRANSPORT=crt), "
+            f"whose requests follow {proxy[0]} and NO_PROXY, or name the endpoint's host in NO_PROXY")
+
+
+def refuse_directory_bucket(bucket: str) -> None:
+    """ConfigError for an S3 Express One Zone directory bucket, whose requests need the session
+    credentials (CreateSession) that only the CRT makes."""
+    if directory_bucket_zone(bucket) is not None:
+        raise ConfigError(
+            f"transport='sockets' cannot sign for the S3 Express One Zone directory bucket {bucket!r} (its "
+            "requests need the session credentials of CreateSession, which only the CRT makes): use "
+            "transport='crt' (S3Config(transport='crt') or S3DCP_TRANSPORT=crt)")
 
 
 class Cancelled(Exception):
@@ -169,7 +196,7 @@ class SocketSender:
         request = HttpRequest(method, path, HttpHeaders([("Host", host), *headers]))
         aws_sign_request(request, self._signing).result()
         conn, reused = self._connection(host)
-        response = None
+        response = early = None
         try:
             live.track(conn)
             try:
@@ -177,10 +204,14 @@ class SocketSender:
                 for name, value in request.headers:
                     conn.putheader(name, value)
                 conn.endheaders()
-                for view in body:  # in slices: a socket's timeout bounds each sendall as a whole
-                    for at in range(0, view.nbytes, _SEND_SLICE):
-                        conn.send(view[at:at + _SEND_SLICE])
-                response = conn.getresponse()
+                try:
+                    for view in body:  # in slices: a socket's timeout bounds each sendall as a whole
+                        for at in range(0, view.nbytes, _SEND_SLICE):
+                            conn.send(view[at:at + _SEND_SLICE])
+                except OSError as unsent:
+                    response = early = _early_answer(conn, unsent, live)
+                else:
+                    response = conn.getresponse()
                 if into is not None and response.status < 300:
                     into(response)
                 data = response.read(_MAX_ANSWER + 1)
@@ -192,8 +223,10 @@ class SocketSender:
             if stale and not live.cancelled:  # the server had closed the idle connection: not a failure
                 return self._exchange(method, host, path, headers, body, live, into)
             raise
-        if len(data) > _MAX_ANSWER or not response.isclosed():
-            conn.close()  # an answer this large is not S3's; its rest is not read
+        if len(data) > _MAX_ANSWER or not response.isclosed() or early is not None:
+            # an answer this large is not S3's (its rest is not read); one that came before the
+            # whole body went out leaves the connection unusable
+            conn.close()
             if len(data) > _MAX_ANSWER:
                 raise S3Error(f"{method} {path}: the server's answer is larger than {_MAX_ANSWER} bytes")
         elif response.will_close:
@@ -209,10 +242,11 @@ class SocketSender:
                 return idle.pop(), True
         parts = urlsplit("//" + host)
         timeout = self.config.connect_timeout_s
+        port = parts.port or (443 if self._tls else 80)  # given: http.client would read "::1" as host ":", port 1
         if self._tls:
-            conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout, context=self._ssl)
+            conn = http.client.HTTPSConnection(parts.hostname, port, timeout=timeout, context=self._ssl)
         else:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+            conn = http.client.HTTPConnection(parts.hostname, port, timeout=timeout)
         conn.connect()
         # A send or receive that makes no progress for STALL_S fails the exchange, which is retried
         # (the CRT drops a connection that stalls as long); the request's deadline
@@ -227,6 +261,24 @@ class SocketSender:
                 self._idle.setdefault(host, []).append(conn)
                 return
         conn.close()
+
+
+def _early_answer(conn: http.client.HTTPConnection, unsent: OSError, live: "Live") -> http.client.HTTPResponse:
+    """The answer the server sent before it stopped reading the request's body, read after the
+    send failed: S3 refuses a request on its head alone (``ExpiredToken``, ``AccessDenied``) and
+    closes the connection while a large part is still being sent, and that answer, not a
+    connection error and a resent part, is what the caller needs. Only an error counts (a
+    success before the whole body went out is none); without one, the send's own failure."""
+    if live.cancelled or conn.sock is None:
+        raise unsent
+    try:
+        conn.sock.settimeout(_EARLY_ANSWER_S)  # it is there at once, or the server sent none
+        response = conn.getresponse()
+    except (OSError, http.client.HTTPException):
+        raise unsent from None
+    if response.status < 300:
+        raise unsent
+    return response
 
 
 def _response_error(answer: Answer, operation: str) -> BaseException:
@@ -296,6 +348,7 @@ class Flow:
 
     def start(self, native, on_done: Callable) -> "Flow":
         """Run on ``native.sender`` (the ``start`` of :class:`s3dcp.s3.request._Call`)."""
+        refuse_directory_bucket(self.bucket)
         self._sender, self._on_done = native.sender, on_done
         self._begin()
         return self

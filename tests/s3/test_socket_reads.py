@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fault_proxy import Rule
+from tls_front import TlsFront, make_certificate
 from s3dcp.config import MiB
 from s3dcp.errors import IntegrityError, NoSuchBucketError, NoSuchKeyError, RequestAbortedError, S3ConnectionError, S3Error
 from s3dcp.s3.client import S3Client
@@ -144,80 +145,11 @@ def test_abort_and_deadline_end_a_read_at_once_and_release_the_destination(s3_se
             time.sleep(0.02)
 
 
-class _TlsFront:
-    """TLS in front of the plain-HTTP server: each TLS connection relayed byte for byte to the
-    server over a connection of its own (the Host header, and so SigV4, stays the client's)."""
-
-    def __init__(self, upstream: tuple[str, int], cert, key) -> None:
-        import socket
-        import ssl
-        import threading
-
-        self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self._context.load_cert_chain(cert, key)
-        self._upstream = upstream
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.1)  # accept() wakes to see close()
-        self._closed = False
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-                conn.settimeout(None)
-                tls = self._context.wrap_socket(conn, server_side=True)
-            except OSError:  # a timeout, or a client that refused the certificate
-                continue
-            plain = socket.create_connection(self._upstream)
-            self._sockets += [tls, plain]
-            for a, b in ((tls, plain), (plain, tls)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst) -> None:
-        try:
-            while data := src.recv(1 << 20):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._closed = True
-        self._thread.join(timeout=10)
-        self._listener.close()
-        for s in self._sockets:
-            try:
-                s.close()
-            except OSError:
-                pass
-
-
 def test_transfers_over_tls_check_the_certificate_against_the_ca_bundle(s3_server, bucket, tmp_path):
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    key, cert, other_key, other = (tmp_path / n for n in ("key.pem", "cert.pem", "other-key.pem", "other.pem"))
-    for k, c in ((key, cert), (other_key, other)):
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(k), "-out", str(c),
-                        "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                       check=True, capture_output=True)
+    cert, key = make_certificate(tmp_path)
+    other, _ = make_certificate(tmp_path, "other")
     u = urlsplit(s3_server.endpoint_url)
-    front = _TlsFront((u.hostname, u.port), cert, key)
+    front = TlsFront((u.hostname, u.port), cert, key)
     try:
         url = f"https://127.0.0.1:{front.port}"
         data = os.urandom(3 * 5 * MiB + 11)  # a multipart upload and reads of many parts

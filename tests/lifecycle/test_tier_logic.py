@@ -1,0 +1,112 @@
+"""The local tier's pure logic, without a server: which step a restore takes, the peer mapping,
+where each object is read from, the marker as untrusted input, and the space budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from s3dcp.errors import ConfigError, MetadataFormatError
+from s3dcp.format.local import LocalMarker
+from s3dcp.lifecycle.replicas import peer_map
+from s3dcp.lifecycle.tiers import LocalTier, choose_step, scan
+from s3dcp.loading.tiered import plan_sources
+from s3dcp.saving.local_copy import LocalCopy
+from s3dcp.uri import parse_s3_uri
+
+
+def _report(node, copies):
+    return node, {(step, rank): (save, world, ()) for step, rank, save, world in copies}
+
+
+def test_the_newest_step_held_in_full_by_the_tiers_together():
+    a = _report("n0", [(20, 0, "x", 2), (10, 0, "w", 2)])
+    b = _report("n1", [(20, 1, "x", 2), (30, 1, "y", 2)])
+    assert choose_step([a, b], in_s3={10}) == 20  # 20: rank 0 on n0, rank 1 on n1
+    assert choose_step([a, b], in_s3={10, 30}) == 30  # S3 holds 30 whole
+    assert choose_step([a, b], in_s3=set(), excluded=frozenset({("n1", 20, 1)})) is None  # 10 lacks rank 1
+    assert choose_step([a, b], in_s3={10}, excluded=frozenset({("n1", 20, 1)})) == 10
+    assert choose_step([a, b], in_s3={10}, wanted=10) == 10
+    # two saves of one step (a save restarted after a crash): never mixed
+    c = _report("n1", [(20, 1, "z", 2)])
+    assert choose_step([a, c], in_s3=set()) is None
+    # a copy corrupt on one node and intact on another is still there
+    d = _report("n0", [(20, 1, "x", 2)])
+    assert choose_step([a, b, d], in_s3=set(), excluded=frozenset({("n1", 20, 1)})) == 20
+
+
+def test_peers_are_on_the_next_node_and_none_on_one_node():
+    assert peer_map(["a", "a", "b", "b"]) == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert peer_map(["a", "b", "c"]) == {0: 1, 1: 2, 2: 0}
+    assert peer_map(["a", "a", "b"]) == {0: 2, 1: 2, 2: 0}  # unequal nodes: every rank still has a peer
+    assert peer_map(["a", "a"]) == {}
+
+
+def test_each_object_comes_from_the_node_then_a_peer_then_s3():
+    sizes = {"o0": 10, "o1": 20, "o2": 30}
+    needs = [{"o0", "o2"}, {"o1"}, {"o0"}]
+    nodes = ["n0", "n0", "n1"]
+    holders = {"o0": {0, 1}, "o1": {2}}  # o2 is nowhere but S3
+    transfers, tiers = plan_sources(needs, sizes, nodes, holders)
+    assert tiers == {"local": 10, "peer": 20 + 10, "s3": 30}
+    assert transfers[1].receive == (("o1", 20, 2),) and transfers[2].send == (("o1", 20, 1),)
+    assert transfers[2].receive == (("o0", 10, 0),) and transfers[0].send == (("o0", 10, 2),)
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"objects": {"../escape": 3}}, r"names object '\.\./escape'"),
+    ({"objects": {"a": -1}}, r"names object 'a' of size -1"),
+    ({"step": True}, "step"),
+    ({"world_size": 0}, "world_size"),
+    ({"version": 9}, "version 9"),
+    ({"format": "other"}, "not an s3dcp local-copy marker"),
+])
+def test_a_marker_is_untrusted_input(doc, field):
+    good = json.loads(LocalMarker(base="s3://bkt/run", step=1, save_id="abc", rank=0, world_size=2,
+                                  objects={"__0_0.abc.distcp": 5}, in_s3=False).encode())
+    bad = {**good, **doc}
+    with pytest.raises(MetadataFormatError, match=field):
+        LocalMarker.decode(json.dumps(bad).encode(), "m")
+    with pytest.raises(MetadataFormatError, match="bytes"):
+        LocalMarker.decode(b" " * (5 << 20), "m")
+
+
+def _tier(tmp_path, **kw):
+    return LocalTier(tmp_path, base=parse_s3_uri("s3://bkt/run"), name=lambda s: f"step-{s}",
+                     step_of=lambda d: int(d[5:]) if d.startswith("step-") else None, **kw)
+
+
+def _complete(tmp_path, step, nbytes):
+    copy = LocalCopy(tmp_path, f"step-{step}", "s3://bkt/run", step)
+    copy.begin(0)
+    copy.write("__0_0.abc.distcp", [bytes(nbytes)])
+    copy.commit(b"metadata", save_id="abc", world_size=1, in_s3=False)
+
+
+def test_the_budget_keeps_the_newest_copy_and_refuses_what_cannot_fit_beside_it(tmp_path):
+    tier = _tier(tmp_path, keep_last=3, budget_bytes=1000)
+    for step in (1, 2):
+        _complete(tmp_path, step, 300)
+    copy, _ = tier.begin_save(3, {})  # nothing to store: room is there
+    assert copy.refusal is None
+    tier._make_room(4, 500)  # 1 and 2 take 600: step 1 goes to make room, the newest (2) stays
+    assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {2}
+    with pytest.raises(ConfigError, match="beside the newest complete local copy"):
+        tier._make_room(5, 800)
+    with pytest.raises(ConfigError, match="cannot hold checkpoint step 6"):
+        tier._make_room(6, 2000)
+    assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {2}
+
+
+def test_a_copy_without_its_marker_or_with_a_short_file_is_never_selected(tmp_path):
+    _complete(tmp_path, 1, 100)
+    partial = LocalCopy(tmp_path, "step-2", "s3://bkt/run", 2)
+    partial.begin(0)
+    partial.write("__0_0.abc.distcp", [bytes(100)])  # killed before its commit: no marker
+    _complete(tmp_path, 3, 100)
+    (tmp_path / "step-3" / "rank-0" / "__0_0.abc.distcp").write_bytes(bytes(50))  # cut short
+    _complete(tmp_path, 4, 100)
+    found = scan(tmp_path, "s3://bkt/run", lambda d: int(d[5:]))
+    assert sorted(found) == [(1, 0), (4, 0)]
+    assert scan(tmp_path, "s3://bkt/other-run", lambda d: int(d[5:])) == {}  # another run's copies: ignored

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import S3Config
-from ..errors import ConfigError, unwrap_error
+from ..errors import CheckpointNotFoundError, ConfigError, unwrap_error
 from ..lifecycle.manager import CheckpointManager as _S3Manager
 from ..loading.reader import S3StorageReader
 from ..saving.staging import release_staging_memory
@@ -100,6 +100,15 @@ class S3CheckpointManager(CheckpointManager):
         incremental: bool = False
         """s3dcp: save each checkpoint as references to the newest committed one for the items
         that did not change (needs an ``s3://`` folder)."""
+        local_dir: str = ""
+        """s3dcp: keep every checkpoint on the node too, in this directory (a tmpfs such as
+        ``/dev/shm/<run>``), and resume from the nearest copy (docs/restart.md)."""
+        s3_every: int = 1
+        """s3dcp, with ``local_dir``: every K-th checkpoint (the first included) also goes to S3."""
+        local_keep_last: int = 2
+        """s3dcp, with ``local_dir``: checkpoints kept on the node."""
+        local_replicas: int = 0
+        """s3dcp, with ``local_dir``: 1 also keeps each rank's copy on a rank of another node."""
 
         def __post_init__(self) -> None:
             # torchtitan refuses Hugging Face files at any remote path because its fsspec route
@@ -115,6 +124,8 @@ class S3CheckpointManager(CheckpointManager):
                 raise ValueError("initial_load_in_hf_quantized is not supported from an s3:// initial_load_path")
             if self.incremental and not s3_folder:
                 raise ValueError(f"incremental=True needs an s3:// checkpoint.folder, not {self.folder!r}")
+            if self.local_dir and not s3_folder:
+                raise ValueError(f"local_dir needs an s3:// checkpoint.folder, not {self.folder!r}")
             self.last_save_in_hf = self.last_save_in_hf and not hf_out
             self.initial_load_in_hf = self.initial_load_in_hf and not hf_in
             try:
@@ -133,7 +144,9 @@ class S3CheckpointManager(CheckpointManager):
             self._s3 = _S3Manager(
                 self.folder, config=s3_config, keep_last=self.keep_latest_k or None,
                 async_mode=self.async_mode != AsyncMode.DISABLED, process_group=self.pg,
-                name_format=_STEP_NAME, incremental=config.incremental)
+                name_format=_STEP_NAME, incremental=config.incremental,
+                **(dict(local_dir=config.local_dir, s3_every=config.s3_every, local_keep_last=config.local_keep_last,
+                        local_replicas=config.local_replicas) if config.local_dir else {}))
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
                 self.stager = _PoolStaging()
             titan_log.info("s3dcp: checkpoints of %s are saved, kept (keep_latest_k=%d, counting committed ones) "
@@ -250,7 +263,12 @@ class S3CheckpointManager(CheckpointManager):
             return super()._load(step)
         from torchtitan.tools import filesystem
 
-        if self._s3 is not None:
+        if self._s3 is not None and self._s3._tiers is not None:  # the local tier: the nearest copy
+            loaded = self._load_nearest(step)
+            if loaded:
+                return True
+            load_step = -1
+        elif self._s3 is not None:
             load_step = self._find_load_step() if step == -1 else step
         else:
             has_folder = filesystem.exists(self.folder)
@@ -279,6 +297,23 @@ class S3CheckpointManager(CheckpointManager):
                       from_quantized=from_quantized)
         GarbageCollection.collect("GC collection for checkpoint loading.")
         titan_log.info(f"Finished loading the checkpoint in {time.monotonic() - begin:.2f} seconds.")
+        return True
+
+    def _load_nearest(self, step: int) -> bool:
+        """Resume through the manager's tiers (local copies, peers, S3); False: nothing to resume."""
+        state = self._states_to_load(False)
+        begin = time.monotonic()
+        try:
+            loaded = self._s3.load(state, step=None if step == -1 else step)
+        except CheckpointNotFoundError:
+            if step != -1:
+                raise
+            return False
+        if MODEL in self.states:  # torchtitan flattens the model's state into the loaded dict
+            self.states[MODEL].load_state_dict(state)
+        GarbageCollection.collect("GC collection for checkpoint loading.")
+        titan_log.info("Loaded step %d from the %s tier in %.2f seconds (%s).", loaded, self._s3.last_load_stats["tier"],
+                       time.monotonic() - begin, self._s3.last_load_stats["job_bytes"])
         return True
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,

@@ -255,6 +255,29 @@ def _worker(rank: int, world: int, bucket: str, cfg) -> dict:
     assert m7.load() is True
     _assert_same(saved["model"], _snapshot(seventh, steps7)["model"], "initial_load_in_hf")
     m7.close()
+
+    # 7. the local tier from torchtitan's config: saves at 2 (S3 too) and 4 (the node only); a new
+    #    job resumes from 4, read from the node's copies, nothing from S3
+    import tempfile
+
+    local = os.path.join(tempfile.gettempdir(), f"titan-local-{bucket}")
+    tiered = f"s3://{bucket}/tiered"
+    steps8 = _Steps()
+    eighth = _components(rank, world, seed=6)
+    m8 = _manager(tiered, cfg, eighth, steps8, interval=2, async_mode="async", local_dir=local, s3_every=2)
+    _train(eighth, iter(eighth[3]), steps8, m8, 4)
+    m8.maybe_wait_for_saving()
+    m8.close()
+    at_four = _snapshot(eighth, steps8)
+    dist.barrier()
+    out["tiered_in_s3"] = _committed(cfg, tiered)
+    steps9 = _Steps()
+    ninth = _components(rank, world, seed=7)
+    m9 = _manager(tiered, cfg, ninth, steps9, local_dir=local, s3_every=2)
+    assert m9.load() is True
+    _assert_same(at_four, _snapshot(ninth, steps9), "resumed from the local tier")
+    out["tiered_stats"] = m9._s3.last_load_stats
+    m9.close()
     return out
 
 
@@ -281,6 +304,13 @@ def test_last_step_is_model_only_in_export_dtype_and_counts_for_retention(titan_
 
 def test_pinned_mode_keeps_every_checkpoint_when_keep_latest_k_is_zero(titan_job):
     assert titan_job[0]["pinned_kept"] == [1, 2, 3]
+
+
+def test_the_local_tier_from_torchtitans_config_resumes_from_the_nodes_copy(titan_job):
+    for r in titan_job:
+        assert r["tiered_in_s3"] == [2]  # s3_every=2: step 4 stayed on the node
+        stats = r["tiered_stats"]
+        assert stats["step"] == 4 and stats["tier"] == "local" and stats["job_bytes"]["s3"] == 0, stats
 
 
 def test_hf_export_at_the_end_has_the_adapters_names(titan_job):

@@ -38,14 +38,14 @@ from typing import Any
 import torch
 
 from ..config import S3Config
-from ..errors import ConfigError, MetadataFormatError, unwrap_error
+from ..errors import ConfigError, IntegrityError, MetadataFormatError, unwrap_error
 from ..lifecycle.inflight import InFlight
 from ..lifecycle.manager import delete_checkpoint
 from ..loading.reader import S3StorageReader
 from ..s3.client import S3Client
 from ..saving.writer import S3StorageWriter, SaveStats
 from ..uri import is_s3_uri, parse_s3_uri
-from . import lightning_fs
+from . import lightning_fs, lightning_local
 
 try:
     import torch.distributed.checkpoint as dcp
@@ -78,10 +78,14 @@ class S3CheckpointIO(CheckpointIO):
             a remaining checkpoint references.
     """
 
-    def __init__(self, *, config: S3Config | None = None, async_save: bool = False, incremental: bool = False) -> None:
+    def __init__(self, *, config: S3Config | None = None, async_save: bool = False, incremental: bool = False,
+                 local_dir: str | os.PathLike | None = None) -> None:
+        if local_dir is not None and incremental:
+            raise ConfigError("S3CheckpointIO: local_dir= and incremental=True cannot go together")
         self.config = config or S3Config()
         self.async_save = async_save
         self.incremental = incremental
+        self.local_dir = local_dir  # every checkpoint also kept here, loaded from here when intact
         self._client: S3Client | None = None
         self._lock = threading.Lock()  # _committed
         self._saves = InFlight()
@@ -111,12 +115,15 @@ class S3CheckpointIO(CheckpointIO):
         tensors, rest = _split(checkpoint)
         tensors[_REST] = _pickled(rest)
         base = self._base_for(uri) if self.incremental else None
+        copy = lightning_local.copy_for(self.local_dir, uri)
         writer = S3StorageWriter(uri, config=self.config, client=self.client, overwrite=True,
-                                 incremental_from=base, item_checksum="crc64nvme" if self.incremental else None)
+                                 incremental_from=base, item_checksum="crc64nvme" if self.incremental else None,
+                                 local_copy=copy)
         self.last_writer = writer
         try:
             if not self.async_save:
-                dcp.save(tensors, storage_writer=writer, **_this_rank_alone())
+                metadata = dcp.save(tensors, storage_writer=writer, **_this_rank_alone())
+                lightning_local.commit(copy, metadata)
                 self._committed_at(uri)
                 return
             response = dcp.async_save(tensors, storage_writer=writer, **_this_rank_alone())
@@ -128,10 +135,12 @@ class S3CheckpointIO(CheckpointIO):
 
         def committed(f: concurrent.futures.Future) -> None:
             try:
-                f.result()
+                lightning_local.commit(copy, f.result())
             except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
                 error = unwrap_error(e)
                 log.error("checkpoint %s failed: %s: %s", uri, type(error).__name__, error)
+                if copy is not None:
+                    copy.discard()
                 done.set_exception(error)
                 return
             self._committed_at(uri)
@@ -158,12 +167,15 @@ class S3CheckpointIO(CheckpointIO):
         uncommitted one raises :class:`~s3dcp.errors.CheckpointNotFoundError` (a
         ``FileNotFoundError``) or :class:`~s3dcp.errors.IncompleteCheckpointError`."""
         uri = _s3_path(path)
-        reader = S3StorageReader(uri, config=self.config, client=self.client)
+        local = lightning_local.reader_for(self.local_dir, uri, self.client)
         try:
-            state = _destinations(reader.read_metadata(), uri)
-            if _REST not in state:
-                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
-            dcp.load(state, storage_reader=reader, **_this_rank_alone())
+            try:
+                state = self._load_with(local, uri) if local is not None else None
+            except IntegrityError as e:  # a corrupt local copy: S3 has the checkpoint
+                log.warning("the local copy of %s is corrupt (%s); loading it from S3", uri, e)
+                state = None
+            if state is None:
+                state = self._load_with(S3StorageReader(uri, config=self.config, client=self.client), uri)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         # bytes from storage: plain data only, unless the caller asked for more in so many words
@@ -172,6 +184,16 @@ class S3CheckpointIO(CheckpointIO):
         if isinstance(map_location, (str, torch.device)):
             state = {k: v.to(map_location) for k, v in state.items()}
         return _join(rest, state)
+
+    def _load_with(self, reader: S3StorageReader, uri: str) -> dict[str, Any]:
+        try:
+            state = _destinations(reader.read_metadata(), uri)
+            if _REST not in state:
+                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
+            dcp.load(state, storage_reader=reader, **_this_rank_alone())
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise unwrap_error(e)
+        return state
 
     # ------------------------------------------------------------------ delete
     def remove_checkpoint(self, path: Any) -> None:
@@ -202,6 +224,7 @@ class S3CheckpointIO(CheckpointIO):
     def _delete(self, uri: str) -> None:
         with self._lock:
             self._committed = {p: u for p, u in self._committed.items() if u != uri}
+        lightning_local.remove(self.local_dir, uri)
         result = delete_checkpoint(self.client, parse_s3_uri(uri))
         log.info("deleted checkpoint %s (%d bytes)%s", uri, result.deleted_bytes,
                  f"; kept {len(result.kept)} object(s) that other checkpoints reference" if result.kept else "")

@@ -54,6 +54,37 @@ def test_round_trip_is_exact_with_int_keys_empty_containers_and_dtypes(s3_config
     assert b"state_dict/net.0.weight" in bytes(md)
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_local_copy_is_loaded_from_the_node_and_a_corrupt_one_from_s3(s3_config, uri, bucket, boto3_client,
+                                                                         tmp_path, caplog, async_save):
+    io = S3CheckpointIO(config=s3_config, local_dir=tmp_path / "local", async_save=async_save)
+    ckpt = lightning_checkpoint(3)
+    path = f"{uri}/epoch=1-step=40.ckpt"
+    io.save_checkpoint(ckpt, path)
+    io.wait()
+    copy = tmp_path / "local" / "epoch=1-step=40.ckpt" / "rank-0"
+    assert (copy / ".local-commit").is_file()
+    prefix = path.split("/", 3)[3] + "/"
+    data = [o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+            if o["Key"].endswith(".distcp")]
+    saved = {k: boto3_client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in data}
+    for k in data:  # S3 no longer holds the data: only the node's copy can give it back
+        boto3_client.delete_object(Bucket=bucket, Key=k)
+    _assert_tree_equal(io.load_checkpoint(path, weights_only=True), ckpt)
+    for k, body in saved.items():
+        boto3_client.put_object(Bucket=bucket, Key=k, Body=body)
+    damaged = next(copy.glob("*.distcp"))
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="s3dcp"):
+        _assert_tree_equal(io.load_checkpoint(path, weights_only=True), ckpt)
+    assert any("local copy" in r.getMessage() and "loading it from S3" in r.getMessage() for r in caplog.records)
+    io.remove_checkpoint(path)
+    io.wait()
+    assert not (tmp_path / "local" / "epoch=1-step=40.ckpt").exists()
+
+
 def test_a_tensor_whose_declared_size_disagrees_with_its_stored_bytes_is_refused_before_allocating():
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        TensorProperties, TensorStorageMetadata)

@@ -177,6 +177,52 @@ def print_restore(a: argparse.Namespace, sources: dict) -> list[dict]:
     return rows
 
 
+def project_restart(a: argparse.Namespace) -> list[dict]:
+    """Restart of the seed's job from each tier, and the GPU time a failure costs (restore plus
+    the steps since the checkpoint it restores, half an interval on average, plus relaunching):
+
+        local    each node reads its ranks' copies from its local_dir (tmpfs: memory bandwidth)
+        peer     one node replaced: it receives its ranks' copies from the node holding their
+                 replicas over the interconnect; every other node reads locally
+        s3       every node reads its share from S3 (NIC or GET rate, as the restore above)
+    """
+    node_bytes = a.checkpoint_gb * GB / a.nodes
+    local_s = node_bytes / (a.local_read_gbps * GB)
+    peer_s = max(local_s, node_bytes / (a.interconnect_gbps / 8 * GB))
+    s3_s = project_restore(a, 1)["plain_s"]
+    gpus = a.nodes * a.gpus_per_node
+    s3_interval = a.every_steps * a.step_s
+    local_interval = a.local_every_steps * a.step_s
+
+    def lost(restore_s: float, interval_s: float) -> float:  # GPU-hours per failure
+        return gpus * (a.relaunch_s + restore_s + interval_s / 2) / 3600
+
+    return [
+        {"case": f"S3 only, every {a.every_steps} steps: any failure", "tier": "s3", "restore_s": s3_s,
+         "gpu_hours": lost(s3_s, s3_interval)},
+        {"case": f"local every {a.local_every_steps} steps (S3 every {a.every_steps}): a process dies",
+         "tier": "local", "restore_s": local_s, "gpu_hours": lost(local_s, local_interval)},
+        {"case": "  ... a node is lost, local_replicas=1", "tier": "peer", "restore_s": peer_s,
+         "gpu_hours": lost(peer_s, local_interval)},
+        {"case": "  ... a node is lost, no replicas (the last S3 step)", "tier": "s3", "restore_s": s3_s,
+         "gpu_hours": lost(s3_s, s3_interval)},
+        {"case": "  ... a node and its replica partner lost together", "tier": "s3", "restore_s": s3_s,
+         "gpu_hours": lost(s3_s, s3_interval)},
+    ]
+
+
+def print_restart(a: argparse.Namespace) -> list[dict]:
+    rows = project_restart(a)
+    print(f"\nRestart from the nearest copy (local tier: {a.local_read_gbps:g} GB/s per node from local_dir, "
+          f"assumed for tmpfs; relaunch {a.relaunch_s:g} s; GPU time lost per failure = GPUs x (relaunch + "
+          "restore + half an interval of steps))")
+    width = max(len(r["case"]) for r in rows)
+    print(f"  {'case'.ljust(width)}  {'tier':>5}  {'restore s':>9}  {'GPU-hours lost':>14}")
+    for r in rows:
+        print(f"  {r['case'].ljust(width)}  {r['tier']:>5}  {r['restore_s']:>9.2f}  {r['gpu_hours']:>14.1f}")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default="results", help="where the measured results are (default results/)")
@@ -208,6 +254,12 @@ def main(argv=None) -> int:
     p.add_argument("--get-gbps-per-process", type=float, default=None,
                    help="download rate one process reaches, GB/s (default: no cap below the NIC)")
     p.add_argument("--download-part-mib", type=float, default=8.0, help="S3Config.download_part_size_bytes (MiB)")
+    p.add_argument("--local-read-gbps", type=float, default=20.0,
+                   help="per node, reading its local_dir (GB/s; assumed: tmpfs ~ memory bandwidth, NVMe ~6)")
+    p.add_argument("--local-every-steps", type=int, default=100,
+                   help="checkpoint interval the local tier makes affordable (S3 every --every-steps)")
+    p.add_argument("--relaunch-s", type=float, default=60.0,
+                   help="relaunching the job after a failure, before the restore (assumed)")
     p.add_argument("--json", metavar="PATH", help="write assumptions and projection as JSON")
     a = p.parse_args(argv)
 
@@ -265,10 +317,11 @@ def main(argv=None) -> int:
         print(f"\n  spread the objects over >= {need} prefixes to stay under S3's per-prefix rate: "
               f"S3Config(key_prefix_spread={need})")
     restore = print_restore(a, sources)
+    restart = print_restart(a)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"assumptions": vars(a), "sources": sources, "projection": r, "restore": restore,
-                       "restore_measured": restore_measured}, f, indent=2)
+                       "restore_measured": restore_measured, "restart": restart}, f, indent=2)
     return 0
 
 

@@ -24,7 +24,7 @@ from doc_pages import ROOT, all_blocks, aws_env, blocks, fresh_bucket, in_bucket
 
 PAGES = ["docs/memory.md", "docs/incremental.md", "docs/format.md", "docs/interop.md", "docs/aws.md",
          "docs/troubleshooting.md", "docs/errors.md",
-         "docs/benchmarks.md", "docs/trainers.md", "docs/compatibility.md", "docs/restore.md"]
+         "docs/benchmarks.md", "docs/trainers.md", "docs/compatibility.md", "docs/restore.md", "docs/restart.md"]
 
 
 def test_every_s3config_field_is_in_the_configuration_table():
@@ -72,6 +72,7 @@ RUN_BY = {
     "docs/trainers.md": ["", "python", "python"],                # the trainers' tests
     "docs/compatibility.md": ["python"],                          # test_the_compat_settings
     "docs/restore.md": ["python", "text", "text"],                # test_the_cooperative_snippet; a diagram, a table
+    "docs/restart.md": ["python"],                                # test_the_restart_snippet
 }
 
 
@@ -327,3 +328,26 @@ def test_a_results_file_becomes_a_record_of_its_figures():
                       "x_less_stall": 16.4}
     text = figures.render_train_loop([record, dict(record, x_less_stall=6.9, load_avg_1min=7.2)])
     assert "by 6.9–16x on a test (2 runs, load average 4–7, median 12x;" in " ".join(text.split())
+
+
+# ------------------------------------------------------------------ docs/restart.md
+def test_the_restart_snippet(aws_env, s3_server, tmp_path):
+    """Run twice, as a job and its restart: the second run resumes from the node's copy of the
+    newest step (not in S3: every 10th only goes there), reading nothing from S3."""
+    (snippet,) = blocks("Restart from the nearest copy", "python", "docs/restart.md")
+    bucket = fresh_bucket(s3_server)
+    code = in_bucket(snippet, bucket).replace('"/dev/shm/run7"', repr(str(tmp_path / "run7")))
+    state = {"w": torch.zeros(1000), "step": 0}
+
+    def train_step():
+        state["w"].add_(1)
+
+    runs = []
+    for _ in range(2):
+        scope = {"cfg": S3Config(), "state": state, "train_step": train_step}
+        exec(code, scope)  # noqa: S102 - the page's own code
+        runs.append(scope)
+    assert runs[0]["start"] == 0 and runs[1]["start"] == 300
+    stats = runs[1]["manager"].last_load_stats
+    assert stats["step"] == 300 and stats["tier"] == "local" and stats["s3_bytes"] == 0, stats
+    assert torch.equal(state["w"], torch.full((1000,), 600.0))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import s3dcp
+from s3dcp import CheckpointManager
 from s3dcp import cli
 from s3dcp import localserver
 
@@ -150,6 +151,24 @@ def test_the_resume_recipe_runs_and_resumes(aws_env, s3_server):
     exec(_in(recipe, bucket), scope)  # noqa: S102 - run again: resumes at the last checkpoint
     assert scope["start"] == 2000 and steps == [] and torch.equal(model.weight, weight)
     assert [c.step for c in scope["manager"].list()] == [1000, 2000]
+
+
+def test_the_local_tier_snippet_keeps_steps_on_the_node_and_restarts_from_there(aws_env, s3_server, tmp_path):
+    (snippet,) = _blocks("Restart from the nearest copy", "python")
+    bucket = _fresh_bucket(s3_server)
+    code = _in(snippet, bucket).replace('"/dev/shm/run7"', repr(str(tmp_path / "run7")))
+    scope = {"CheckpointManager": CheckpointManager, "cfg": s3_server.s3_config()}
+    exec(code, scope)  # noqa: S102 - the README's own code
+    state = {"w": torch.arange(10.0)}
+    with scope["manager"] as manager:
+        for step in (1, 2):  # step 1 goes to S3 too (the first of every s3_every); step 2 stays on the node
+            state["w"].add_(1)
+            manager.save(step, state)
+    exec(code, scope)  # noqa: S102 - the restarted job's manager
+    out = {"w": torch.zeros(10)}
+    assert scope["manager"].load(out) == 2 and torch.equal(out["w"], state["w"])
+    assert scope["manager"].last_load_stats["tier"] == "local"
+    assert [c.step for c in scope["manager"].list() if c.committed] == [1]  # in S3: step 1 only
 
 
 # ------------------------------------------------------------------ The s3dcp command

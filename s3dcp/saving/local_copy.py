@@ -12,7 +12,8 @@
 Owns writing the files; it must not decide which step is kept locally or sent to S3 (the
 manager's tiers, :mod:`s3dcp.lifecycle.tiers`) nor read copies back (:mod:`s3dcp.loading.local`).
 Picklable (paths only): DCP's process executor writes through it in the child process, and the
-commit, in the parent, lists what the child wrote.
+commit, in the parent, lists what the child wrote. Imports no torch (the manager, which
+``s3dcp ls`` and ``rm`` import, holds one).
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-import torch
-
 from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, LocalMarker, rank_dir_name
-from ..format.tensors import byte_view
 
 __all__ = ["LocalCopy"]
 
@@ -57,12 +55,12 @@ class LocalCopy:
         self.dir.mkdir(parents=True)
 
     def write(self, name: str, buffers: Iterable) -> int:
-        """Write ``buffers`` (tensors or byte views, back to back) as object ``name``; its size."""
+        """Write ``buffers`` (byte views, back to back) as object ``name``; its size."""
         written = 0
         fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for buffer in buffers:
-                view = byte_view(buffer) if isinstance(buffer, torch.Tensor) else memoryview(buffer).cast("B")
+                view = memoryview(buffer).cast("B")
                 for at in range(0, view.nbytes, _WRITE_SLICE):
                     piece = view[at:at + _WRITE_SLICE]
                     while piece.nbytes:

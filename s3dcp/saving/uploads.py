@@ -279,7 +279,7 @@ class Uploads:
         local copy the same bytes are written to the node's local directory first; a step kept
         only there (``upload=False``) sends nothing."""
         if self.local is not None:
-            self.local.write(name, buffers)
+            self.local.write(name, [byte_view(b) if isinstance(b, torch.Tensor) else b for b in buffers])
         self.bytes += nbytes
         if not self.upload:
             done: Future = Future()

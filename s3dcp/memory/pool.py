@@ -44,11 +44,16 @@ def _align(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
+_TAIL_BYTES = 64 << 10  # room after a slab's tensors for a save's small serialized values
+
+
 def _rounded(nbytes: int) -> int:
-    """A slab's capacity for ``nbytes``: rounded up (to 1/16 of its power of two, at least
-    1 MiB), so that a slightly larger object next time reuses the slab."""
+    """A slab's capacity for ``nbytes``: with room for small values after them, rounded up (to
+    1/16 of its power of two, at least 1 MiB), so that a slightly larger object next time
+    reuses the slab."""
     if nbytes <= 0:
         return 0
+    nbytes += _TAIL_BYTES
     grain = max(MiB, (1 << (nbytes.bit_length() - 1)) // 16)
     return -(-nbytes // grain) * grain
 

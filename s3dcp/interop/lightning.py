@@ -174,6 +174,9 @@ class S3CheckpointIO(CheckpointIO):
             except IntegrityError as e:  # a corrupt local copy: S3 has the checkpoint
                 log.warning("the local copy of %s is corrupt (%s); loading it from S3", uri, e)
                 state = None
+            finally:
+                if local is not None:
+                    local.client.close()  # its local-read threads
             if state is None:
                 state = self._load_with(S3StorageReader(uri, config=self.config, client=self.client), uri)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

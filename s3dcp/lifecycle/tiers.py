@@ -12,10 +12,11 @@
       1. what each node holds (complete copies: marker, files at their sizes) and what S3 holds
       2. the newest step every saving rank's part of which is held somewhere: locally, by a
          peer node, or in S3 — the same step on every rank, never a mix
-      3. the node's copies of that step verified against the item checksums (shared among the
-         node's ranks); a corrupt one is named in the log and its objects come from the next
-         tier (step 2 again, without it)
-      4. dcp.load through loading/tiered.py: local files, objects sent by peers, the rest from S3
+      3. dcp.load through loading/tiered.py: local files, objects sent by peers, the rest from
+         S3, every item verified as it is read
+      4. only if that fails a checksum: the nodes' copies of the step are checked (shared among
+         each node's ranks); a corrupt one is named in the log and its objects come from the
+         next tier (step 2 again, without it)
 
 Owns the tier policy (which steps go where, what is kept, which step a restore takes, what is
 intact); the files are saving/local_copy.py's, the transfers lifecycle/replicas.py's and
@@ -228,51 +229,85 @@ class LocalTier:
     # ------------------------------------------------------------------ restore
     def restore(self, manager: Any, state_dict: dict, step: int | None = None) -> tuple[int, dict]:
         """Load the newest step the tiers hold in full (or ``step``) into ``state_dict``; return
-        it and the load's figures (see :attr:`CheckpointManager.last_load_stats`)."""
-        import torch.distributed.checkpoint as dcp
+        it and the load's figures (see :attr:`CheckpointManager.last_load_stats`).
 
-        from .._dcp_warning import ours
-        from ..format.metadata import decode_metadata
+        Every item is verified against its checksum as it is read, whatever the tier. Only when
+        a load fails so (an ``IntegrityError`` on some rank: every rank hears of it through
+        DCP) are the nodes' copies of the step checked, each node's by its ranks, and the load
+        is made again without the corrupt ones (named in the log) — no second pass over the
+        bytes when the copies are intact."""
+        from ..errors import IntegrityError, unwrap_error
         from ..loading.cooperative import node_name
-        from ..loading.tiered import TieredClient, TieredReader
 
         self.wait()
         group, dist_on = self.process_group, _dist_on()
-        me, world = (_rank(group), _world(group)) if dist_on else (0, 1)
+        me = _rank(group) if dist_on else 0
         here = scan(self.dir, str(self.base), self.step_of)
         s3_steps = {info.step for info in manager.list() if info.committed} if me == 0 else set()
         mine = {key: (m.save_id, m.world_size, tuple(sorted(m.objects))) for key, (m, _) in here.items()}
-        reports = _gather((node_name(), mine, sorted(s3_steps)), group) if dist_on else [(node_name(), mine,
-                                                                                          sorted(s3_steps))]
+        report = (node_name(), mine, sorted(s3_steps))
+        reports = _gather(report, group) if dist_on else [report]
         nodes = [r[0] for r in reports]
         in_s3 = set(reports[0][2])
-        excluded: set = set()
+        excluded: set = set()  # (node, step, saving rank) of the copies found corrupt
+        checked: set[int] = set()  # steps whose copies were checked
         while True:
             chosen = choose_step([(r[0], r[1]) for r in reports], in_s3, wanted=step, excluded=frozenset(excluded))
             if chosen is None:
                 raise CheckpointNotFoundError(
                     f"no checkpoint{'' if step is None else f' at step {step}'} of {self.base} is held in full by "
                     f"the local copies ({self.dir} on each node), their replicas or S3")
-            gone = {(s, r) for n, s, r in excluded if n == nodes[me]}  # this node's corrupt copies
-            metadata_bytes = _local_metadata(here, chosen, gone)
-            locations = None
-            if metadata_bytes is not None:
-                locations = decode_metadata(metadata_bytes, source=f"{self.dir}/{self.name(chosen)}").storage_data
-            peers = [r for r, n in enumerate(nodes) if n == nodes[me]]
-            share = (lambda rank: rank % len(peers) == peers.index(me))  # noqa: E731
-            bad = {(nodes[me], s, r) for s, r in self.verify(chosen, {k: v for k, v in here.items() if k not in gone},
-                                                              share, locations.values())} if locations is not None else set()
-            all_bad = set().union(*_gather(bad, group)) if dist_on else bad
-            if not all_bad - excluded:
-                break
-            excluded |= all_bad
+            try:
+                return chosen, self._load_step(manager, state_dict, chosen, reports, here, excluded, in_s3)
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                failure = unwrap_error(e)
+                failures = getattr(failure, "rank_errors", None) or {me: failure}
+                if chosen in checked or not any(isinstance(f, IntegrityError) for f in failures.values()):
+                    raise
+            checked.add(chosen)
+            bad = self._check_node(chosen, here, excluded, nodes, me)
+            found = set().union(*_gather(bad, group)) if dist_on else bad
+            if not found - excluded:  # no local copy is to blame: the bytes came from S3 or a peer
+                raise failure
+            excluded |= found
+
+    def _check_node(self, step: int, here: dict, excluded: set, nodes: list[str], me: int) -> set:
+        """(node, step, saving rank) of this node's copies of ``step`` this rank checks (the node's
+        ranks share them) that fail their checksums."""
+        from ..format.metadata import decode_metadata
+
+        gone = {(s, r) for n, s, r in excluded if n == nodes[me]}
+        metadata = _local_metadata(here, step, gone)
+        if metadata is None:
+            return set()
+        locations = decode_metadata(metadata, source=f"{self.dir}/{self.name(step)}").storage_data.values()
+        peers = [r for r, n in enumerate(nodes) if n == nodes[me]]
+        intact = {k: v for k, v in here.items() if k not in gone}
+        return {(nodes[me], s, r) for s, r in
+                self.verify(step, intact, lambda rank: rank % len(peers) == peers.index(me), locations)}
+
+    def _load_step(self, manager: Any, state_dict: dict, chosen: int, reports: list, here: dict, excluded: set,
+                   in_s3: set) -> dict:
+        """dcp.load of step ``chosen`` from the nearest copies; the load's figures."""
+        import torch.distributed.checkpoint as dcp
+
+        from .._dcp_warning import ours
+        from ..format.metadata import decode_metadata
+        from ..loading.tiered import TieredClient, TieredReader
+        from ..uri import object_key
+
+        group, dist_on = self.process_group, _dist_on()
+        nodes = [r[0] for r in reports]
+        me = _rank(group) if dist_on else 0
+        gone = {(s, r) for n, s, r in excluded if n == nodes[me]}  # this node's corrupt copies
+        metadata_bytes = _local_metadata(here, chosen, gone)
         # the metadata: a copy on this node, else S3's, else sent by a rank whose node has one
         if dist_on:
             have = _gather(metadata_bytes is not None, group)
             if not all(have) and chosen not in in_s3:
-                box = [metadata_bytes]
                 import torch.distributed as dist
 
+                box = [metadata_bytes]
                 dist.broadcast_object_list(box, group_src=have.index(True), group=group)
                 metadata_bytes = box[0]
         uri = self.base.child(self.name(chosen))
@@ -289,20 +324,21 @@ class LocalTier:
         local_paths = {name: rank_dir / name for (s, saver), (marker, rank_dir) in here.items()
                        if s == chosen and (s, saver) not in gone for name in marker.objects}
         names = {loc.object_name for loc in decode_metadata(metadata_bytes, source=str(uri)).storage_data.values()}
-        from ..uri import object_key
-
         client = TieredClient(manager.client, uri.bucket, {n: object_key(uri, n) for n in names}, metadata_bytes,
                               uri.key(LOCAL_METADATA_NAME))
-        reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes, local_paths=local_paths,
-                                   process_group=group))
-        dcp.load(state_dict, storage_reader=reader, process_group=group, no_dist=not dist_on)
+        try:
+            reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes,
+                                       local_paths=local_paths, process_group=group))
+            dcp.load(state_dict, storage_reader=reader, process_group=group, no_dist=not dist_on)
+        finally:
+            client.close()
         mine_bytes = dict(client.bytes)
         totals = _gather(mine_bytes, group) if dist_on else [mine_bytes]
         job = {tier: sum(t[tier] for t in totals) for tier in ("local", "peer", "s3")}
         farthest = "s3" if job["s3"] else "peer" if job["peer"] else "local"
-        return chosen, {"step": chosen, "tier": farthest, "local_bytes": mine_bytes["local"],
-                        "peer_bytes": mine_bytes["peer"], "s3_bytes": mine_bytes["s3"], "job_bytes": job,
-                        "corrupt_copies": sorted([s, r] for _, s, r in excluded)}
+        return {"step": chosen, "tier": farthest, "local_bytes": mine_bytes["local"],
+                "peer_bytes": mine_bytes["peer"], "s3_bytes": mine_bytes["s3"], "job_bytes": job,
+                "corrupt_copies": sorted([s, r] for _, s, r in excluded)}
 
     def verify(self, step: int, copies: dict, share: Callable[[int], bool], locations) -> set[tuple[int, int]]:
         """(step, saving rank) of this node's copies of ``step`` (those ``share`` gives this rank)

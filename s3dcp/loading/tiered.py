@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,6 +32,7 @@ from .reader import S3StorageReader
 __all__ = ["TieredClient", "TieredReader", "Transfers", "plan_sources"]
 
 _CHUNK = 64 << 20
+_LOCAL_READERS = 2  # threads reading local files (the kernel's copy), beside the verification
 
 
 class TieredClient:
@@ -48,6 +49,13 @@ class TieredClient:
         self._metadata, self._metadata_key = metadata, metadata_key
         self.bytes = {"local": 0, "peer": 0, "s3": 0}
         self._lock = threading.Lock()
+        self._readers: ThreadPoolExecutor | None = None  # local reads, beside the reader's verification
+
+    def close(self) -> None:
+        """Let go of the local-read threads (the S3 client is the caller's)."""
+        readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
 
     def add_file(self, name: str, path: Path) -> None:
         self.files[self._keys[name]] = path
@@ -80,21 +88,21 @@ class TieredClient:
             future = self.s3.get_scatter(bucket, key, start, end, sinks)
             future.add_done_callback(lambda f: f.exception() is None and self._count("s3", end - start))
             return future
-        try:
-            if key in self.files:
-                got = _pread_scatter(self.files[key], start, end, sinks)
-                self._count("local", got)
-            else:
-                got = _copy_scatter(self.received[key], start, end, sinks)
-                self._count("peer", got)
-            if got != end - start:
-                raise IntegrityError(f"{self.files.get(key, key)}: asked for {end - start} bytes at offset {start}, "
-                                     f"got {got} — the local copy is shorter than its metadata says")
-            return _done(got)
-        except BaseException as e:  # noqa: BLE001 - the future carries it, as an S3 read's would
-            failed: Future = Future()
-            failed.set_exception(e)
-            return failed
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(_LOCAL_READERS, thread_name_prefix="s3dcp-local-read")
+        return self._readers.submit(self._read_here, key, start, end, list(sinks))
+
+    def _read_here(self, key: str, start: int, end: int, sinks) -> int:
+        if key in self.files:
+            got = _pread_scatter(self.files[key], start, end, sinks)
+            self._count("local", got)
+        else:
+            got = _copy_scatter(self.received[key], start, end, sinks)
+            self._count("peer", got)
+        if got != end - start:
+            raise IntegrityError(f"{self.files.get(key, key)}: asked for {end - start} bytes at offset {start}, "
+                                 f"got {got} — the local copy is shorter than its metadata says")
+        return got
 
     def get_range_into(self, bucket: str, key: str, offset: int, dest) -> "Future[int]":
         view = memoryview(dest).cast("B")

@@ -1,6 +1,7 @@
 """Checked access to decoded JSON, for every metadata format version: exact type checks whose errors
 name the field (``metadata.storage_data.rows: expected a JSON integer, got a JSON string``), so
 untrusted metadata is refused with a :class:`~s3dcp.errors.MetadataFormatError` that says where.
+A ``where`` is text or an :class:`~s3dcp.format.context.At`, made into text only by an error.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...errors import MetadataFormatError
+from ..context import At
 
 # ---------------------------------------------------------------------------------------------
 # Checked access. Type checks are exact, so a JSON true is never taken for the integer 1.
@@ -19,7 +21,7 @@ def _get(obj: Any, key: str, where: str, check: Callable[[Any, str], Any] | None
         raise MetadataFormatError(f"{where}: expected a JSON object, got a JSON {_json_type(obj)}")
     if key not in obj:
         raise MetadataFormatError(f"{where}: missing field {key!r}")
-    return obj[key] if check is None else check(obj[key], f"{where}.{key}")
+    return obj[key] if check is None else check(obj[key], At(where, ".", key))
 
 
 def _exact(t: type, name: str) -> Callable[[Any, str], Any]:
@@ -43,6 +45,24 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
     if type(value) is not list or any(type(v) is not int for v in value):
         raise MetadataFormatError(f"{where}: expected an array of integers, got {_short(value)}")
     return tuple(value)
+
+
+# Parsing JSON is bounded by its size, except that an array or object costs ~60 bytes of memory
+# for its 2 or 3 bytes of text ("[],"), and decoding copies the tree once more. What s3dcp writes
+# has one per >= 30 bytes (a format-1 document, a format-2 header); more is refused before parsing.
+MIN_CONTAINERS = 2**18
+BYTES_PER_CONTAINER = 12
+
+
+def check_containers(text: bytes | memoryview, where: str) -> None:
+    """Refuse JSON ``text`` holding more arrays and objects than s3dcp writes in as many bytes,
+    before it is parsed (a 9.9 MB format-2 header of ``[],`` took +469 MiB and 5 s to parse)."""
+    raw = bytes(text) if type(text) is not bytes else text
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers > max(MIN_CONTAINERS, len(raw) // BYTES_PER_CONTAINER):
+        raise MetadataFormatError(
+            f"{where}: {containers} JSON arrays and objects in {len(raw)} bytes, more than s3dcp writes "
+            "(one per 30 bytes or more); the object is damaged or crafted")
 
 
 def _reject_constant(name: str) -> Any:

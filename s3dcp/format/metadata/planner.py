@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...errors import MetadataFormatError
+from ..context import At, quoted
 from .budget import DecodeBudget
 
 __all__ = ["compact", "expand", "SPLIT", "ODD"]
@@ -164,7 +165,7 @@ def expand(node: Any, fqns: list[str], budget: DecodeBudget, decode_tree: Callab
         if t == SPLIT:
             out[key] = tuple(key.split("."))
         elif t == ODD:
-            out[key] = decode_tree(next(odd_values), f"planner_data[{key!r}]")
+            out[key] = decode_tree(next(odd_values), At("planner_data[", quoted(key), "]"))
         else:
             out[key] = templates[t - 2](key)
     return out

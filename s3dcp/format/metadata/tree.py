@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from ...errors import MetadataFormatError
+from ..context import At
 from .fields import _ints, _list, _short, _str, _type_name
 from .names import check_name
 from .plain import TreeDtype, TreeSize
@@ -69,21 +70,21 @@ def decode_tree(node: Any, where: str) -> Any:
     if node is None or t is bool or t is int or t is float or t is str:
         return node
     if t is list:
-        return [decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        return [decode_tree(v, At(where, "[", i, "]")) for i, v in enumerate(node)]
     if len(node) != 1:
         msg = f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}"
         raise MetadataFormatError(msg)
     ((tag, body),) = node.items()
     if tag == "__tuple__":
-        return tuple(decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_list(body, where)))
+        return tuple(decode_tree(v, At(where, "[", i, "]")) for i, v in enumerate(_list(body, where)))
     if tag == "__dict__":
         out = {}
         for i, pair in enumerate(_list(body, where)):
             if type(pair) is not list or len(pair) != 2:
                 raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
-            key = decode_tree(pair[0], f"{where} key {i}")
+            key = decode_tree(pair[0], At(where, " key ", i))
             try:
-                out[key] = decode_tree(pair[1], f"{where}[{i}]")
+                out[key] = decode_tree(pair[1], At(where, "[", i, "]"))
             except TypeError:  # a list can be a value, never a key: encode_tree writes keys as tuples
                 raise MetadataFormatError(f"{where} key {i}: corrupt __dict__: a {_type_name(key)} cannot be a dict key") from None
         return out

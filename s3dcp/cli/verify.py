@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
+from ..format.context import At, quoted
 from ..uri import S3Uri, object_key, parse_s3_uri
 from .common import UsageError, plain_metadata, s3_client
 from .output import format_size, print_json, progress_bar
@@ -22,11 +23,13 @@ _READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one bloc
 # ---------------------------------------------------------------------- verify
 def cmd_verify(args) -> int:
     """Read every item the metadata declares and check it against its checksum. OK only when
-    every declared item was read whole and matched; an item with an impossible location, no
-    checksum (nothing to check it against), a short or failed read, or a mismatch makes the
-    exit status 1 and is named."""
+    every declared item was read whole and matched; a declared chunk or item a load could not
+    fill (no stored location, another dtype or shape stored, chunks that do not tile their
+    tensor), an item with an impossible location, no checksum (nothing to check it against), a
+    short or failed read, or a mismatch makes the exit status 1 and is named."""
     from collections import deque
 
+    from ..format.metadata.declared import problems
     from ..format.metadata.locations import check_item
 
     uri = parse_s3_uri(args.uri)
@@ -34,15 +37,17 @@ def cmd_verify(args) -> int:
     md = plain_metadata(client, uri)  # decoded without torch
     storage = [] if md.storage is None else list(md.storage.items())
     checks: list[_Verify] = []
-    bad: list[dict[str, Any]] = []
+    # what the metadata declares but does not store as declared: a load of it fails (or fills wrong)
+    bad: list[dict[str, Any]] = [_undeclared(p) for p in problems(md)]
     skipped: list[dict[str, Any]] = []
     declared_bytes = 0
     segments: dict[str, list[layout.Segment]] = {}
     object_sizes: dict[str, int] = {}
     for index, loc in storage:
         declared_bytes += max(0, loc.length) if type(loc.length) is int else 0
+        where = At("item ", quoted(index.fqn), _chunk(index.offset))  # text only on error
         try:
-            check_item(loc, f"item {index.fqn!r}{_chunk(index.offset)}")
+            check_item(loc, where)
         except MetadataFormatError as e:
             bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
             continue
@@ -52,7 +57,7 @@ def cmd_verify(args) -> int:
         try:  # memory is taken only for bytes its object holds: a crafted length or block size stops here
             if loc.object_name not in object_sizes:
                 object_sizes[loc.object_name] = client.head(uri.bucket, object_key(uri, loc.object_name)).result().size
-            layout.check_in_object(loc, object_sizes[loc.object_name], f"item {index.fqn!r}{_chunk(index.offset)}")
+            layout.check_in_object(loc, object_sizes[loc.object_name], where)
         except MetadataFormatError as e:
             bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
             continue
@@ -106,7 +111,10 @@ def cmd_verify(args) -> int:
     else:
         for b in bad:
             where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
-            if b["reason"]:
+            if b["object"] is None:  # declared, not stored as declared
+                chunk = "" if b["offset"] is None else f" (chunk at {tuple(b['offset'])})"
+                print(f"BAD {b['fqn'] or 'metadata'}{chunk}: {b['reason']}")
+            elif b["reason"]:
                 print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']}: {b['reason']}")
             else:
                 print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
@@ -116,7 +124,8 @@ def cmd_verify(args) -> int:
                   f"{b['reason']}")
         if ok:
             print(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
-                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified")
+                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified; "
+                  "every chunk and item the metadata declares is among them")
     if not ok:
         parts = [f"{len(bad)} bad item(s)"] if bad else []
         if skipped:
@@ -156,6 +165,12 @@ def _bad(uri: S3Uri, index, loc, got: str | None, bad_blocks: Sequence[int] = ()
             "offset": None if index.offset is None else list(index.offset),
             "start": loc.offset, "end": loc.offset + loc.length, "expected": loc.checksum, "got": got,
             "bad_blocks": list(bad_blocks), "reason": reason}
+
+
+def _undeclared(problem) -> dict[str, Any]:
+    """A declared chunk or item that is not stored as declared (``declared.Problem``), as ``_bad`` gives."""
+    return {"object": None, "fqn": problem.fqn, "offset": None if problem.offset is None else list(problem.offset),
+            "start": None, "end": None, "expected": None, "got": None, "bad_blocks": [], "reason": problem.reason}
 
 
 def _chunk(offset) -> str:

@@ -7,9 +7,10 @@ bytes that do not match its tensors, and a load would then fill a tensor partly,
 wrong bytes, and call it a success. :func:`validate_metadata` checks what a load relies on:
 
 - every chunk box of ``state_dict_metadata`` has as many offsets and sizes as its tensor has
-  dimensions, none negative, and lies inside the tensor; no two non-empty boxes start at the same
-  offsets, and the boxes' volumes add up to the tensor's (DCP's save planner refuses any other
-  plan; partial overlaps that cancel out holes in volume are not looked for, as that is quadratic);
+  dimensions, none negative, and lies inside the tensor, and the boxes tile the tensor exactly:
+  their volumes add up to the tensor's, and (:func:`s3dcp.format.layout.check_tiling`, the
+  export's check) no two overlap, so there is no hole either — a load would otherwise leave the
+  hole's elements as the destination held them and call it a success;
 - every chunk (and every bytes item) has a storage location;
 - the location of a tensor chunk stores the tensor's dtype, the chunk's shape, and exactly
   ``element size x element count`` bytes;
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ...errors import MetadataFormatError
 from ..context import At, quoted
+from ..layout import check_tiling
 from ..integrity import algorithm_of
 from .dtypes import dtype_to_str
 from .locations import check_item
@@ -114,6 +116,8 @@ def _check_boxes(where: str, size: tuple, chunks: list) -> None:
     nonempty = offs[lens.all(axis=1)] if ndim else offs[:min(len(chunks), 1)]
     if len(nonempty) > 1 and len(np.unique(nonempty, axis=0)) != len(nonempty):
         raise MetadataFormatError(f"{where}.chunks: two chunks at the same offsets")
+    if len(nonempty) > 1:  # volumes that add up can still hide an overlap beside a hole: the export's exact check
+        check_tiling(size, [(c.offsets, c.sizes) for c in chunks], At(where, ".chunks"))
 
 
 def _numel(shape: tuple) -> int:

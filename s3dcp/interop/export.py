@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from ..config import S3Config
 from ..errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
 from ..format import integrity, layout
+from ..format.context import At, quoted
 from ..format.safetensors import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
 from ..format.tensors import byte_view
 from ..memory.ring_buffer import RingArena
@@ -204,7 +205,7 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
                 raise MetadataFormatError(f"{src}: the metadata has no stored location for {fqn!r} "
                                           f"chunk at {tuple(chunk.offsets)}")
             layout.check_location(loc, meta.properties.dtype.itemsize,
-                                  f"{src}: item {fqn!r} (chunk at {tuple(chunk.offsets)})")
+                                  At(src, ": item ", quoted(fqn), " (chunk at ", tuple(chunk.offsets), ")"))
             chunks.append((tuple(chunk.offsets), tuple(chunk.sizes), loc))
         shape = tuple(meta.size)
         layout.check_tiling(shape, [(o, s) for o, s, _ in chunks], f"{src}: tensor {fqn!r} of shape {list(shape)}")

@@ -18,7 +18,7 @@ from s3dcp.format.layout import METADATA_NAME, ItemLocation
 from s3dcp.format.metadata import dtype_to_str, encode_metadata
 from s3dcp.s3.client import S3Client
 
-__all__ = ["OBJECT", "tensor_meta", "put_checkpoint"]
+__all__ = ["OBJECT", "tensor_meta", "put_checkpoint", "put_metadata"]
 
 OBJECT = "__0_0.0123456789ab.distcp"
 
@@ -45,3 +45,12 @@ def put_checkpoint(uri: str, cfg, sdm: dict, items: list, *, storage: bool = Tru
     client.put(bucket, f"{prefix}/{OBJECT}", bytes(body)).result()
     md = Metadata(sdm, storage_data=locations if storage else None)
     client.put(bucket, f"{prefix}/{METADATA_NAME}", encode_metadata(md, version=version)).result()
+
+
+def put_metadata(uri: str, cfg, md: Metadata, objects: dict[str, bytes]) -> None:
+    """``objects`` (name -> body) and ``md``'s metadata at ``uri``, as they are."""
+    client = S3Client(cfg)
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    for name, body in objects.items():
+        client.put(bucket, f"{prefix}/{name}", body).result()
+    client.put(bucket, f"{prefix}/{METADATA_NAME}", encode_metadata(md)).result()

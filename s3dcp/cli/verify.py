@@ -186,6 +186,7 @@ def cmd_download(args) -> int:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ..loading.reader import S3StorageReader
+    from ..loading.sizes import check_declared_sizes
 
     uri = parse_s3_uri(args.uri)
     out = args.to_torch_save
@@ -194,7 +195,7 @@ def cmd_download(args) -> int:
     client = s3_client(args)
     reader = S3StorageReader(str(uri), client=client, allow_pickle=args.allow_pickle)
     md = reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
-    _check_declared_sizes(client, uri, md)
+    check_declared_sizes(client, uri, md)  # before the planner allocates every tensor at its declared size
     state_dict: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():
@@ -218,42 +219,3 @@ def cmd_download(args) -> int:
     else:
         print(f"wrote {out}: {len(state_dict)} top-level key(s), {format_size(nbytes)} from {uri}")
     return 0
-
-
-def _check_declared_sizes(client, uri: S3Uri, md) -> None:
-    """Before the planner allocates every tensor at the size the metadata declares: each
-    tensor's chunks tile it exactly, each chunk's stored length is its bytes, and each item lies
-    inside its object (one LIST of the checkpoint, a HEAD for objects elsewhere). So what is
-    allocated is at most what the objects hold."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-    sizes = {o.key: o.size for o in objects}
-    for fqn, meta in md.state_dict_metadata.items():
-        where = f"{uri}: tensor {fqn!r} of shape {list(meta.size)}" if isinstance(meta, TensorStorageMetadata) \
-            else f"{uri}: item {fqn!r}"
-        if isinstance(meta, TensorStorageMetadata):
-            layout.check_tiling(tuple(meta.size), [(c.offsets, c.sizes) for c in meta.chunks], where)
-            keys = [(MetadataIndex(fqn, c.offsets), c.sizes) for c in meta.chunks]
-        else:
-            keys = [(MetadataIndex(fqn), None)]
-        for index, chunk_sizes in keys:
-            loc = md.storage_data.get(index)
-            if loc is None:
-                continue  # the reader names a missing location when it gets there
-            if chunk_sizes is not None:
-                expected = meta.properties.dtype.itemsize * _prod(chunk_sizes)
-                if loc.length != expected:
-                    raise MetadataFormatError(f"{where}: the chunk at {tuple(index.offset)} is stored in "
-                                              f"{loc.length} bytes, not its {expected}")
-            key = object_key(uri, loc.object_name)
-            if key not in sizes:
-                sizes[key] = client.head(uri.bucket, key).result().size
-            layout.check_in_object(loc, sizes[key], where)
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out

@@ -415,12 +415,13 @@ class CheckpointManager:
         return dist.get_rank(self.process_group) == 0
 
 
-def delete_checkpoint(client: S3Client, uri: S3Uri, *,
-                      on_deleted: Callable[[int], None] | None = None) -> DeleteResult:
+def delete_checkpoint(client: S3Client, uri: S3Uri, *, on_deleted: Callable[[int], None] | None = None,
+                      **age: float) -> DeleteResult:
     """Delete the checkpoint at ``uri`` (``.metadata`` first), keeping the objects other
-    committed checkpoints under the same parent reference; see
-    :func:`s3dcp.lifecycle.deletion.delete_checkpoint`. Unpacks as ``(objects deleted, bytes deleted)``."""
-    return _delete_checkpoint(client, uri, on_deleted=on_deleted)
+    committed checkpoints under the same parent reference, and those of saves that may still run
+    (``age``: ``older_than_s``, ``now``); see :func:`s3dcp.lifecycle.deletion.delete_checkpoint`.
+    Unpacks as ``(objects deleted, bytes deleted)``."""
+    return _delete_checkpoint(client, uri, on_deleted=on_deleted, **age)
 
 
 def _multi_rank(process_group: Any) -> bool:

@@ -165,3 +165,22 @@ def test_verify_fails_storage_data_null_beside_declared_chunks(capsys, uri, s3_c
     assert code == 1 and not out.startswith("OK")
     assert "BAD metadata: storage_data is missing (null), so none of the 40000 declared chunk(s)" in out, out
     assert "0 of 0 item(s)" in err
+
+
+def test_inspect_verify_and_rm_of_one_long_name_take_bounded_time(capsys, uri, s3_config):
+    """Row 5 of issue 33 end to end: one tensor named by 1 MB of one letter, in 20,000 chunks, each
+    stored (format 3 packs the name to almost nothing). inspect, verify and rm built a context text
+    holding the name for every item (20 GB of copying); now only an error makes one."""
+    import time
+
+    name, n = "a" * 1_000_000, 20_000
+    put_checkpoint(uri, s3_config, {name: tensor_meta(torch.float32, [n], [([i], [1]) for i in range(n)])},
+                   [(name, [i], torch.tensor([float(i)])) for i in range(n)], version=3)
+    took = {}
+    for argv in (["inspect", uri], ["verify", uri], ["rm", "--yes", uri]):
+        start = time.perf_counter()
+        code, out, err = run_cli(capsys, *argv)
+        took[argv[0]] = round(time.perf_counter() - start, 1)
+        assert code == 0, (argv, err[-500:])
+    assert max(took.values()) < 30, took
+    print(took)

@@ -40,8 +40,7 @@ from ..format.layout import Segment
 from ..format.tensors import byte_view
 from ..s3.request import abort_and_wait
 from ..uri import object_key
-from . import bounce
-from . import messages
+from . import bounce, messages
 from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name, schedule_plans
 from .liveness import Watch
 

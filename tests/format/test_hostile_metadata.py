@@ -329,3 +329,31 @@ def test_names_are_charged_to_the_budget_by_length():
     budget.names("metadata.fqns", ["x" * (8 * budget.objects_limit // 2)], "fqns")  # half the budget
     with pytest.raises(MetadataFormatError, match=r"metadata\.fqns: declares \d+ characters of fqns"):
         budget.names("metadata.fqns", ["y" * (8 * budget.objects_limit // 2)], "fqns")
+
+
+def test_planner_data_of_millions_of_values_decodes_in_bounded_time():
+    """A 10 MB format-1 document whose planner_data is one list of five million numbers (one JSON
+    array: within the parse bound), and the same values as a tagged tuple in format 2: every
+    value went through the tree decoder's recursion (~1.2 s a million)."""
+    numbers = b"[" + b"0," * (5 * 10**6 - 1) + b"0]"
+    for outcome in _decode_everything(_v1(numbers)):
+        assert outcome == "ok", outcome
+    header, body = parts(scalar_checkpoint())
+    header["planner_data"] = {"__tuple__": [0] * (2 * 10**6)}
+    for outcome in _decode_everything(pack(header, body)):
+        assert outcome == "ok", outcome
+
+
+def test_a_huge_value_where_a_number_belongs_is_named_in_bounded_time():
+    """Format 3's outer header saying its packed header's length is a list of a million numbers:
+    the message printed the whole list first."""
+    from s3dcp.format.metadata import v3
+
+    data = v3.encode(scalar_checkpoint())
+    (n,) = struct.unpack_from("<Q", data, 8)
+    outer = json.loads(data[16:16 + n])
+    outer["header"]["length"] = [0] * 10**6
+    head = json.dumps(outer).encode()
+    out = v2.MAGIC + struct.pack("<Q", len(head)) + head + data[16 + n:-4]
+    for refusal in _decode_everything(out + struct.pack("<I", zlib.crc32(out))):
+        assert "metadata.header.length: [0, 0, 0, 0, 0, 0, 0, 0, ...] is not a byte count" in refusal, refusal[:300]

@@ -6,6 +6,7 @@ A ``where`` is text or an :class:`~s3dcp.format.context.At`, made into text only
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Callable
 
 from ...errors import MetadataFormatError
@@ -79,6 +80,12 @@ def _type_name(value: Any) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple, _REPR.maxstring, _REPR.maxother = 3, 8, 4, 8, 60, 60
+
+
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    """``repr(value)`` cut to ``limit`` characters, made in bounded time: a list of a million
+    values or a string of megabytes is not printed whole first."""
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

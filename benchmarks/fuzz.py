@@ -1,5 +1,7 @@
-"""Structure-aware fuzzing of s3dcp's metadata decoder: real metadata objects, mutated as a hostile
-user would, must decode (and validate, and answer every lookup) or be refused with an S3DCPError.
+"""Structure-aware fuzzing of every consumer of stored bytes: real metadata objects (and safetensors
+files), mutated as a hostile user would, must decode (and validate, and answer every lookup, and
+plan a load, a cooperative load and an export, and pass verify's and rm's checks) or be refused
+with an S3DCPError, each within ``--slow-s`` and ``--memory-mib``.
 
     python benchmarks/fuzz.py --minutes 10            # long run; prints counts, writes JSON
     python benchmarks/fuzz.py --examples 2000 --seed 7
@@ -13,13 +15,18 @@ partly point into its base (``../step-1/...``), and one rank of many uniquely na
 Mutations (:func:`mutate`) know the format: in version 2 they change a column's declared count,
 offset, length, type or codec, replace a column's values (any width, compressed or not), change
 the row and entry counts, rename, drop or duplicate fqns, change properties, dtype and object
-name tables, add odd chunks, and cut or flip bytes, each time with the trailer CRC recomputed so
+name tables, add odd chunks (up to 300,000 boxes), make a name long (up to 3 million characters)
+or the header big (a value of up to 3 MB), and cut or flip bytes, each time with the trailer CRC recomputed so
 only s3dcp's own checks stand in the way (and once without, which the CRC must catch). In
 version 3 the same edits reach the packed header (inflated, edited, packed again with or without
 zlib), as do edits of its planner_data references (keys, template ids, templates, odd values)
 and lies in the outer header about the packed header's codec, length and size. In
-version 1 they replace any JSON value with an interesting one (huge, negative, another type),
-delete keys, and cut or flip bytes.
+version 1 they replace any JSON value with an interesting one (huge, negative, another type, a
+string of millions of characters, a list of a million values), delete keys, and cut or flip
+bytes. Values a mutation generates are at most ``MAX_GENERATED`` (a declared count may say 2^40:
+the decoder must refuse it before allocating; the fuzzer never allocates it). safetensors files
+(the package's own output) get their header's values edited, a long name, a shape of millions
+of dimensions, a dtype of another JSON type, a lying length field, cuts and flips.
 
 The oracle (:func:`check`): ``decode_plain`` (the torch-free decode that ``s3dcp inspect`` and
 ``verify`` use) and ``decode_metadata`` (DCP's classes, built on it) refuse with the same
@@ -27,8 +34,11 @@ MetadataFormatError or both return, and then say the same thing (:func:`plain_ma
 ``decode_metadata`` either raises MetadataFormatError or returns;
 then ``validate_metadata`` either raises MetadataFormatError or returns; then every key of the
 storage data is looked up, every location built, and the object extents computed, none of which
-may raise. Anything else (an internal error, a MemoryError, a decode slower than ``--slow-s``) is
-a finding, printed with the mutation that caused it. Refusals through decode's last-resort
+may raise; then the other consumers run (:mod:`fuzz_consumers`: verify's and rm's checks on any
+decoded object, the reader's, cooperative reads' and export's planning on a validated one), and
+safetensors files are parsed and turned into a load's metadata. Anything else (an internal error,
+a MemoryError, an example slower than ``--slow-s`` or whose allocations, seen by tracemalloc, or
+peak RSS grow more than ``--memory-mib``) is a finding, printed with the mutation that caused it. Refusals through decode's last-resort
 safety net ("corrupt s3dcp metadata (KeyError: ...)") are counted apart: they are S3DCPErrors,
 but a check that names the field would be better.
 
@@ -45,7 +55,9 @@ import os
 import random
 import struct
 import sys
+import threading
 import time
+import tracemalloc
 import zlib
 from collections import Counter
 from typing import Any, Callable
@@ -71,7 +83,11 @@ from s3dcp.format.metadata import (  # noqa: E402
 from s3dcp.format.metadata.columns import TYPES  # noqa: E402
 from s3dcp.format.metadata.storage import LazyStorageData  # noqa: E402
 
+import fuzz_consumers  # noqa: E402  (benchmarks/fuzz_consumers.py)
+
 SAFETY_NET = "corrupt s3dcp metadata ("  # decode_metadata's last-resort message
+MAX_GENERATED = 1 << 20  # values one mutation generates at most (a declared count may say anything)
+LONG = (10_000, 300_000, 3_000_000)  # characters of a long name, a long string (Source.size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +169,11 @@ class Source:
     def choice(self, options: list) -> Any:
         return options[self.integer(0, len(options) - 1)]
 
+    def size(self, sizes) -> int:
+        """The first of ``sizes`` mostly, a larger one about once in 30 draws: big values (a name
+        of millions of characters, a header of megabytes) are slow to build and to refuse."""
+        return sizes[0] if self.integer(0, 29) else self.choice(list(sizes[1:]))
+
     def interesting(self, original: int | None = None) -> int:
         """An integer a hostile edit would try: edges of every width, huge, negative, or near ``original``."""
         k = self.choice([0, 1, 7, 8, 15, 16, 31, 32, 40, 62, 63, 64])
@@ -201,7 +222,7 @@ def _column_bytes(values: np.ndarray, kind: str, codec: str) -> bytes:
 def _v2_header_edit(src: Source, header: dict, body: bytes) -> tuple[dict, bytes, str]:
     cols = header["columns"]
     name = src.choice(sorted(cols))
-    what = src.integer(0, 11)
+    what = src.integer(0, 12)
     if what <= 2:
         field = ("count", "offset", "length")[what]
         cols[name][field] = src.interesting(cols[name][field])
@@ -211,7 +232,10 @@ def _v2_header_edit(src: Source, header: dict, body: bytes) -> tuple[dict, bytes
         cols[name]["codec"] = src.choice(["none", "zlib", "shuffle-zlib", "lz4"])
         return header, body, f"columns[{name}] type/codec={cols[name]['type']}/{cols[name]['codec']}"
     if what == 4:  # new values for the column: any count, any width, compressed or not
-        count = src.choice([cols[name]["count"], src.interesting(cols[name]["count"]) % 5000, 0, 1])
+        # generated values are bounded (an earlier edit may have set the count to 2^40: the decoder
+        # must refuse that, the fuzzer must not allocate it); the declared count may lie below
+        declared = cols[name]["count"] if type(cols[name]["count"]) is int else 0
+        count = src.choice([min(max(declared, 0), MAX_GENERATED), src.interesting(declared) % 5000, 0, 1])
         kind = src.choice(["u1", "u2", "u4", "u8"])
         top = src.choice([1, 2, 3, 8, 255, 2**16, 2**32 - 1, 2**63])
         seed = src.integer(0, 2**31)
@@ -244,7 +268,7 @@ def _v2_header_edit(src: Source, header: dict, body: bytes) -> tuple[dict, bytes
         elif op == "append":
             fqns.append(f"extra.{i}")
         else:
-            fqns[i] = "x" * 10000
+            fqns[i] = "x" * src.size(LONG)
         return header, body, f"fqns {op} at {i}"
     if what == 9 and header["properties"]:
         p = header["properties"][src.integer(0, len(header["properties"]) - 1)]
@@ -262,8 +286,17 @@ def _v2_header_edit(src: Source, header: dict, body: bytes) -> tuple[dict, bytes
         elif sd[table]:
             sd[table][0] = src.choice([None, 1, "nope", ["a"]])
         return header, body, f"storage_data.{table} {op}"
-    header["odd_chunks"][str(src.interesting(0) % 50)] = src.choice([[[[0], [1]]], [], [[[], []]] * 3, "x"])
-    return header, body, "odd_chunks added"
+    if what == 12:  # a big header: what it holds is parsed before anything is checked
+        size = src.size((10_000, 300_000, 3_000_000))
+        field, shape = src.choice(["planner_data", "padding", "storage_meta"]), src.integer(0, 3)
+        header[field] = ("x" * size if shape == 0 else [0] * (size // 2) if shape == 1 else [[]] * (size // 3)
+                         if shape == 2 else {"__dict__": [[f"k{i}", [i]] for i in range(size // 12)]})
+        return header, body, f"big header value of ~{size} bytes"
+    shape = src.integer(0, 4)
+    boxes = ([[[0], [1]]] if shape == 0 else [] if shape == 1 else [[[], []]] * src.size((3, 10_000, 300_000))
+             if shape == 2 else "x" if shape == 3 else [[[i], [1]] for i in range(src.size((2, 5000, 100_000)))])
+    header["odd_chunks"][str(src.interesting(0) % 50)] = boxes
+    return header, body, f"odd_chunks added ({len(boxes)} boxes)"
 
 
 def _planner_edit(src: Source, pd: Any) -> str:
@@ -281,9 +314,12 @@ def _planner_edit(src: Source, pd: Any) -> str:
         pd["templates"].append(src.choice([[["s", 0], ["s", 0]], [["i", 1]], [["s", 0], ["i", 1]], [["s", 2]], [],
                                            [["i", 0]], [["s", -1]], "x"]))
     elif what == 4:
-        pd["odd"].append(src.choice([{"__tuple__": ["a"]}, {"__size__": [1]}, {"x": 1}, None]))
+        pd["odd"].append(src.choice([{"__tuple__": ["a"]}, {"__size__": [1]}, {"x": 1}, None, [0] * 3])
+                         if src.integer(0, 29) else [0] * 100_000)
     else:
-        pd["extra_keys"].append(src.choice(["", "model.w", "x" * 1000, 7]))
+        pd["extra_keys"].append(src.choice(["", "model.w", "long", 7]))
+        if pd["extra_keys"][-1] == "long":
+            pd["extra_keys"][-1] = "x" * src.size(LONG)
     return f"planner_data edit {what}"
 
 
@@ -337,9 +373,14 @@ def _json_edit(src: Source, doc: Any) -> str:
         del node[key]
         return f"{path + [key]} deleted"
     old = node[key]
-    node[key] = src.choice([src.interesting(old if type(old) is int else None), None, "x", [], {}, True, 1.5,
-                            [src.interesting()] * 3, "float32", "../../etc/passwd"])
-    return f"{path + [key]} = {node[key]!r}"[:200]
+    pick = src.integer(0, 12)
+    if pick < 10:
+        node[key] = [src.interesting(old if type(old) is int else None), None, "x", [], {}, True, 1.5,
+                     [src.interesting()] * 3, "float32", "../../etc/passwd"][pick]
+    else:  # long or big: built only when drawn
+        node[key] = "y" * src.size(LONG) if pick == 10 else [[]] * src.size((10, 100_000)) if pick == 11 \
+            else [0] * src.size((10, 1_000_000))
+    return f"{path + [key]} = {node[key]!r:.200}"
 
 
 def mutate(src: Source, data: bytes) -> tuple[bytes, str]:
@@ -422,16 +463,23 @@ def plain_matches(plain: Any, md: Metadata) -> None:
            None if sm is None else (sm.checkpoint_id, sm.save_id, sm.load_id, sm.modules))
 
 
-def check(data: bytes) -> str:
-    """Decode (both ways: :func:`plain_matches`), validate and look up everything in ``data``:
+def check(data: bytes, reached: set | None = None) -> str:
+    """Decode (both ways: :func:`plain_matches`), validate and look up everything in ``data``,
+    and hand what decodes to every other consumer of stored bytes (:mod:`fuzz_consumers`):
     'refused-decode', 'refused-validate', 'safety-net' or 'accepted'; anything else raises
-    :class:`Finding`."""
+    :class:`Finding`. ``reached`` collects the names of the consumers that ran."""
+    reached = set() if reached is None else reached
     stage = "decode"
     try:
+        reached.add("decode")
         try:
             plain, plain_error = decode_plain(data, source="fuzz"), None
         except MetadataFormatError as e:
             plain, plain_error = None, str(e)
+        if plain is None:  # rm and gc still read the names of an object the decoder refuses
+            stage = "references"
+            fuzz_consumers.after_decode(data, None, reached)
+            stage = "decode"
         try:
             md = decode_metadata(data, source="fuzz")
         except MetadataFormatError as e:
@@ -442,9 +490,13 @@ def check(data: bytes) -> str:
         if plain_error is not None:
             raise Finding(f"the plain decode refused ({plain_error}), the DCP one accepted")
         plain_matches(plain, md)
+        stage = "verify, references"
+        fuzz_consumers.after_decode(data, plain, reached)
         stage = "validate"
+        reached.add("validate")
         validate_metadata(md, source="fuzz")
         stage = "lookups"
+        reached.add("lookups")
         sd = md.storage_data
         if sd is not None:
             for key in list(sd):
@@ -454,9 +506,11 @@ def check(data: bytes) -> str:
             if isinstance(sd, LazyStorageData):
                 sd.object_extents()
                 sd.object_names()
+        stage = "reader, cooperative, export"
+        fuzz_consumers.after_validate(md, fuzz_consumers.seed_of(data), reached)
     except MetadataFormatError as e:
-        if stage == "lookups":
-            raise Finding(f"lookup after a successful decode raised {e!r}") from e
+        if stage not in ("decode", "validate"):
+            raise Finding(f"{stage} after a successful decode raised {e!r}") from e
         _last_error[0] = str(e)[:300]
         return "safety-net" if SAFETY_NET in str(e) else f"refused-{stage}"
     except Exception as e:  # noqa: BLE001 - what the fuzzer exists to find
@@ -464,7 +518,65 @@ def check(data: bytes) -> str:
     return "accepted"
 
 
+def check_safetensors(data: bytes, reached: set | None = None) -> str:
+    """A safetensors file's header parsed and turned into a load's metadata: 'accepted' or
+    'refused'; anything else raises :class:`Finding`."""
+    try:
+        return fuzz_consumers.check_safetensors(data, set() if reached is None else reached)
+    except Exception as e:  # noqa: BLE001 - what the fuzzer exists to find
+        raise Finding(f"safetensors: {type(e).__name__}: {e}"[:500]) from e
+
+
 # ---------------------------------------------------------------------------------------------
+
+
+class RssPeak:
+    """This process's RSS sampled every ``interval_s`` on a thread of its own: the highest value
+    since :meth:`reset`. (A spike shorter than the interval can be missed.)"""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s, self.page = interval_s, os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.now()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="fuzz-rss", daemon=True).start()
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.now())
+
+    def reset(self) -> int:
+        self.peak = self.now()
+        return self.peak
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class Meter:
+    """What one example cost: seconds, and the most memory it added: its RSS peak over the RSS
+    it started with (every allocation, torch's too), or, with ``traced``, the peak of Python's and
+    numpy's allocations (tracemalloc: exact, and several times slower), whichever is larger."""
+
+    def __init__(self, rss: RssPeak, traced: bool) -> None:
+        self.rss, self.traced = rss, traced
+
+    def __enter__(self) -> "Meter":
+        if self.traced:
+            tracemalloc.reset_peak()
+            self.base = tracemalloc.get_traced_memory()[0]
+        self.rss0 = self.rss.reset()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self.memory = max(self.rss.peak, self.rss.now()) - self.rss0
+        if self.traced:
+            self.memory = max(self.memory, tracemalloc.get_traced_memory()[1] - self.base)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,51 +584,78 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1)")
     parser.add_argument("--examples", type=int, default=0, help="stop after this many examples instead")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--slow-s", type=float, default=2.0, help="a decode slower than this is a finding")
+    parser.add_argument("--slow-s", type=float, default=2.0, help="an example slower than this is a finding")
+    parser.add_argument("--memory-mib", type=float, default=256.0,
+                        help="an example whose peak RSS (or, with --tracemalloc, allocations) grows more than this "
+                             "is a finding")
+    parser.add_argument("--tracemalloc", action="store_true", help="also trace Python's allocations (slower)")
     parser.add_argument("--json", default="results/fuzz.json", help="where to write the counts")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     src = RandomSource(rng)
-    objects = seeds()
+    objects = [(name, data, "metadata") for name, data, _ in seeds()]
+    objects += [(name, data, "safetensors") for name, data in fuzz_consumers.safetensors_seeds()]
     counts: Counter = Counter()
+    reached: Counter = Counter()
     findings: list[dict] = []
     nets: list[dict] = []
-    slowest = (0.0, "")
+    slowest, biggest = (0.0, ""), (0, "")
+    limit = args.memory_mib * 2**20
+    for name, data, kind in objects:  # once unmutated: what a first use costs (imports, caches) is not an example's
+        (check if kind == "metadata" else check_safetensors)(data)
+    rss = RssPeak()
+    if args.tracemalloc:
+        tracemalloc.start()
     end = time.monotonic() + args.minutes * 60
     n = 0
     while (n < args.examples) if args.examples else (time.monotonic() < end):
-        name, data, _ = objects[rng.randrange(len(objects))]
-        mutated, what = mutate(src, data)
+        name, data, kind = objects[rng.randrange(len(objects))]
+        edit = mutate if kind == "metadata" else lambda s, d: fuzz_consumers.mutate_safetensors(s, d, _json_edit)
+        mutated, what = edit(src, data)
         for _ in range(rng.randint(0, 2)):  # stack a few edits
-            mutated, more = mutate(src, mutated) if mutated[:1] in (b"\x89", b"{") else (mutated, "")
+            mutated, more = edit(src, mutated) if kind == "safetensors" or mutated[:1] in (b"\x89", b"{") \
+                else (mutated, "")
             what += "; " + more
-        t0 = time.perf_counter()
-        try:
-            outcome = check(mutated)
-        except Finding as e:
-            outcome = "FINDING"
-            findings.append({"seed": name, "mutation": what, "error": str(e)})
-            print(f"FINDING [{name}] {what}\n    {e}", flush=True)
-        seconds = time.perf_counter() - t0
+        here: set = set()
+        with Meter(rss, args.tracemalloc) as cost:
+            try:
+                outcome = (check if kind == "metadata" else check_safetensors)(mutated, here)
+            except Finding as e:
+                outcome = "FINDING"
+                findings.append({"seed": name, "mutation": what[:500], "error": str(e)})
+                print(f"FINDING [{name}] {what[:300]}\n    {e}", flush=True)
+        reached.update(here)
         if outcome == "safety-net" and len(nets) < 50:
-            nets.append({"seed": name, "mutation": what, "error": _last_error[0]})
-            print(f"SAFETY NET [{name}] {what}\n    {_last_error[0]}", flush=True)
-        if seconds > slowest[0]:
-            slowest = (seconds, f"[{name}] {what}")
-        if seconds > args.slow_s:
-            findings.append({"seed": name, "mutation": what, "error": f"slow: {seconds:.2f} s"})
-            print(f"SLOW [{name}] {what}: {seconds:.2f} s", flush=True)
+            nets.append({"seed": name, "mutation": what[:500], "error": _last_error[0]})
+            print(f"SAFETY NET [{name}] {what[:300]}\n    {_last_error[0]}", flush=True)
+        memory = cost.memory
+        if cost.seconds > slowest[0]:
+            slowest = (cost.seconds, f"[{name}] {what}"[:300])
+        if memory > biggest[0]:
+            biggest = (memory, f"[{name}] {what}"[:300])
+        if cost.seconds > args.slow_s:
+            findings.append({"seed": name, "mutation": what[:500], "error": f"slow: {cost.seconds:.2f} s"})
+            print(f"SLOW [{name}] {what[:300]}: {cost.seconds:.2f} s", flush=True)
+        if memory > limit:
+            findings.append({"seed": name, "mutation": what[:500], "error": f"memory: +{memory / 2**20:.0f} MiB"})
+            print(f"MEMORY [{name}] {what[:300]}: +{memory / 2**20:.0f} MiB", flush=True)
         counts[outcome] += 1
         counts[f"{name}:{outcome}"] += 1
         n += 1
+    rss.close()
+    if args.tracemalloc:
+        tracemalloc.stop()
     print(f"{n} examples over {len(objects)} seeds: " + ", ".join(
         f"{k} {v}" for k, v in sorted(counts.items()) if ":" not in k))
-    print(f"slowest check: {slowest[0]:.3f} s  {slowest[1][:160]}")
+    print("consumers reached (examples): " + ", ".join(f"{c} {reached[c]}" for c in fuzz_consumers.CONSUMERS))
+    print(f"slowest example: {slowest[0]:.3f} s  {slowest[1][:160]}")
+    print(f"most memory: +{biggest[0] / 2**20:.1f} MiB  {biggest[1][:160]}")
     print(f"findings: {len(findings)}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"examples": n, "counts": dict(counts), "slowest_s": slowest[0], "findings": findings,
-                   "safety_net": nets}, f, indent=1)
+        json.dump({"examples": n, "counts": dict(counts), "reached": dict(reached), "slowest_s": slowest[0],
+                   "slowest": slowest[1], "most_memory_bytes": biggest[0], "most_memory": biggest[1],
+                   "findings": findings, "safety_net": nets}, f, indent=1)
     return 1 if findings else 0
 
 

@@ -10,6 +10,7 @@ from concurrent.futures import wait
 from typing import Any
 
 from ..errors import S3Error
+from ..format.context import At, quoted
 from ..format.layout import (
     METADATA_HEAD_BYTES,
     METADATA_NAME,
@@ -189,7 +190,7 @@ def cmd_inspect(args) -> int:
     invalid: list[dict[str, Any]] = []  # locations that cannot describe stored bytes (damaged or crafted)
     for index, loc in storage:
         try:
-            check_item(loc, f"item {index.fqn!r}")
+            check_item(loc, At("item ", quoted(index.fqn)))  # text only on error: a name may be megabytes
         except MetadataFormatError as e:
             invalid.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
                             "reason": str(e)})

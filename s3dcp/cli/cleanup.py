@@ -38,6 +38,7 @@ def cmd_rm(args) -> int:
         print_json({"uri": str(uri), "deleted_objects": count, "deleted_bytes": nbytes, "was_committed": committed,
                      "other_objects_left": others, "kept_referenced": result.kept,
                      "kept_referenced_bytes": result.kept_bytes, "released": result.released,
+                     "kept_recent": result.kept_recent, "kept_recent_reason": _kept_recent() if result.kept_recent else None,
                      "unreadable_metadata": result.unreadable})
     else:
         left = f"; {others} other object(s) left in place" if others else ""
@@ -50,7 +51,18 @@ def cmd_rm(args) -> int:
                      "reference (deleted with the last of them)")
         print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
               f"{count} object(s), {format_size(nbytes)}{left}")
+        for key in result.kept_recent:
+            print(f"kept: s3://{uri.bucket}/{key}: {_kept_recent()}")
     return 0
+
+
+def _kept_recent() -> str:
+    """Why ``rm`` kept an object of another directory that only the deleted checkpoint referenced."""
+    from ..lifecycle.gc import DEFAULT_OLDER_THAN_S
+
+    return (f"only this checkpoint referenced it, but it belongs to a save without a commit that was active less than "
+            f"{format_age(DEFAULT_OLDER_THAN_S)} ago (gc's age rule): it may still be writing it; s3dcp gc removes it "
+            "once it is older")
 
 
 # ---------------------------------------------------------------------- materialize

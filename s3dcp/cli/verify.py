@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
+from ..format.context import At, quoted
 from ..uri import S3Uri, object_key, parse_s3_uri
 from .common import UsageError, plain_metadata, s3_client
 from .output import format_size, print_json, progress_bar
@@ -22,11 +23,13 @@ _READ_WINDOW = 4  # ranged GETs in flight while verifying, each at most one bloc
 # ---------------------------------------------------------------------- verify
 def cmd_verify(args) -> int:
     """Read every item the metadata declares and check it against its checksum. OK only when
-    every declared item was read whole and matched; an item with an impossible location, no
-    checksum (nothing to check it against), a short or failed read, or a mismatch makes the
-    exit status 1 and is named."""
+    every declared item was read whole and matched; a declared chunk or item a load could not
+    fill (no stored location, another dtype or shape stored, chunks that do not tile their
+    tensor), an item with an impossible location, no checksum (nothing to check it against), a
+    short or failed read, or a mismatch makes the exit status 1 and is named."""
     from collections import deque
 
+    from ..format.metadata.declared import problems
     from ..format.metadata.locations import check_item
 
     uri = parse_s3_uri(args.uri)
@@ -34,15 +37,17 @@ def cmd_verify(args) -> int:
     md = plain_metadata(client, uri)  # decoded without torch
     storage = [] if md.storage is None else list(md.storage.items())
     checks: list[_Verify] = []
-    bad: list[dict[str, Any]] = []
+    # what the metadata declares but does not store as declared: a load of it fails (or fills wrong)
+    bad: list[dict[str, Any]] = [_undeclared(p) for p in problems(md)]
     skipped: list[dict[str, Any]] = []
     declared_bytes = 0
     segments: dict[str, list[layout.Segment]] = {}
     object_sizes: dict[str, int] = {}
     for index, loc in storage:
         declared_bytes += max(0, loc.length) if type(loc.length) is int else 0
+        where = At("item ", quoted(index.fqn), _chunk(index.offset))  # text only on error
         try:
-            check_item(loc, f"item {index.fqn!r}{_chunk(index.offset)}")
+            check_item(loc, where)
         except MetadataFormatError as e:
             bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
             continue
@@ -52,7 +57,7 @@ def cmd_verify(args) -> int:
         try:  # memory is taken only for bytes its object holds: a crafted length or block size stops here
             if loc.object_name not in object_sizes:
                 object_sizes[loc.object_name] = client.head(uri.bucket, object_key(uri, loc.object_name)).result().size
-            layout.check_in_object(loc, object_sizes[loc.object_name], f"item {index.fqn!r}{_chunk(index.offset)}")
+            layout.check_in_object(loc, object_sizes[loc.object_name], where)
         except MetadataFormatError as e:
             bad.append(_bad(uri, index, loc, None, reason=f"invalid location: {e}"))
             continue
@@ -106,7 +111,10 @@ def cmd_verify(args) -> int:
     else:
         for b in bad:
             where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
-            if b["reason"]:
+            if b["object"] is None:  # declared, not stored as declared
+                chunk = "" if b["offset"] is None else f" (chunk at {tuple(b['offset'])})"
+                print(f"BAD {b['fqn'] or 'metadata'}{chunk}: {b['reason']}")
+            elif b["reason"]:
                 print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']}: {b['reason']}")
             else:
                 print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
@@ -116,7 +124,8 @@ def cmd_verify(args) -> int:
                   f"{b['reason']}")
         if ok:
             print(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
-                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified")
+                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified; "
+                  "every chunk and item the metadata declares is among them")
     if not ok:
         parts = [f"{len(bad)} bad item(s)"] if bad else []
         if skipped:
@@ -158,6 +167,12 @@ def _bad(uri: S3Uri, index, loc, got: str | None, bad_blocks: Sequence[int] = ()
             "bad_blocks": list(bad_blocks), "reason": reason}
 
 
+def _undeclared(problem) -> dict[str, Any]:
+    """A declared chunk or item that is not stored as declared (``declared.Problem``), as ``_bad`` gives."""
+    return {"object": None, "fqn": problem.fqn, "offset": None if problem.offset is None else list(problem.offset),
+            "start": None, "end": None, "expected": None, "got": None, "bad_blocks": [], "reason": problem.reason}
+
+
 def _chunk(offset) -> str:
     return f" (chunk at {tuple(offset)})" if offset and any(offset) else ""
 
@@ -171,6 +186,7 @@ def cmd_download(args) -> int:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ..loading.reader import S3StorageReader
+    from ..loading.sizes import check_declared_sizes
 
     uri = parse_s3_uri(args.uri)
     out = args.to_torch_save
@@ -179,7 +195,7 @@ def cmd_download(args) -> int:
     client = s3_client(args)
     reader = S3StorageReader(str(uri), client=client, allow_pickle=args.allow_pickle)
     md = reader.fetch_metadata()  # a missing or incomplete checkpoint fails here, with its own message
-    _check_declared_sizes(client, uri, md)
+    check_declared_sizes(client, uri, md)  # before the planner allocates every tensor at its declared size
     state_dict: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():
@@ -203,42 +219,3 @@ def cmd_download(args) -> int:
     else:
         print(f"wrote {out}: {len(state_dict)} top-level key(s), {format_size(nbytes)} from {uri}")
     return 0
-
-
-def _check_declared_sizes(client, uri: S3Uri, md) -> None:
-    """Before the planner allocates every tensor at the size the metadata declares: each
-    tensor's chunks tile it exactly, each chunk's stored length is its bytes, and each item lies
-    inside its object (one LIST of the checkpoint, a HEAD for objects elsewhere). So what is
-    allocated is at most what the objects hold."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    objects, _ = client.list(uri.bucket, uri.dir_prefix, delimiter="/").result()
-    sizes = {o.key: o.size for o in objects}
-    for fqn, meta in md.state_dict_metadata.items():
-        where = f"{uri}: tensor {fqn!r} of shape {list(meta.size)}" if isinstance(meta, TensorStorageMetadata) \
-            else f"{uri}: item {fqn!r}"
-        if isinstance(meta, TensorStorageMetadata):
-            layout.check_tiling(tuple(meta.size), [(c.offsets, c.sizes) for c in meta.chunks], where)
-            keys = [(MetadataIndex(fqn, c.offsets), c.sizes) for c in meta.chunks]
-        else:
-            keys = [(MetadataIndex(fqn), None)]
-        for index, chunk_sizes in keys:
-            loc = md.storage_data.get(index)
-            if loc is None:
-                continue  # the reader names a missing location when it gets there
-            if chunk_sizes is not None:
-                expected = meta.properties.dtype.itemsize * _prod(chunk_sizes)
-                if loc.length != expected:
-                    raise MetadataFormatError(f"{where}: the chunk at {tuple(index.offset)} is stored in "
-                                              f"{loc.length} bytes, not its {expected}")
-            key = object_key(uri, loc.object_name)
-            if key not in sizes:
-                sizes[key] = client.head(uri.bucket, key).result().size
-            layout.check_in_object(loc, sizes[key], where)
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out

@@ -19,6 +19,7 @@ from typing import Iterable
 from ..errors import ConfigError, MetadataFormatError
 from ..uri import S3Uri, parent_prefix
 from .layout import ItemLocation
+from .metadata.fields import check_containers
 
 __all__ = [
     "REFERENCE_CHECKSUM", "is_reference", "split_reference", "reference_name", "check_base", "sources", "object_names",
@@ -95,12 +96,13 @@ def object_names(raw: bytes, source: str) -> set[str]:
 
 def _v1_names(raw: bytes) -> set[str] | None:
     try:
+        check_containers(raw, "metadata")  # the decoder's bound, before parsing
         doc = json.loads(raw)
         if doc.get("format") != "s3dcp-metadata" or doc.get("version") != 1:
             return None
         names = {entry["location"]["object_name"] for entry in doc.get("storage_data") or []}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
+    except (ValueError, KeyError, TypeError, AttributeError, MetadataFormatError):
+        return None  # the decoder says what is wrong
     return names if all(isinstance(n, str) for n in names) else None
 
 
@@ -111,13 +113,15 @@ def _v2_names(raw: bytes) -> set[str] | None:
         if _V2_HEAD.size + head_len + 4 > len(view) or \
                 zlib.crc32(view[:-4]) != struct.unpack_from("<I", view, len(view) - 4)[0]:
             return None
-        header = json.loads(bytes(view[_V2_HEAD.size:_V2_HEAD.size + head_len]))
+        text = bytes(view[_V2_HEAD.size:_V2_HEAD.size + head_len])
+        check_containers(text, "metadata header")  # the decoder's bound, before parsing
+        header = json.loads(text)
         if header.get("format") != "s3dcp-metadata" or header.get("version") != 2:
             return None
         storage = header.get("storage_data")
         names = set(storage["object_names"]) if storage is not None else set()
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, MetadataFormatError):
+        return None  # the decoder says what is wrong
     return names if all(isinstance(n, str) for n in names) else None
 
 
@@ -135,6 +139,7 @@ def pending_names(raw: bytes, source: str) -> set[str]:
     """The object names a ``.pending-references`` marker lists; :class:`MetadataFormatError`
     naming ``source`` when it is not one."""
     try:
+        check_containers(raw, source)
         doc = json.loads(raw)
         if doc.get("format") != _PENDING_FORMAT or doc.get("version") != 1:
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")

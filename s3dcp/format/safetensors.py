@@ -22,16 +22,26 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import IncompleteCheckpointError, MetadataFormatError
+from .context import quoted
 
 __all__ = [
-    "HEADER_LENGTH_BYTES", "INDEX_NAME", "SUFFIX", "DTYPES", "TensorEntry", "Header",
+    "HEADER_LENGTH_BYTES", "INDEX_NAME", "SUFFIX", "DTYPES", "MAX_DIMS", "RESERVED_NAME", "TensorEntry", "Header",
     "header_length", "parse_header", "parse_index", "safetensors_dtype", "shard_file_name", "check_shard_set",
 ]
 
 HEADER_LENGTH_BYTES = 8
 INDEX_NAME = "model.safetensors.index.json"
+RESERVED_NAME = "__metadata__"  # the header's free-text metadata, never a tensor
 SUFFIX = ".safetensors"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library refuses larger headers too
+# A shape's dimensions: NumPy's limit (safetensors' NumPy and Flax loaders share it). torch has
+# none on CPU (its CUDA kernels take 25); no model tensor comes near either.
+MAX_DIMS = 64
+# A header is parsed into Python objects of ~50-100 bytes per JSON value; a real one has one value
+# per 7 bytes or more (a tensor's entry: 7 values in 50+ bytes). More is refused before parsing.
+_BYTES_PER_VALUE = 5
+_MIN_VALUES = 1 << 16
+_SHAPE_KEY = re.compile(rb'"shape"\s*:\s*\[')
 
 # safetensors dtype names -> torch dtypes (those this torch build has)
 DTYPES: dict[str, torch.dtype] = {
@@ -89,27 +99,36 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
     n = header_length(raw, source=source)
     if len(raw) < HEADER_LENGTH_BYTES + n:
         raise MetadataFormatError(f"{source}: header says {n} bytes, only {len(raw) - HEADER_LENGTH_BYTES} given")
+    text = bytes(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + n])
+    _check_before_parsing(text, source)
     try:
-        doc = json.loads(bytes(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + n]))
+        doc = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise MetadataFormatError(f"{source}: the safetensors header is not JSON ({_short(str(e))})") from None
     if not isinstance(doc, dict):
         raise MetadataFormatError(f"{source}: the safetensors header is not a JSON object")
     data_start = HEADER_LENGTH_BYTES + n
-    metadata = doc.pop("__metadata__", None) or {}
+    metadata = doc.pop(RESERVED_NAME, None) or {}
     entries = []
     for name, spec in doc.items():
+        name_text = quoted(name)
         try:
             dtype_name, dims, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
-            raise MetadataFormatError(f"{source}: tensor {name!r} has a malformed header entry {_short(spec)}") from e
+            raise MetadataFormatError(f"{source}: tensor {name_text} has a malformed header entry {_short(spec)}") from e
+        if type(dtype_name) is not str:
+            raise MetadataFormatError(f"{source}: tensor {name_text} has dtype {_short(dtype_name)}: its 'dtype' "
+                                      'must be a string such as "BF16"')
         if type(dims) is not list or any(type(d) is not int or d < 0 for d in dims):
-            raise MetadataFormatError(f"{source}: tensor {name!r} has shape {_short(dims)}, not a list of "
-                                      "non-negative ints")
+            raise MetadataFormatError(f"{source}: tensor {name_text} has shape {_short(dims)}: its 'shape' must be "
+                                      "a list of non-negative ints")
+        if len(dims) > MAX_DIMS:
+            raise MetadataFormatError(f"{source}: tensor {name_text} has a 'shape' of {len(dims)} dimensions, "
+                                      f"more than {MAX_DIMS}")
         shape = tuple(dims)
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
-            raise MetadataFormatError(f"{source}: tensor {name!r} has dtype {dtype_name!r}, which this torch "
+            raise MetadataFormatError(f"{source}: tensor {name_text} has dtype {_short(dtype_name)}, which this torch "
                                       f"cannot hold (known: {', '.join(sorted(DTYPES))})")
         expected = math.prod(shape) * dtype.itemsize
         if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != expected:
@@ -126,9 +145,30 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
             raise MetadataFormatError(f"{source}: tensors {previous.name!r} and {e.name!r} overlap "
                                       f"(bytes {e.start}-{previous.end})")
         previous = e if previous is None or e.end > previous.end else previous
-    if not isinstance(metadata, dict):
-        raise MetadataFormatError(f"{source}: __metadata__ is not a JSON object")
+    if not isinstance(metadata, dict) or not all(type(v) is str for v in metadata.values()):
+        raise MetadataFormatError(f"{source}: __metadata__ is not a JSON object of strings: {_short(metadata)}")
     return Header(tuple(entries), dict(metadata), data_start)
+
+
+def _check_before_parsing(text: bytes, source: str) -> None:
+    """Refuse a header whose parse would cost far more memory than its bytes, without parsing
+    it: a shape of more than :data:`MAX_DIMS` dimensions (a 9.7 MiB header holding one shape of
+    3.4 million took +285 MiB and 2.4 s to parse), or more JSON values than a header of tensors
+    has in as many bytes. (A shape key written with escapes is caught after parsing, within the
+    second bound.)"""
+    for m in _SHAPE_KEY.finditer(text):
+        end = text.find(b"]", m.end())
+        if end < 0:
+            break  # not JSON: the parser says so
+        dims = text.count(b",", m.end(), end) + 1
+        if dims > MAX_DIMS:
+            raise MetadataFormatError(f"{source}: a tensor's 'shape' in the safetensors header has {dims} "
+                                      f"dimensions, more than {MAX_DIMS}; the file is damaged or crafted")
+    values = text.count(b",") + text.count(b"[") + text.count(b"{")
+    if values > max(_MIN_VALUES, len(text) // _BYTES_PER_VALUE):
+        raise MetadataFormatError(f"{source}: the safetensors header holds {values} JSON values in {len(text)} bytes, "
+                                  "more than a header of tensors has (one per 7 bytes or more); the file is damaged "
+                                  "or crafted")
 
 
 def _short(value: Any, limit: int = 120) -> str:

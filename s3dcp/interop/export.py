@@ -46,8 +46,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from ..config import S3Config
 from ..errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
 from ..format import integrity, layout
-from ..format.safetensors import INDEX_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
+from ..format.context import At, quoted
+from ..format.safetensors import INDEX_NAME, RESERVED_NAME, SUFFIX, index_document, parse_header, safetensors_dtype, shard_file_name
 from ..format.tensors import byte_view
+from ..loading.sizes import check_declared_sizes
 from ..memory.ring_buffer import RingArena
 from ..memory.ring_buffer import align as _align
 from ..s3.client import S3Client
@@ -132,6 +134,8 @@ def export_safetensors(
     if not tensors:
         raise ConfigError(f"nothing to export from {src}: no tensor matches --only {list(only)}"
                           if only else f"nothing to export: {src} holds no tensors")
+    # chunks tile each tensor, lie in their objects: before a buffer or file is made at the declared sizes
+    check_declared_sizes(client, src, md, [t.fqn for t in tensors])
 
     groups = layout.pack([t.nbytes for t in tensors], shard_size_bytes)
     names = [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
@@ -194,6 +198,9 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
             raise ConfigError(f"--strip-prefix {strip_prefix!r} leaves tensor {fqn!r} without a name")
         if name in names:
             raise ConfigError(f"tensors {names[name]!r} and {fqn!r} would both be named {name!r} in the export")
+        if name == RESERVED_NAME:  # the safetensors header's own metadata: no tensor can have the name
+            raise ConfigError(f"{src}: tensor {fqn!r} would be named {name!r} in the export, the key safetensors "
+                              "reserves for the header's metadata; leave it out (--only) or rename it (--strip-prefix)")
         names[name] = fqn
         safetensors_dtype(meta.properties.dtype, what=f"{src}: tensor {fqn!r}")
         chunks = []
@@ -204,11 +211,9 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
                 raise MetadataFormatError(f"{src}: the metadata has no stored location for {fqn!r} "
                                           f"chunk at {tuple(chunk.offsets)}")
             layout.check_location(loc, meta.properties.dtype.itemsize,
-                                  f"{src}: item {fqn!r} (chunk at {tuple(chunk.offsets)})")
+                                  At(src, ": item ", quoted(fqn), " (chunk at ", tuple(chunk.offsets), ")"))
             chunks.append((tuple(chunk.offsets), tuple(chunk.sizes), loc))
-        shape = tuple(meta.size)
-        layout.check_tiling(shape, [(o, s) for o, s, _ in chunks], f"{src}: tensor {fqn!r} of shape {list(shape)}")
-        out.append(_Tensor(fqn, name, meta.properties.dtype, shape, tuple(chunks)))
+        out.append(_Tensor(fqn, name, meta.properties.dtype, tuple(meta.size), tuple(chunks)))
     return out
 
 
@@ -281,9 +286,6 @@ def _start_tensor(t: _Tensor, span: torch.Tensor, src: S3Uri, client: S3Client) 
     itemsize = t.dtype.itemsize
     bounce_at = _align(t.nbytes)
     for offsets, sizes, loc in t.chunks:
-        if loc.length != math.prod(sizes) * itemsize:
-            raise MetadataFormatError(f"{src}: chunk of {t.fqn!r} at {offsets} has {loc.length} bytes, "
-                                      f"expected {math.prod(sizes) * itemsize}")
         if layout.is_contiguous_box(t.shape, offsets, sizes):
             lo, hi = layout.box_byte_range(t.shape, itemsize, offsets, sizes)
             bounce = None

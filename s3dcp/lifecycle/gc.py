@@ -37,7 +37,9 @@ from ..s3.client import S3Client, UploadInfo
 from ..saving.referenced import References, references
 from ..uri import parse_s3_uri
 
-__all__ = ["gc", "GcReport"]
+__all__ = ["gc", "GcReport", "DEFAULT_OLDER_THAN_S"]
+
+DEFAULT_OLDER_THAN_S = 3600.0  # a save showing no sign of life for this long is a failed one
 
 log = logging.getLogger("s3dcp")
 
@@ -70,7 +72,7 @@ class _Save:
 def gc(
     uri: str,
     *,
-    older_than_s: float = 3600.0,
+    older_than_s: float = DEFAULT_OLDER_THAN_S,
     config: S3Config | None = None,
     client: S3Client | None = None,
     dry_run: bool = False,

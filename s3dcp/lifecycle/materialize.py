@@ -100,7 +100,8 @@ def materialize(uri: str, *, client: S3Client | None = None, config=None,
                single_request=True, content_type="application/json").result()
     refs = references(client, target.bucket, parent_prefix(target))
     if not refs.unreadable:
-        result.released = release_unreferenced(client, target.bucket, (object_key(target, n) for n in referenced), refs)
+        result.released = release_unreferenced(client, target.bucket, (object_key(target, n) for n in referenced),
+                                               refs).deleted
     log.info("materialized %s: %d object(s), %d bytes copied server-side for %d item(s)", target,
              result.copied_objects, result.copied_bytes, result.items)
     return result

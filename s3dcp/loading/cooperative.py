@@ -23,6 +23,7 @@ schedules with no rounds: every rank reads its own bytes, as without cooperation
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass, replace
@@ -40,11 +41,17 @@ __all__ = ["PeerInfo", "Chunk", "RankSchedule", "ItemKey", "item_key", "cover", 
 DEFAULT_WINDOW_BYTES = 256 << 20
 _MIN_CHUNK_BYTES = 1 << 20
 
-ItemKey = tuple  # (object name, offset in the object, length): one stored item, however many indices name it
+ItemKey = tuple  # (object name, offset, length, checksums' digest): one stored item, however many indices name it
 
 
 def item_key(loc: ItemLocation) -> ItemKey:
-    return (loc.object_name, loc.offset, loc.length)
+    """One stored item: its byte range and what it must hold. Two items naming one range with
+    other checksums are two keys, read and verified each against its own checksums (one key
+    would be verified against one item's only, and the other would get its bytes unchecked)."""
+    sums = "" if loc.checksum is None and not loc.block_checksums else \
+        hashlib.blake2b("|".join((str(loc.checksum), str(loc.block_size), *loc.block_checksums)).encode(),
+                        digest_size=8).hexdigest()
+    return (loc.object_name, loc.offset, loc.length, sums)
 
 
 def node_name() -> str:
@@ -85,13 +92,15 @@ class RankSchedule:
 
     ``chunks``: the chunks this rank owns or receives, ordered by (round, cid) — the same
     order on both ends of every message. ``rounds == 0``: nothing is shared; the rank reads
-    its own bytes. ``unique_bytes``: the distinct stored bytes the whole job needs."""
+    its own bytes. ``unique_bytes``: the distinct stored bytes the whole job needs.
+    ``load_id``: the same on every rank, names the load in the group's store (liveness.py)."""
 
     rank: int
     rounds: int
     chunks: tuple[Chunk, ...]
     unique_bytes: int
     window_bytes: int
+    load_id: str = ""
 
 
 def cover(loc: ItemLocation, offsets: Sequence[int] | None, lengths: Sequence[int] | None, *, checked: bool,
@@ -127,7 +136,7 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def plan(needs: Sequence[Mapping[ItemKey, list[tuple[int, int]]]], steps: Mapping[ItemKey, int],
-         nodes: Sequence[str], *, window_bytes: int) -> list[RankSchedule]:
+         nodes: Sequence[str], *, window_bytes: int, load_id: str = "") -> list[RankSchedule]:
     """Every rank's schedule. ``needs[r]``: rank r's byte ranges per stored item (from
     :func:`cover`); ``steps[key]``: where the item may be cut (its checksum block size, 1 when
     unverified, 0 when it has one checksum and cannot be cut); ``nodes[r]``: rank r's node."""
@@ -141,7 +150,7 @@ def plan(needs: Sequence[Mapping[ItemKey, list[tuple[int, int]]]], steps: Mappin
             pieces.extend((key, a, b, ranks) for a, b in _cut(lo, hi, steps.get(key, 1), size))
     unique = sum(hi - lo for _, lo, hi, _ in pieces)
     if not any(len(ranks) > 1 for *_, ranks in pieces):
-        return [RankSchedule(r, 0, (), unique, window_bytes) for r in range(world)]
+        return [RankSchedule(r, 0, (), unique, window_bytes, load_id) for r in range(world)]
 
     # Rounds: in object order, a new one when a rank taking part would pass half the window
     # (the next round is read while one is exchanged: two in memory at a time).
@@ -197,7 +206,7 @@ def plan(needs: Sequence[Mapping[ItemKey, list[tuple[int, int]]]], steps: Mappin
         mine[c.owner].append(c)
         for r in c.receivers:
             mine[r].append(c)
-    return [RankSchedule(r, rnd + 1, tuple(mine[r]), unique, window_bytes) for r in range(world)]
+    return [RankSchedule(r, rnd + 1, tuple(mine[r]), unique, window_bytes, load_id) for r in range(world)]
 
 
 def schedule_plans(plans: list[LoadPlan], location: Callable[[ReadItem], ItemLocation], *, verify: bool,
@@ -225,7 +234,7 @@ def schedule_plans(plans: list[LoadPlan], location: Callable[[ReadItem], ItemLoc
             need.setdefault(key, []).extend(ranges)
             steps[key] = (loc.block_size or 0) if checked else 1
         needs.append(need)
-    schedules = plan(needs, steps, [i.node for i in infos], window_bytes=window_bytes)
+    schedules = plan(needs, steps, [i.node for i in infos], window_bytes=window_bytes, load_id=os.urandom(8).hex())
     return [replace(p, storage_data=s) for p, s in zip(plans, schedules)]
 
 

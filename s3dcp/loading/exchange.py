@@ -7,7 +7,7 @@
       all ranks: every rank's failure flag (all_reduce) ── any set: every rank stops and raises
       the next round's GETs issued, to run while this one is exchanged:
       isend each owned chunk to its receivers, irecv each chunk this rank needs (one batch);
-        a chunk every rank needs is broadcast instead
+        a chunk every rank needs is broadcast instead (s3dcp.loading.messages)
       each chunk ──copied into the targets it overlaps──► a target complete: verified bytes
         committed as the plain path commits them (no second checksum: the reader verified)
     all ranks: flags and figures (all_gather) ── the slowest rank's seconds, bytes from S3/peers
@@ -15,13 +15,18 @@
 A chunk that lies inside one direct target lands in the destination itself (a DDP restore
 needs no buffer at all); any other lands in a buffer of its own, freed at the end of its round.
 Rounds are half the window, and two are in memory at a time (one exchanged, the next read), so
-a rank holds at most the window beyond its state (plus the bounce pieces being filled). Every
-local error is held until the next collective, so all ranks leave at the same round: one
-rank's failure is an error on every rank, never a hang.
+a rank holds about the window beyond its state (plus the bounce pieces being filled) — unless
+a chunk is larger than half the window: chunks are cut only at checksum blocks, a round holds
+at least one, and the bound is then about twice the largest chunk (the coordinator warns;
+``LoadStats.largest_chunk_bytes`` and ``buffer_peak_bytes`` say what it was). Every local error,
+from the first round's GETs on, is held until the next collective, so all ranks leave at the
+same round: one rank's failure is an error on every rank, never a hang. A rank that dies ends
+every other rank's waits within seconds (:mod:`s3dcp.loading.liveness`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,10 +40,13 @@ from ..format.layout import Segment
 from ..format.tensors import byte_view
 from ..s3.request import abort_and_wait
 from ..uri import object_key
-from . import bounce
+from . import bounce, messages
 from .cooperative import Chunk, PeerInfo, RankSchedule, item_key, node_name, schedule_plans
+from .liveness import Watch
 
 __all__ = ["LoadStats", "exchange_device", "check_window", "with_peer_info", "global_plans", "read", "run"]
+
+log = logging.getLogger("s3dcp")
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,13 @@ class LoadStats:
     ranks: int = 1
     get_s: float = 0.0  # this rank's seconds in its GETs (cooperative: the rounds' GET phases)
     exchange_s: float = 0.0  # this rank's seconds sending and receiving (waiting for peers included)
+    # Cooperative: the exchange_window_bytes asked for; the largest chunk this rank owns or
+    # receives (chunks are cut only at checksum blocks, so a round holds at least one: the real
+    # bound is about max(window, 2 x this), plus bounce pieces being filled; docs/restore.md); and
+    # the most bytes the exchange's own buffers held at once on this rank.
+    window_bytes: int = 0
+    largest_chunk_bytes: int = 0
+    buffer_peak_bytes: int = 0
 
 
 def exchange_device(group) -> tuple[torch.device | None, str]:
@@ -86,10 +101,21 @@ def check_window(window_bytes: int) -> int:
 
 
 def global_plans(reader, plans: list) -> list:
-    """The coordinator's step: every rank's schedule, planned with the reader's settings."""
+    """The coordinator's step: every rank's schedule, planned with the reader's settings. Warns
+    when the window cannot bound the exchange's memory: a round holds at least one chunk, and
+    chunks are cut only at checksum blocks (16 MiB; an item of one checksum not at all)."""
     slot_bytes, _ = reader._window_shape()
-    return schedule_plans(plans, reader.items.location, verify=reader.verify, slot_bytes=slot_bytes,
-                          gap_bytes=reader.config.coalesce_gap_bytes, window_bytes=reader.exchange_window_bytes)
+    window = reader.exchange_window_bytes
+    out = schedule_plans(plans, reader.items.location, verify=reader.verify, slot_bytes=slot_bytes,
+                         gap_bytes=reader.config.coalesce_gap_bytes, window_bytes=window)
+    largest = max((c.length for p in out if isinstance(p.storage_data, RankSchedule) for c in p.storage_data.chunks),
+                  default=0)
+    if 2 * largest > window:
+        log.warning("cooperative load of %s: exchange_window_bytes=%d is below what its chunks need: chunks are cut "
+                    "only at checksum-block boundaries and the largest here is %d bytes, so a rank may hold up to "
+                    "%d bytes beyond its state (two rounds), plus bounce pieces being filled (LoadStats."
+                    "largest_chunk_bytes, buffer_peak_bytes)", reader._uri, window, largest, 2 * largest)
+    return out
 
 
 def read(reader, plan, planner) -> LoadStats:
@@ -131,6 +157,8 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
     start_s = time.perf_counter()
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
+    watch = Watch(group, f"s3dcp/cooperative/{schedule.load_id}/broken")  # every wait: a dead peer ends it
+    held = _Held()  # the exchange's own buffers, for LoadStats.buffer_peak_bytes
     error: BaseException | None = None
     broken = False  # the group failed under us: no more collectives
     s3_bytes = peer_bytes = 0
@@ -157,7 +185,10 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
     ahead = None  # the next round's GETs, issued while this round is exchanged
     try:
         if error is None and schedule.rounds:
-            ahead = _start_gets(reader, by_round[0], me, targets)
+            try:  # a failure here (a bad object name, say) reaches every rank at round 0's flags
+                ahead = _start_gets(reader, by_round[0], me, targets, held)
+            except BaseException as e:  # noqa: BLE001
+                error = e
         for k, chunks in enumerate(by_round):
             current, ahead = ahead, None
             if current is not None and error is not None:  # failed since they were issued
@@ -167,7 +198,7 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
                 try:
                     s3_bytes += _finish_gets(reader, current, reads)
                     # every local step of the exchange (allocations, the messages) before the flags
-                    posts = _posts(chunks, _wires(chunks, current[0], me, device), me, group)
+                    posts = messages.posts(chunks, messages.wires(chunks, current[0], me, device), me, group)
                 except BaseException as e:  # noqa: BLE001
                     error = e
                 get_s += time.perf_counter() - t
@@ -175,9 +206,10 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
             flags = torch.zeros(world, dtype=torch.int32, device=device)
             flags[me] = error is not None
             try:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+                watch.wait([dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)])
             except BaseException as e:  # noqa: BLE001 - a peer is gone
                 error, broken = error or e, True
+                watch.broke(e)
                 break
             failed = [r for r, f in enumerate(flags.tolist()) if f]
             if failed:
@@ -185,21 +217,23 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
             landed = current[0]
             if k + 1 < schedule.rounds:
                 try:
-                    ahead = _start_gets(reader, by_round[k + 1], me, targets)
+                    ahead = _start_gets(reader, by_round[k + 1], me, targets, held)
                 except BaseException as e:  # noqa: BLE001 - heard of at the next round's flags
                     error = e
             try:
-                peer_bytes += _swap(posts)
+                peer_bytes += messages.swap(posts, watch)
             except BaseException as e:  # noqa: BLE001
                 error, broken = e, True
+                watch.broke(e)
                 break
             finally:
                 exchange_s += time.perf_counter() - t
             try:
                 for c in chunks:
-                    _deliver(reader, planner, c, landed.pop(c.cid), targets.get(c.key, ()), copier)
+                    _deliver(reader, planner, c, landed.pop(c.cid), targets.get(c.key, ()), copier, held)
             except BaseException as e:  # noqa: BLE001
                 error = e
+            held.add(-current[3])  # this round's landing buffers are done with
     finally:
         if ahead is not None:  # they write into destinations and buffers: end them first
             abort_and_wait(ahead[1])
@@ -213,10 +247,11 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
         mine = torch.tensor(figures[0], dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(world)]
         try:
-            dist.all_gather(every, mine, group=group)
+            watch.wait([dist.all_gather(every, mine, group=group, async_op=True)])
             figures = [t.tolist() for t in every]
         except BaseException as e:  # noqa: BLE001
             error = error or e
+            watch.broke(e)
     if error is not None:
         raise error
     failed = sorted(set(failed) | {r for r, f in enumerate(figures) if f[0]}) if len(figures) == world else failed
@@ -225,7 +260,22 @@ def run(reader, plan, planner, schedule: RankSchedule, group, device: torch.devi
                             failed)
     return LoadStats("cooperative", schedule.unique_bytes, s3_bytes, peer_bytes,
                      int(sum(f[1] for f in figures)), int(sum(f[2] for f in figures)), seconds,
-                     max(f[3] for f in figures), schedule.rounds, world, get_s, exchange_s)
+                     max(f[3] for f in figures), schedule.rounds, world, get_s, exchange_s,
+                     schedule.window_bytes, max((c.length for c in schedule.chunks), default=0), held.peak)
+
+
+class _Held:
+    """Bytes of the exchange's own buffers on this rank (landing buffers of chunks that do not
+    land in a destination, bounce pieces being filled) and their high-water mark."""
+
+    __slots__ = ("now", "peak")
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
 
 
 def _targets(reader, plan, planner) -> tuple[dict, dict]:
@@ -269,19 +319,30 @@ def _check_covered(targets: dict, chunks, reader) -> None:
                     f"of {t.read.item.storage_index.fqn!r}; the ranks' readers must share verify= and S3Config")
 
 
-def _landing(c: Chunk, ts) -> torch.Tensor:
-    """Where chunk ``c`` lands on this rank: inside a direct target that holds all of it (the
-    destination itself), else a buffer of its own."""
+def _landing(c: Chunk, ts, held: "_Held") -> torch.Tensor | None:
+    """Where chunk ``c`` lands on this rank when one target holds all of it: the destination
+    itself (a direct target), or the buffer of a bounce piece (made now, counted in ``held``),
+    so that its bytes are not held twice; None: it needs a buffer of its own."""
     for t in ts:
-        if t.piece is None and t.start <= c.start and c.end <= t.end and t.end > t.start:
+        if t.start <= c.start and c.end <= t.end and t.end > t.start:
+            if t.buf is None:  # a bounce piece's first bytes
+                t.buf = torch.empty(t.end - t.start, dtype=torch.uint8)
+                held.add(t.end - t.start)
             return t.buf[c.start - t.start:c.end - t.start]
-    return torch.empty(c.length, dtype=torch.uint8)
+    return None
 
 
-def _start_gets(reader, chunks: list[Chunk], me: int, targets: dict) -> tuple[dict, list, list[Chunk]]:
+def _start_gets(reader, chunks: list[Chunk], me: int, targets: dict, held: "_Held") -> tuple[dict, list, list, int]:
     """Where each chunk of a round lands, and the GETs of this rank's own chunks, issued
-    (neighbours in one object in one GET): (landing places, futures, owned chunks)."""
-    landed = {c.cid: _landing(c, targets.get(c.key, ())) for c in chunks}
+    (neighbours in one object in one GET): (landing places, futures, owned chunks, bytes of
+    buffers made for it, counted in ``held``)."""
+    landed = {c.cid: _landing(c, targets.get(c.key, ()), held) for c in chunks}
+    fresh = [cid for cid, buf in landed.items() if buf is None]
+    lengths = {c.cid: c.length for c in chunks}
+    for cid in fresh:
+        landed[cid] = torch.empty(lengths[cid], dtype=torch.uint8)
+    buffered = sum(lengths[cid] for cid in fresh)
+    held.add(buffered)
     owned = [c for c in chunks if c.owner == me and c.length]
     uri = reader._require_uri()
     by_object: dict[str, list[Segment]] = {}
@@ -298,14 +359,15 @@ def _start_gets(reader, chunks: list[Chunk], me: int, targets: dict) -> tuple[di
                                                      max(seg.end for seg in run), sinks))
     except BaseException:
         abort_and_wait(futures)
+        held.add(-buffered)
         raise
-    return landed, futures, owned
+    return landed, futures, owned, buffered
 
 
 def _finish_gets(reader, started: tuple, reads: dict) -> int:
     """Wait for a round's GETs and verify each chunk (the reading rank's duty); the bytes read.
     On an error the other GETs are aborted and waited for."""
-    landed, futures, owned = started
+    landed, futures, owned, _ = started
     try:
         for f in futures:
             f.result()
@@ -318,79 +380,7 @@ def _finish_gets(reader, started: tuple, reads: dict) -> int:
     return sum(c.length for c in owned)
 
 
-def _wires(chunks: list[Chunk], landed: dict, me: int, device: torch.device) -> dict:
-    """What each chunk of a round this rank sends or receives travels in: its landing place on
-    CPU (gloo), a device copy for NCCL; {cid: (wire, landing)}. Made before the round's flags,
-    so nothing is left to fail locally once the messages are posted."""
-    wires = {}
-    for c in chunks:
-        if not c.length or (c.owner != me and me not in c.receivers):
-            continue
-        buf = landed[c.cid]
-        if device.type == "cpu":
-            wires[c.cid] = (buf, buf)
-        elif c.owner == me:
-            wires[c.cid] = (buf.to(device), buf)
-        else:
-            wires[c.cid] = (torch.empty(c.length, dtype=torch.uint8, device=device), buf)
-    return wires
-
-
-@dataclass
-class _Posts:
-    """A round's messages for this rank, made before the round's flags so that nothing is left
-    to fail locally once other ranks post theirs (a rank that failed after its peers posted would
-    leave them waiting for its messages until the backend's timeout)."""
-
-    group: Any
-    broadcasts: list  # (wire, owner's rank in the group), in the schedule's order
-    p2p: list  # P2POps, posted as one batch
-    back: list  # (device wire, landing place) of each chunk received through a device buffer
-    received: int  # bytes received from peers
-
-
-def _posts(chunks: list[Chunk], wires: dict, me: int, group) -> _Posts:
-    """Each owned chunk to its receivers and each chunk this rank needs from its owner (see
-    :func:`_swap`), every rank named checked against the group."""
-    world = dist.get_world_size(group)
-    posts = _Posts(group, [], [], [], 0)
-    for c in chunks:
-        if c.cid not in wires:
-            continue
-        wire, landing = wires[c.cid]
-        if not (0 <= c.owner < world and all(0 <= r < world and r != c.owner for r in c.receivers)):
-            raise RuntimeError(f"cooperative load: chunk {c.cid} names owner {c.owner} and receivers "
-                               f"{list(c.receivers)}, not ranks of this group of {world}")
-        if c.owner != me:
-            posts.received += c.length
-            if wire is not landing:
-                posts.back.append((wire, landing))
-        if world > 2 and len(c.receivers) == world - 1:
-            posts.broadcasts.append((wire, c.owner))
-        elif c.owner == me:
-            posts.p2p.extend(dist.P2POp(dist.isend, wire, group=group, group_peer=r, tag=c.cid) for r in c.receivers)
-        else:
-            posts.p2p.append(dist.P2POp(dist.irecv, wire, group=group, group_peer=c.owner, tag=c.cid))
-    return posts
-
-
-def _swap(posts: _Posts) -> int:
-    """Post a round's messages and wait for them; the bytes received. A chunk every rank needs
-    is broadcast (a tree or ring: the owner does not send it world − 1 times); any other goes
-    point to point, isend/irecv in one batch. Every rank posts them in the schedule's order, so
-    the two ends of each message, and the collectives, match."""
-    works = [dist.broadcast(wire, group=posts.group, group_src=owner, async_op=True)
-             for wire, owner in posts.broadcasts]
-    if posts.p2p:
-        works.extend(dist.batch_isend_irecv(posts.p2p))
-    for work in works:
-        work.wait()
-    for wire, landing in posts.back:  # NCCL: from the device buffers into the landing places
-        landing.copy_(wire)
-    return posts.received
-
-
-def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier) -> None:
+def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier, held: _Held) -> None:
     """Copy chunk ``c`` (in ``buf``) into every target it overlaps; finish each target that is
     now complete as the plain path finishes it, without verifying again."""
     for t in ts:
@@ -399,6 +389,7 @@ def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier) -> None:
             continue
         if t.buf is None:
             t.buf = torch.empty(t.end - t.start, dtype=torch.uint8)
+            held.add(t.end - t.start)
         dest = t.buf[lo - t.start:hi - t.start]
         if dest.data_ptr() != buf.data_ptr() + (lo - c.start):  # not landed there already
             dest.copy_(buf[lo - c.start:hi - c.start])
@@ -412,3 +403,4 @@ def _deliver(reader, planner, c: Chunk, buf: torch.Tensor, ts, copier) -> None:
                 for token in tokens:
                     copier.wait(token)
                 t.buf = None
+                held.add(-(t.end - t.start))

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..errors import IntegrityError, MetadataFormatError, S3DCPError, UnsafePickleError
 from ..format import integrity, layout
+from ..format.context import At, quoted
 from ..format.layout import ItemLocation, Piece, Segment
 from ..format.metadata import str_to_dtype
 from ..format.tensors import byte_view, has_lazy_bits
@@ -80,8 +81,10 @@ class ItemReads:
                 f"{self.uri}: the metadata has no stored location for {item.storage_index.fqn!r} "
                 f"(chunk at {tuple(item.storage_index.offset or ())})") from None
 
-    def where(self, item: ReadItem) -> str:
-        return f"{self.uri}: item {item.storage_index.fqn!r} (chunk at {tuple(item.storage_index.offset or ())})"
+    def where(self, item: ReadItem) -> At:
+        """The item, for an error (text only when one is raised: a name may be megabytes)."""
+        return At(self.uri, ": item ", quoted(item.storage_index.fqn), " (chunk at ",
+                  tuple(item.storage_index.offset or ()), ")")
 
     def read_error(self, run: list[Segment], error: BaseException) -> BaseException:
         """A GET that found its object shorter than the metadata says (a short body, or 416):

@@ -15,6 +15,7 @@ from s3dcp.format.layout import METADATA_NAME
 from s3dcp.s3.client import S3Client
 
 from cli_run import run_cli
+from handmade import put_checkpoint, tensor_meta
 from metadata_edit import column, edit_column, header
 
 
@@ -120,3 +121,66 @@ def test_verify_takes_no_memory_for_bytes_past_an_objects_end(capsys, uri, s3_co
     _edit(uri, s3_config, "step", "sd.length", 3 << 30)
     code, out, err = run_cli(capsys, "verify", uri)
     assert code == 1 and "BAD step" in out and "past the end of" in out and "internal error" not in err
+
+
+# ------------------------------------------------------------------------------ declared, not stored (issue 33)
+def test_verify_fails_chunks_that_overlap_beside_a_hole(capsys, uri, s3_config):
+    """Row 7: volumes that add up, one element twice and one in no chunk: verify said OK."""
+    w = torch.arange(4, dtype=torch.float32)
+    put_checkpoint(uri, s3_config, {"w": tensor_meta(torch.float32, [4], [([0], [2]), ([1], [2])])},
+                   [("w", [0], w[0:2]), ("w", [1], w[1:3])])
+    code, out, err = run_cli(capsys, "verify", uri)
+    assert code == 1 and not out.startswith("OK")
+    assert "BAD w: its chunks: the chunk at (1,) overlaps another chunk" in out, out
+    assert "1 bad item(s)" in err
+
+
+def test_verify_fails_a_chunk_without_a_stored_location(capsys, uri, s3_config):
+    w = torch.arange(4, dtype=torch.float32)
+    put_checkpoint(uri, s3_config, {"w": tensor_meta(torch.float32, [4], [([0], [2]), ([2], [2])])},
+                   [("w", [0], w[0:2])])  # the chunk at 2 is declared, not stored
+    code, out, err = run_cli(capsys, "verify", uri)
+    assert code == 1 and not out.startswith("OK")
+    assert "BAD w (chunk at (2,)): no stored location for this chunk" in out, out
+    code, out, _ = run_cli(capsys, "verify", "--json", uri)
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False and report["verified_items"] == 1
+    assert [(b["fqn"], b["offset"], b["object"]) for b in report["bad"]] == [("w", [2], None)]
+
+
+def test_verify_fails_a_dtype_that_differs_between_tensor_and_location(capsys, uri, s3_config):
+    """float32 declared, int32 stored (same bytes per element, so the lengths agree)."""
+    put_checkpoint(uri, s3_config, {"w": tensor_meta(torch.float32, [4], [([0], [4])])},
+                   [("w", [0], torch.arange(4, dtype=torch.int32))])
+    code, out, err = run_cli(capsys, "verify", uri)
+    assert code == 1 and "BAD w (chunk at (0,)): stored as int32, but the tensor is float32" in out, out
+
+
+def test_verify_fails_storage_data_null_beside_declared_chunks(capsys, uri, s3_config):
+    """storage_data null beside 40,000 declared chunks: verify said "OK: 0 item(s)"."""
+    n = 40_000
+    put_checkpoint(uri, s3_config, {"w": tensor_meta(torch.float32, [n], [([i], [1]) for i in range(n)])},
+                   [], storage=False)
+    code, out, err = run_cli(capsys, "verify", uri)
+    assert code == 1 and not out.startswith("OK")
+    assert "BAD metadata: storage_data is missing (null), so none of the 40000 declared chunk(s)" in out, out
+    assert "0 of 0 item(s)" in err
+
+
+def test_inspect_verify_and_rm_of_one_long_name_take_bounded_time(capsys, uri, s3_config):
+    """Row 5 of issue 33 end to end: one tensor named by 1 MB of one letter, in 20,000 chunks, each
+    stored (format 3 packs the name to almost nothing). inspect, verify and rm built a context text
+    holding the name for every item (20 GB of copying); now only an error makes one."""
+    import time
+
+    name, n = "a" * 1_000_000, 20_000
+    put_checkpoint(uri, s3_config, {name: tensor_meta(torch.float32, [n], [([i], [1]) for i in range(n)])},
+                   [(name, [i], torch.tensor([float(i)])) for i in range(n)], version=3)
+    took = {}
+    for argv in (["inspect", uri], ["verify", uri], ["rm", "--yes", uri]):
+        start = time.perf_counter()
+        code, out, err = run_cli(capsys, *argv)
+        took[argv[0]] = round(time.perf_counter() - start, 1)
+        assert code == 0, (argv, err[-500:])
+    assert max(took.values()) < 30, took
+    print(took)

@@ -51,12 +51,17 @@ class DrawSource(fuzz.Source):
         return self.data.draw(st.integers(lo, hi))
 
 
-def test_seeds_are_real_checkpoints_of_every_shape():
+def test_seeds_are_real_checkpoints_of_every_shape_and_reach_every_consumer():
     names = [name for name, _, _ in seeds()]
     assert names == [f"{s}/{v}" for s in fuzz.SHAPES for v in ("v3", "v2", "v1")]
     for name, data, md in seeds():
-        assert fuzz.check(data) == "accepted", name
+        reached: set = set()
+        assert fuzz.check(data, reached) == "accepted", name
+        assert reached == set(fuzz.fuzz_consumers.CONSUMERS) - {"safetensors"}, (name, reached)
         assert s3dcp.format.metadata.decode_metadata(data, lazy=False) == md
+    ((name, raw),) = fuzz.fuzz_consumers.safetensors_seeds()
+    reached = set()
+    assert fuzz.check_safetensors(raw, reached) == "accepted" and reached == {"safetensors"}
 
 
 @settings(max_examples=1500, deadline=None, derandomize=True,
@@ -71,6 +76,51 @@ def test_mutated_metadata_decodes_or_is_refused(data):
         note(what)
     outcome = fuzz.check(raw)  # raises fuzz.Finding on anything but a result or a MetadataFormatError
     assert outcome != "safety-net", "refused only by decode's last-resort net: a named check is missing"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_mutated_safetensors_headers_parse_or_are_refused(data):
+    src = DrawSource(data)
+    ((_, raw),) = fuzz.fuzz_consumers.safetensors_seeds()
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        raw, what = fuzz.fuzz_consumers.mutate_safetensors(src, raw, fuzz._json_edit)
+        note(what)
+    fuzz.check_safetensors(raw)  # raises fuzz.Finding on anything but a result or an S3DCPError
+
+
+class NewValues(fuzz.RandomSource):
+    """Random choices, but every format-2 header edit writes new values for a column."""
+
+    def integer(self, lo: int, hi: int) -> int:
+        return 4 if lo == 0 and hi in (11, 12) else super().integer(lo, hi)
+
+
+def test_the_fuzzer_never_generates_what_a_lying_count_declares():
+    """An edit set a column's count to 2^40, a later one wrote new values for it "at its count":
+    the fuzzer tried to allocate 8 TiB. It now writes at most MAX_GENERATED values (of at most 8
+    bytes), and the decoder refuses the object before allocating what it declares."""
+    raw = next(raw for name, raw, _ in seeds() if name == "one-rank/v2")
+    src = NewValues(random.Random(5))
+    for _ in range(40):
+        header, body = fuzz._parts(raw)
+        for entry in header["columns"].values():
+            entry["count"] = 2**40
+        edited, new_body, what = fuzz._v2_header_edit(src, header, body)
+        assert len(new_body) - len(body) <= 8 * fuzz.MAX_GENERATED * 1.01, what  # zlib may grow random bytes
+        assert fuzz.check(fuzz._pack(edited, new_body, raw[:8])) != "accepted", what
+
+
+def test_the_fuzzer_flags_an_example_over_its_memory_budget(tmp_path):
+    out = tmp_path / "fuzz.json"
+    assert fuzz.main(["--examples", "5", "--seed", "3", "--tracemalloc", "--memory-mib", "0.001",
+                      "--json", str(out)]) == 1
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["findings"] and all(f["error"].startswith("memory: +") for f in report["findings"]), report
+    assert report["most_memory_bytes"] > 1024
 
 
 def test_the_oracle_catches_an_internal_error(monkeypatch):
@@ -92,6 +142,22 @@ def test_the_oracle_catches_an_internal_error(monkeypatch):
         s3dcp.errors.MetadataFormatError("refused otherwise")))
     with pytest.raises(fuzz.Finding, match="the DCP decode refused"):  # the two decodes disagree
         fuzz.check(seeds()[0][1])
+    monkeypatch.undo()
+    # in the consumers past the decoder: verify's checks, the reader's and export's planning, safetensors
+    from s3dcp.format import safetensors
+    from s3dcp.interop import export
+
+    monkeypatch.setattr(fuzz.fuzz_consumers, "problems", lambda *a: 1 / 0)
+    with pytest.raises(fuzz.Finding, match="verify.*ZeroDivisionError"):
+        fuzz.check(seeds()[0][1])
+    monkeypatch.undo()
+    monkeypatch.setattr(export, "_select", lambda *a: 1 / 0)
+    with pytest.raises(fuzz.Finding, match="export.*ZeroDivisionError"):
+        fuzz.check(seeds()[0][1])
+    monkeypatch.undo()
+    monkeypatch.setattr(safetensors, "parse_header", lambda *a, **k: 1 / 0)
+    with pytest.raises(fuzz.Finding, match="safetensors: ZeroDivisionError"):
+        fuzz.check_safetensors(fuzz.fuzz_consumers.safetensors_seeds()[0][1])
 
 
 # ---------------------------------------------------------------------------------------------

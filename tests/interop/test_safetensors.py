@@ -154,7 +154,9 @@ def test_parse_header_refuses_odd_shapes_and_overlapping_tensors(tmp_path):
         parse_header(edited(lambda d: d["a"].update(shape="4")), source="x")
     with pytest.raises(MetadataFormatError, match="overlap"):
         parse_header(edited(lambda d: d["b"].update(data_offsets=d["a"]["data_offsets"])), source="x")
-    with pytest.raises(MetadataFormatError, match="not JSON"):
+    with pytest.raises(MetadataFormatError, match="not JSON"):  # too deep for the parser
+        parse_header(struct.pack("<Q", 4_000) + b"[" * 2_000 + b"]" * 2_000, source="x")
+    with pytest.raises(MetadataFormatError, match="holds 200000 JSON values in 200000 bytes"):  # refused unparsed
         parse_header(struct.pack("<Q", 200_000) + b"[" * 200_000, source="x")
 
 

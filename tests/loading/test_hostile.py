@@ -100,3 +100,19 @@ def test_an_untouched_checkpoint_still_loads(uri, s3_config):
     dest = _blank()
     s3dcp.load(dest, uri, config=s3_config)
     assert torch.equal(dest["w"], torch.arange(16, dtype=torch.float32)) and dest["step"] == 11
+
+
+def test_chunks_that_overlap_beside_a_hole_are_refused(uri, s3_config):
+    """'w' of 4 elements in chunks 0..2 and 1..3: their volumes add up to 4, but element 1 is in
+    both and element 3 in none. A load used to succeed, leaving w[3] as the destination held it
+    (export refused it); the reader now applies the export's tiling check (issue 33, row 7)."""
+    from handmade import put_checkpoint, tensor_meta
+
+    w = torch.arange(4, dtype=torch.float32)
+    put_checkpoint(uri, s3_config, {"w": tensor_meta(torch.float32, [4], [([0], [2]), ([1], [2])])},
+                   [("w", [0], w[0:2]), ("w", [1], w[1:3])])
+    for cooperative in (False, True):  # one process: the cooperative reader falls back, same checks
+        dest = {"w": torch.full((4,), -1.0)}
+        with pytest.raises(MetadataFormatError, match=r"'w'.*chunk at \(1,\) overlaps another chunk"):
+            s3dcp.load(dest, uri, config=s3_config, cooperative=cooperative)
+        assert torch.equal(dest["w"], torch.full((4,), -1.0))

@@ -17,7 +17,8 @@ every declared count is charged to a :class:`DecodeBudget` whose size follows th
   chunk of a tensor in ``state_dict_metadata`` (the tensors of one layout share its chunk
   objects), 4 per chunk of a layout, 16 more per distinct chunk box and per storage row with a
   key or shape of its own (a torch.Size, tuple or ChunkStorageMetadata), at most
-  ``max(2^22, the object's bytes)``. 1,024 x 900 needs ~1 M.
+  ``max(2^22, the object's bytes)``. 1,024 x 900 needs ~1 M. Names (fqns, object names, dtype
+  names) are charged by length, a unit per 8 characters, and an object each.
 
 So an object of at most 10 MB holds at most ~80 MB of columns and builds ~80 MB of objects,
 whatever it declares (measured in ``tests/format/test_hostile_metadata.py``). Real checkpoints
@@ -29,6 +30,8 @@ before anything of that size exists.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ...errors import MetadataFormatError
 
@@ -68,7 +71,12 @@ class DecodeBudget:
                 f"{where}: declares {count} {what}, more than a metadata object of {self.object_bytes} bytes can "
                 "describe; the object is damaged or crafted")
 
-    def objects(self, where: str, count: int, what: str, cost: int = OBJECT_COST) -> None:
+    def names(self, where: Any, names: list, what: str) -> None:
+        """Charge a table of ``names`` (strings, already checked) by length, and an object each."""
+        self.objects(where, len(names), what)
+        self.objects(where, sum(map(len, names)) // 8, f"characters of {what}", 1)
+
+    def objects(self, where: Any, count: int, what: str, cost: int = OBJECT_COST) -> None:
         """Charge ``count`` built objects (``what``, for the message) of ``cost`` units each."""
         self._objects += count * cost
         if self._objects > self.objects_limit:

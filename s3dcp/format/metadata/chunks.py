@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import MetadataFormatError
+from ..context import At, quoted
 from .budget import DecodeBudget
 from .columns import MAX_COUNT, ColumnReader, bounded
 from .fields import _bool, _dict, _get, _ints, _list
@@ -86,7 +87,7 @@ class Chunks:
         bytes_item = PlainBytes()
         props_l, size_l, start_l = props.tolist(), size_len.tolist(), size_start.tolist()
         for pos, fqn in enumerate(fqns):
-            w = f"state_dict_metadata[{fqn!r}]"
+            w = At("state_dict_metadata[", quoted(fqn), "]")
             if props_l[pos] == 0:
                 if layout[pos] or size_l[pos]:
                     raise MetadataFormatError(f"{w}: a bytes item with a size or chunks")
@@ -120,6 +121,6 @@ class Chunks:
         for j, box in enumerate(boxes):
             if type(box) is not list or len(box) != 2:
                 raise MetadataFormatError(f"{where}.chunks[{j}]: expected [offsets, sizes]")
-            o.append(_ints(box[0], f"{where}.chunks[{j}].offsets"))
-            s.append(_ints(box[1], f"{where}.chunks[{j}].sizes"))
+            o.append(_ints(box[0], At(where, ".chunks[", j, "].offsets")))
+            s.append(_ints(box[1], At(where, ".chunks[", j, "].sizes")))
         return ChunkLayout(o, s)

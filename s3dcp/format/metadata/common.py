@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ...errors import MetadataFormatError
+from ..context import At
 from .fields import _get, _list, _opt, _str
 from .plain import StoredMeta
 
@@ -54,5 +55,5 @@ def _decode_storage_meta(node: Any) -> StoredMeta:
         checkpoint_id=_get(node, "checkpoint_id", w, _opt(_str)),
         save_id=_get(node, "save_id", w, _opt(_str)),
         load_id=_get(node, "load_id", w, _opt(_str)),
-        modules=[_str(m, f"{w}.modules[{i}]") for i, m in enumerate(modules)],
+        modules=[_str(m, At(w, ".modules[", i, "]")) for i, m in enumerate(modules)],
     )

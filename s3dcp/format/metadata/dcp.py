@@ -137,17 +137,21 @@ def _storage(storage: Any, offsets: list, sizes: dict, lazy: bool) -> Any:
     return data if lazy else data.to_dict()
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _tree(node: Any) -> Any:
-    """planner_data with torch objects where the tree has TreeSize and TreeDtype."""
+    """planner_data with torch objects where the tree has TreeSize and TreeDtype (a list or tuple
+    of plain values as it is: no call per value, see tree.decode_tree)."""
     t = type(node)
     if t is TreeSize:
         return torch.Size(node)
     if t is TreeDtype:
         return _from_name(_DTYPES, str(node), "dtype")
     if t is list:
-        return [_tree(v) for v in node]
+        return node if _PLAIN.issuperset(map(type, node)) else [_tree(v) for v in node]
     if t is tuple:
-        return tuple(_tree(v) for v in node)
+        return node if _PLAIN.issuperset(map(type, node)) else tuple(_tree(v) for v in node)
     if t is dict:
         return {_tree(k): _tree(v) for k, v in node.items()}
     return node

@@ -24,6 +24,7 @@ import zlib
 from typing import Any
 
 from ...errors import MetadataFormatError
+from .fields import _short
 
 __all__ = ["pack_json", "unpack_json", "header_limit_bytes", "MIN_HEADER_LIMIT_BYTES", "HEADER_BYTES_PER_BYTE"]
 
@@ -62,11 +63,11 @@ def unpack_json(entry: Any, stored: memoryview, object_bytes: int, where: str) -
         raise MetadataFormatError(f"{where}: expected a JSON object describing the packed header")
     codec = entry.get("codec")
     if type(codec) is not str or codec not in CODECS:
-        raise MetadataFormatError(f"{where}.codec: unknown codec {str(codec)[:40]!r}")
+        raise MetadataFormatError(f"{where}.codec: unknown codec {_short(codec, 40)}")
     length, size = entry.get("length"), entry.get("size")
     for name, value in (("length", length), ("size", size)):
         if type(value) is not int or value < 0:
-            raise MetadataFormatError(f"{where}.{name}: expected a non-negative integer, got {str(value)[:40]}")
+            raise MetadataFormatError(f"{where}.{name}: expected a non-negative integer, got {_short(value, 40)}")
     if length != len(stored):
         raise MetadataFormatError(f"{where}.length: {length} bytes, the object holds {len(stored)} there")
     limit = header_limit_bytes(object_bytes)

@@ -7,9 +7,11 @@ import re
 from typing import Any
 
 from ...errors import MetadataFormatError
+from ..context import At, quoted
 from ..layout import ItemLocation
+from .budget import DecodeBudget
 from .common import FORMAT_NAME, _check_version, _decode_storage_meta
-from .fields import _bool, _dict, _get, _int, _ints, _json_type, _list, _opt, _reject_constant, _short, _str
+from .fields import check_containers, _bool, _dict, _get, _int, _ints, _json_type, _list, _opt, _reject_constant, _short, _str
 from .names import check_name
 from .plain import ChunkLayout, PlainBytes, PlainMetadata, PlainTensor, Properties, StorageKey, StorageList
 from .tree import decode_tree
@@ -21,14 +23,7 @@ def decode(data: bytes) -> PlainMetadata:
     """Decode a format-1 document; the caller (:func:`~s3dcp.format.metadata.decode_plain`) names the source."""
     if not data.strip():
         raise MetadataFormatError("not s3dcp metadata: the object is empty")
-    # Parsing is bounded by the object's size, except that an array or object costs ~60 bytes of
-    # memory for its 2 or 3 bytes of text ("[],"), and decoding copies the tree once more. What
-    # s3dcp writes has one per >= 30 bytes; refuse a document made of them before parsing it.
-    containers = data.count(b"[") + data.count(b"{")
-    if containers > max(_MIN_CONTAINERS, len(data) // _BYTES_PER_CONTAINER):
-        raise MetadataFormatError(
-            f"corrupt s3dcp metadata: {containers} JSON arrays and objects in {len(data)} bytes, more than "
-            "s3dcp writes (one per 30 bytes or more); the object is damaged or crafted")
+    check_containers(data, "corrupt s3dcp metadata")  # before parsing: see fields.check_containers
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:  # a pickle, for one, starts with byte 0x80
@@ -48,18 +43,17 @@ def decode(data: bytes) -> PlainMetadata:
 
     sdm = _get(doc, "state_dict_metadata", "metadata", _dict)
     storage_meta = _get(doc, "storage_meta", "metadata")
+    budget = DecodeBudget(len(data))  # what the document holds is parsed already: this counts what is built
+    budget.names("state_dict_metadata", list(sdm), "fqns")
     return PlainMetadata(
         version=1,
-        state_dict={k: _decode_storage(v, f"state_dict_metadata[{k!r}]") for k, v in sdm.items()},
+        state_dict={k: _decode_storage(v, At("state_dict_metadata[", quoted(k), "]"), budget) for k, v in sdm.items()},
         planner_data=decode_tree(_get(doc, "planner_data", "metadata"), "planner_data"),
-        storage=_decode_storage_data(_get(doc, "storage_data", "metadata")),
+        storage=_decode_storage_data(_get(doc, "storage_data", "metadata"), budget),
         storage_meta=None if storage_meta is None else _decode_storage_meta(storage_meta),
         dcp_version=_get(doc, "dcp_version", "metadata", _opt(_str)),
     )
 
-
-_MIN_CONTAINERS = 2**18
-_BYTES_PER_CONTAINER = 12
 
 _V1_PREFIX = re.compile(rb'\s*\{\s*"format"\s*:\s*"s3dcp-metadata"\s*,\s*"version"\s*:\s*(\d{1,9})\s*[,}]')
 
@@ -80,13 +74,13 @@ def version_of(data: bytes) -> int | None:
 _BYTES = PlainBytes()
 
 
-def _decode_storage(node: Any, where: str) -> PlainTensor | PlainBytes:
+def _decode_storage(node: Any, where: Any, budget: DecodeBudget) -> PlainTensor | PlainBytes:
     kind = _get(node, "type", where)
     if kind == "bytes":
         return _BYTES
     if kind != "tensor":
         raise MetadataFormatError(f"{where}.type: unknown storage type {_short(kind)}")
-    p, pw = _get(node, "properties", where), f"{where}.properties"
+    p, pw = _get(node, "properties", where), At(where, ".properties")
     properties = Properties(
         dtype=check_name("dtype", _get(p, "dtype", pw)),
         layout=check_name("layout", _get(p, "layout", pw)),
@@ -95,30 +89,34 @@ def _decode_storage(node: Any, where: str) -> PlainTensor | PlainBytes:
         pin_memory=_get(p, "pin_memory", pw, _bool),
     )
     chunks = _get(node, "chunks", where, _list)
+    budget.objects(At(where, ".chunks"), len(chunks), "chunks")
     size = _get(node, "size", where, _ints)
     offsets, sizes = [], []
     for i, c in enumerate(chunks):
-        offsets.append(_get(c, "offsets", f"{where}.chunks[{i}]", _ints))
-        sizes.append(_get(c, "sizes", f"{where}.chunks[{i}]", _ints))
+        cw = At(where, ".chunks[", i, "]")
+        offsets.append(_get(c, "offsets", cw, _ints))
+        sizes.append(_get(c, "sizes", cw, _ints))
     return PlainTensor(properties, size, ChunkLayout(offsets, sizes))
 
 
-def _decode_storage_data(node: Any) -> StorageList | None:
+def _decode_storage_data(node: Any, budget: DecodeBudget) -> StorageList | None:
     if node is None:
         return None
     keys: dict[tuple, StorageKey] = {}
     locations: list[ItemLocation] = []
-    for i, entry in enumerate(_list(node, "storage_data")):
-        w = f"storage_data[{i}]"
-        idx, iw = _get(entry, "index", w), f"{w}.index"
-        loc, lw = _get(entry, "location", w), f"{w}.location"
+    entries = _list(node, "storage_data")
+    budget.objects("storage_data", 2 * len(entries), "storage items (a key and a location each)")
+    for i, entry in enumerate(entries):
+        w = At("storage_data[", i, "]")
+        idx, iw = _get(entry, "index", w), At(w, ".index")
+        loc, lw = _get(entry, "location", w), At(w, ".location")
         key = StorageKey(
             fqn=_get(idx, "fqn", iw, _str),
             offset=_get(idx, "offset", iw, _opt(_ints)),
             index=_get(idx, "index", iw, _opt(_int)),
         )
         if key[:2] in keys:  # a dict would silently keep only the last one (DCP's keys compare fqn and offset)
-            raise MetadataFormatError(f"{w}: duplicate entry for {key.fqn!r} at offset {_offset_text(key.offset)}")
+            raise MetadataFormatError(f"{w}: duplicate entry for {quoted(key.fqn)} at offset {_offset_text(key.offset)}")
         keys[key[:2]] = key
         locations.append(ItemLocation(
             object_name=_get(loc, "object_name", lw, _str),
@@ -128,7 +126,7 @@ def _decode_storage_data(node: Any) -> StorageList | None:
             dtype=_get(loc, "dtype", lw, _opt(_str)),
             shape=_get(loc, "shape", lw, _opt(_ints)),
             block_size=_get(loc, "block_size", lw, _int),
-            block_checksums=tuple(_str(c, f"{lw}.block_checksums[{j}]")
+            block_checksums=tuple(_str(c, At(lw, ".block_checksums[", j, "]"))
                                   for j, c in enumerate(_get(loc, "block_checksums", lw, _list))),
         ))
     return StorageList(list(keys.values()), locations)

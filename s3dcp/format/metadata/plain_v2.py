@@ -18,7 +18,7 @@ from .budget import DecodeBudget
 from .chunks import Chunks
 from .columns import ColumnReader
 from .common import FORMAT_NAME, _check_version, _decode_storage_meta
-from .fields import _get, _int, _list, _opt, _reject_constant, _str
+from .fields import check_containers, _get, _int, _list, _opt, _reject_constant, _str
 from .plain import PlainMetadata
 from .rows import Rows
 from .tree import decode_tree
@@ -40,9 +40,10 @@ def header_of(data: bytes | memoryview) -> dict:
     if _HEAD.size + head_len + _TRAILER.size > len(view):
         raise MetadataFormatError(
             f"truncated s3dcp metadata: the header says {head_len} header bytes, the object has {len(view)} in all")
+    text = bytes(view[_HEAD.size:_HEAD.size + head_len])
+    check_containers(text, "corrupt s3dcp metadata header")  # the bound of a format-1 document
     try:
-        header = json.loads(bytes(view[_HEAD.size:_HEAD.size + head_len]).decode("utf-8"),
-                            parse_constant=_reject_constant)
+        header = json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MetadataFormatError(f"corrupt s3dcp metadata header: not valid JSON ({e})") from None
     if type(header) is not dict or header.get("format") != FORMAT_NAME:
@@ -89,6 +90,7 @@ def build(header: dict, body: memoryview, budget: DecodeBudget, *, version: int,
     fqns = _get(header, "fqns", "metadata", _list)
     for i, f in enumerate(fqns):
         _str(f, f"metadata.fqns[{i}]")
+    budget.names("metadata.fqns", fqns, "fqns")
     if len(set(fqns)) != len(fqns):
         raise MetadataFormatError("metadata.fqns: duplicate names")
     n_sdm = _get(header, "state_dict_entries", "metadata", _int)

@@ -36,7 +36,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...errors import MetadataFormatError
+from ..context import At, quoted
 from .budget import DecodeBudget
+from .fields import _short
 
 __all__ = ["compact", "expand", "SPLIT", "ODD"]
 
@@ -164,7 +166,7 @@ def expand(node: Any, fqns: list[str], budget: DecodeBudget, decode_tree: Callab
         if t == SPLIT:
             out[key] = tuple(key.split("."))
         elif t == ODD:
-            out[key] = decode_tree(next(odd_values), f"planner_data[{key!r}]")
+            out[key] = decode_tree(next(odd_values), At("planner_data[", quoted(key), "]"))
         else:
             out[key] = templates[t - 2](key)
     return out
@@ -224,7 +226,7 @@ def _check_template(t: Any, i: int) -> tuple:
     for e in t:
         if type(e) is not list or len(e) != 2 or e[0] not in ("s", "i") or type(e[1]) is not int or e[1] < 0 \
                 or (e[0] == "i" and e[1] != 1):
-            raise MetadataFormatError(f"{where}: bad element {str(e)[:60]} (expected ['s', parts] or ['i', 1])")
+            raise MetadataFormatError(f"{where}: bad element {_short(e, 60)} (expected ['s', parts] or ['i', 1])")
         out.append((e[0], e[1]))
     if sum(1 for _, parts in out if parts == _STAR) > 1:
         raise MetadataFormatError(f"{where}: more than one element takes the remaining parts")

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import MetadataFormatError
+from ..context import At, quoted
 from ..layout import ItemLocation
 from .budget import DecodeBudget
 from .columns import MAX_COUNT, ColumnReader, bounded
@@ -38,8 +39,10 @@ class Rows:
             raise MetadataFormatError(f"{w}.rows: {n} is negative")
         budget.fits(f"{w}.rows", n, _MIN_ROW_BYTES, "storage items")
         self.fqns = fqns
-        self.names = [_str(s, f"{w}.object_names[{i}]") for i, s in enumerate(_get(node, "object_names", w, _list))]
-        self.dtypes = [None] + [_str(s, f"{w}.dtypes[{i}]") for i, s in enumerate(_get(node, "dtypes", w, _list))]
+        self.names = [_str(s, At(w, ".object_names[", i, "]")) for i, s in enumerate(_get(node, "object_names", w, _list))]
+        self.dtypes = [None] + [_str(s, At(w, ".dtypes[", i, "]")) for i, s in enumerate(_get(node, "dtypes", w, _list))]
+        budget.names(At(w, ".object_names"), self.names, "object names")
+        budget.names(At(w, ".dtypes"), self.dtypes[1:], "dtype names")
         c = lambda name: f"metadata.columns[{name!r}]"  # noqa: E731
         n_sdm = len(chunks.offsets)
         self.chunk_offsets, self.chunk_shapes, self.has_dups = chunks.offsets, chunks.shapes, chunks.has_dups
@@ -103,7 +106,7 @@ class Rows:
             first = self._first_chunk(f, offset)
             if key in seen or first is not None:
                 raise MetadataFormatError(
-                    f"metadata.storage_data: two entries for {self.fqns[f]!r} at offset {offset} (duplicate key)")
+                    f"metadata.storage_data: two entries for {quoted(self.fqns[f])} at offset {offset} (duplicate key)")
             seen.add(key)
         # A chunk row must name the first chunk with its offsets, or two rows could hold one key.
         if any(f is not None for f in self.first):
@@ -116,7 +119,7 @@ class Rows:
             if bad.size:
                 f, j = int(self.fqn[bad[0]]), int(self.chunk[bad[0]])
                 raise MetadataFormatError(
-                    f"metadata.storage_data: two entries for {self.fqns[f]!r} at offset {tuple(self.chunk_offsets[f][j])}")
+                    f"metadata.storage_data: two entries for {quoted(self.fqns[f])} at offset {tuple(self.chunk_offsets[f][j])}")
 
     def _first_chunk(self, f: int, offset: Any) -> int | None:
         offsets = self.chunk_offsets[f] if f < len(self.chunk_offsets) else None
@@ -234,7 +237,7 @@ class _Checksums:
         where = f"metadata.storage_data.{field}"
         self.values = cols.ints(name, n)
         if "strings" in spec:
-            self.table = [None] + [_str(s, f"{where}.strings[{i}]") for i, s in enumerate(_list(spec["strings"], where))]
+            self.table = [None] + [_str(s, At(where, ".strings[", i, "]")) for i, s in enumerate(_list(spec["strings"], where))]
             bounded(self.values, len(self.table), f"metadata.columns[{name!r}]")
             self.values = self.values.astype(np.int64, copy=False)
             self.fmt = None

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from ...errors import MetadataFormatError
+from ..context import At
 from .fields import _ints, _list, _short, _str, _type_name
 from .names import check_name
 from .plain import TreeDtype, TreeSize
@@ -60,30 +61,43 @@ def encode_tree(obj: Any, path: str) -> Any:
     )
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
 def decode_tree(node: Any, where: str) -> Any:
-    """Inverse of :func:`encode_tree`, without torch: a torch.Size comes back as a
+    """Inverse of :func:`encode_tree`, without torch, on a freshly parsed JSON value (whose lists
+    it reuses, decoded in place): a torch.Size comes back as a
     :class:`~s3dcp.format.metadata.plain.TreeSize`, a torch.dtype as a
     :class:`~s3dcp.format.metadata.plain.TreeDtype` (``s3dcp.format.metadata.dcp`` makes torch
     objects of them). A bad node raises MetadataFormatError naming ``where``."""
     t = type(node)
-    if node is None or t is bool or t is int or t is float or t is str:
+    if t in _PLAIN:
         return node
     if t is list:
-        return [decode_tree(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        # Decoded in place (the parsed JSON is the decoder's own), and plain values and lists of
+        # them without a call each: a list of a million numbers took a second through the
+        # recursion, and a 10 MB object holds five million.
+        if _PLAIN.issuperset(map(type, node)):
+            return node
+        for i, v in enumerate(node):
+            tv = type(v)
+            if tv not in _PLAIN and not (tv is list and _PLAIN.issuperset(map(type, v))):
+                node[i] = decode_tree(v, At(where, "[", i, "]"))
+        return node
     if len(node) != 1:
         msg = f"{where}: expected a one-key tagged object, got keys {_short(sorted(node))}"
         raise MetadataFormatError(msg)
     ((tag, body),) = node.items()
     if tag == "__tuple__":
-        return tuple(decode_tree(v, f"{where}[{i}]") for i, v in enumerate(_list(body, where)))
+        return tuple(decode_tree(_list(body, where), where))
     if tag == "__dict__":
         out = {}
         for i, pair in enumerate(_list(body, where)):
             if type(pair) is not list or len(pair) != 2:
                 raise MetadataFormatError(f"{where}: entry {i} of a __dict__ is not a [key, value] pair")
-            key = decode_tree(pair[0], f"{where} key {i}")
+            key = decode_tree(pair[0], At(where, " key ", i))
             try:
-                out[key] = decode_tree(pair[1], f"{where}[{i}]")
+                out[key] = decode_tree(pair[1], At(where, "[", i, "]"))
             except TypeError:  # a list can be a value, never a key: encode_tree writes keys as tuples
                 raise MetadataFormatError(f"{where} key {i}: corrupt __dict__: a {_type_name(key)} cannot be a dict key") from None
         return out

@@ -36,6 +36,7 @@ from typing import Any
 from ...errors import MetadataFormatError
 from . import packing, planner
 from .common import FORMAT_NAME
+from .fields import _short
 from .plain_v2 import _HEAD, _TRAILER, MAGIC, after_header  # the outer header is version 2's header, read the same way
 
 __all__ = ["MAGIC", "VERSION", "encode", "unpack", "worth_it", "MIN_SAVING_BYTES", "MIN_SAVING_FRACTION"]
@@ -82,7 +83,7 @@ def unpack(data: bytes | memoryview, outer: Any) -> tuple[dict, memoryview]:
     length = entry.get("length") if type(entry) is dict else None
     if type(length) is not int or not 0 <= length <= len(rest):
         raise MetadataFormatError(
-            f"metadata.header.length: {str(length)[:40]} is not a byte count within the object's {len(rest)} "
+            f"metadata.header.length: {_short(length, 40)} is not a byte count within the object's {len(rest)} "
             "bytes after the outer header")
     header = packing.unpack_json(entry, rest[:length], len(data), "metadata.header")
     if type(header) is not dict:

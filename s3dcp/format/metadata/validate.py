@@ -7,9 +7,10 @@ bytes that do not match its tensors, and a load would then fill a tensor partly,
 wrong bytes, and call it a success. :func:`validate_metadata` checks what a load relies on:
 
 - every chunk box of ``state_dict_metadata`` has as many offsets and sizes as its tensor has
-  dimensions, none negative, and lies inside the tensor; no two non-empty boxes start at the same
-  offsets, and the boxes' volumes add up to the tensor's (DCP's save planner refuses any other
-  plan; partial overlaps that cancel out holes in volume are not looked for, as that is quadratic);
+  dimensions, none negative, and lies inside the tensor, and the boxes tile the tensor exactly:
+  their volumes add up to the tensor's, and (:func:`s3dcp.format.layout.check_tiling`, the
+  export's check) no two overlap, so there is no hole either — a load would otherwise leave the
+  hole's elements as the destination held them and call it a success;
 - every chunk (and every bytes item) has a storage location;
 - the location of a tensor chunk stores the tensor's dtype, the chunk's shape, and exactly
   ``element size x element count`` bytes;
@@ -33,6 +34,8 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...errors import MetadataFormatError
+from ..context import At, quoted
+from ..layout import check_tiling
 from ..integrity import algorithm_of
 from .dtypes import dtype_to_str
 from .locations import check_item
@@ -70,9 +73,9 @@ def _check_chunks(sdm: dict) -> None:
         if isinstance(item, BytesStorageMetadata):
             continue
         if not isinstance(item, TensorStorageMetadata):
-            raise MetadataFormatError(f"state_dict_metadata[{fqn!r}]: not tensor or bytes storage metadata")
+            raise MetadataFormatError(f"state_dict_metadata[{quoted(fqn)}]: not tensor or bytes storage metadata")
         size, chunks = tuple(item.size), item.chunks
-        where = f"state_dict_metadata[{fqn!r}]"
+        where = At("state_dict_metadata[", quoted(fqn), "]")
         if any(d < 0 for d in size):
             raise MetadataFormatError(f"{where}.size: {size} has a negative dimension")
         key = (size, id(chunks[0]), id(chunks[-1]), len(chunks)) if chunks else (size,)
@@ -113,6 +116,8 @@ def _check_boxes(where: str, size: tuple, chunks: list) -> None:
     nonempty = offs[lens.all(axis=1)] if ndim else offs[:min(len(chunks), 1)]
     if len(nonempty) > 1 and len(np.unique(nonempty, axis=0)) != len(nonempty):
         raise MetadataFormatError(f"{where}.chunks: two chunks at the same offsets")
+    if len(nonempty) > 1:  # volumes that add up can still hide an overlap beside a hole: the export's exact check
+        check_tiling(size, [(c.offsets, c.sizes) for c in chunks], At(where, ".chunks"))
 
 
 def _numel(shape: tuple) -> int:
@@ -156,21 +161,22 @@ def _check_dict(sdm: dict, sd: Any) -> None:
         if isinstance(item, BytesStorageMetadata):
             key = MetadataIndex(fqn)
             if key not in sd:
-                raise MetadataFormatError(f"storage_data: no location for the bytes item {fqn!r}")
-            _check_location(f"storage_data[{fqn!r}]", sd[key], None)
+                raise MetadataFormatError(f"storage_data: no location for the bytes item {quoted(fqn)}")
+            _check_location(At("storage_data[", quoted(fqn), "]"), sd[key], None)
             checked.add(key)
             continue
         for c in item.chunks:
             key = MetadataIndex(fqn, c.offsets)
             loc = sd.get(key)
-            where = f"storage_data[{fqn!r} at {tuple(c.offsets)}]"
+            where = At("storage_data[", quoted(fqn), " at ", tuple(c.offsets), "]")
             if loc is None:
                 raise MetadataFormatError(f"{where}: no location for this chunk of state_dict_metadata")
             _check_tensor_location(where, item, tuple(c.sizes), loc)
             checked.add(key)
     for key, loc in sd.items():  # locations no item names: never read, but not trusted either
         if key not in checked:
-            _check_location(f"storage_data[{key.fqn!r} at {None if key.offset is None else tuple(key.offset)}]", loc)
+            _check_location(At("storage_data[", quoted(key.fqn), " at ", None if key.offset is None else tuple(key.offset),
+                               "]"), loc)
 
 
 def _check_rows(sdm: dict, rows: Rows) -> None:
@@ -207,12 +213,12 @@ def _check_rows(sdm: dict, rows: Rows) -> None:
         if not need.all():
             j = int(np.flatnonzero(~need)[0])
             raise MetadataFormatError(
-                f"storage_data[{fqns[f]!r} at {tuple(rows.chunk_offsets[f][j])}]: no location for this chunk of "
+                f"storage_data[{quoted(fqns[f])} at {tuple(rows.chunk_offsets[f][j])}]: no location for this chunk of "
                 "state_dict_metadata")
     bytes_with_rows = {int(rows.fqn[r]) for r, o in rows.odd_keys.items() if o is None}
     for f in range(n_sdm):
         if not is_tensor[f] and f not in bytes_with_rows:
-            raise MetadataFormatError(f"storage_data: no location for the bytes item {fqns[f]!r}")
+            raise MetadataFormatError(f"storage_data: no location for the bytes item {quoted(fqns[f])}")
 
     # dtype, shape and length of the rows of tensor chunks.
     dtype_ids = {name: i for i, name in enumerate(rows.dtypes)}
@@ -251,7 +257,7 @@ def _row_error(rows: Rows, sdm: dict, row: int, field: str) -> MetadataFormatErr
     """The message of :func:`_check_tensor_location` for one row (built only for the row that failed)."""
     key, loc = rows.key(row), rows.location(row)
     f = int(rows.fqn[row])
-    where = f"storage_data[{key.fqn!r} at {tuple(key.offset)}]"
+    where = f"storage_data[{quoted(key.fqn)} at {tuple(key.offset)}]"
     try:
         _check_tensor_location(where, sdm[key.fqn], tuple(rows.chunk_shapes[f][rows.chunk[row]]), loc)
     except MetadataFormatError as e:
@@ -262,7 +268,7 @@ def _row_error(rows: Rows, sdm: dict, row: int, field: str) -> MetadataFormatErr
 def _first_row_error(rows: Rows, row: int, field: str) -> MetadataFormatError:
     """The per-item rule's message for the row the vectorised check found first."""
     key, loc = rows.key(row), rows.location(row)
-    where = f"storage_data[{key.fqn!r} at {None if key.offset is None else tuple(key.offset)}]"
+    where = f"storage_data[{quoted(key.fqn)} at {None if key.offset is None else tuple(key.offset)}]"
     try:
         _check_location(where, loc)
     except MetadataFormatError as e:

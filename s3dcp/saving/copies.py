@@ -49,13 +49,10 @@ class Copies:
         self.pending = False  # some source is beyond the budget
         self.events: list[tuple[int, Any]] = []  # (CUDA device, event after its copies into the arena)
         self.training_done: dict[int, Any] = {}  # CUDA device -> event after the work queued before the stage
-        self.starts: list[tuple[int, int] | None] = []  # each source's place (slab, offset) in the arena
         self._deferred_devices: set[int] = set()  # of CUDA sources beyond the budget (copied in rounds)
-        for t in sources:
-            nbytes = t.nbytes
-            start = arena.reserve(nbytes) if nbytes else None
-            self.starts.append(start)
-            if start is None and nbytes:
+        self.starts = arena.reserve_all([t.nbytes for t in sources])
+        for t, start in zip(sources, self.starts):
+            if start is None and t.nbytes:
                 self.pending = True
                 if t.is_cuda:
                     self._deferred_devices.add(t.device.index)

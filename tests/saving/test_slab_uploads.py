@@ -142,3 +142,17 @@ def test_without_room_in_dev_shm_staging_is_ordinary_memory_and_saves_still_work
     assert slabs_made and all(slab.path is None for slab in slabs_made)
     _assert_same(state, _load(f"s3://{bucket}/noshm", config, state))
     _assert_same(state, _load(f"s3://{bucket}/noshm-sync", config, state))
+
+
+def test_a_synchronous_save_under_a_staging_budget_copies_in_a_bounded_window(bucket, config):
+    """staging_budget_bytes bounds what a synchronous save copies at once: an object is composed
+    only once the ones in flight leave room, and their slabs are reused."""
+    gen = torch.Generator().manual_seed(9)
+    state = {f"t{i}": torch.randn(MiB, generator=gen) for i in range(6)}  # 6 x 4 MiB, one object each
+    pool = HostBufferPool()
+    cfg = dataclasses.replace(config, object_size_target_bytes=4 * MiB, staging_budget_bytes=8 * MiB)
+    writer = S3StorageWriter(f"s3://{bucket}/window", config=cfg, pool=pool)
+    dcp.save(state, storage_writer=writer)
+    assert writer.last_stats.copied_bytes == _tensor_bytes(state) and writer.last_stats.objects == 6
+    assert pool.allocations <= 3 and pool.bytes_allocated <= 3 * 5 * MiB, (pool.allocations, pool.bytes_allocated)
+    _assert_same(state, _load(f"s3://{bucket}/window", cfg, state))

@@ -1,8 +1,8 @@
 """Restart from each tier: the same checkpoint restored from the local copies, from peer
 replicas, and from S3 (plain and cooperative reads), 4 ranks as two simulated nodes.
 
-    python benchmarks/restart.py                        # 256 MiB state, 3 repeats: ~3 min on 2 cores
-    python benchmarks/restart.py --state-mib 512 --repeats 5
+    python benchmarks/restart.py                        # 512 MiB state, 3 repeats: ~2 min on 2 cores
+    python benchmarks/restart.py --state-mib 256 --repeats 5
 
 One server, one job (``tests/multinode.py``: torchrun --nnodes 2 --nproc-per-node 2, twice, on
 loopback). Each rank saves its shard of the state once through a ``CheckpointManager`` with
@@ -143,7 +143,7 @@ def main() -> None:
     from multinode import run_two_nodes
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--state-mib", type=int, default=256, help="state size over all ranks (MiB, default 256)")
+    p.add_argument("--state-mib", type=int, default=512, help="state size over all ranks (MiB, default 512)")
     p.add_argument("--local-root", default=None,
                    help="where the nodes' local_dirs go (default: a new directory under /dev/shm)")
     add_common_args(p, repeats=3)

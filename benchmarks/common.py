@@ -334,6 +334,19 @@ def dist_measure(fn: Callable[[], Any], *, server_pid: int | None = None, sample
     )
 
 
+def data_gets(records) -> tuple[int, int]:
+    """(bytes, GETs) of data objects (``.distcp``) in fault-proxy request records, bytes from their Range headers."""
+    total = gets = 0
+    for r in records:
+        if r.method == "GET" and ".distcp" in r.target:
+            gets += 1
+            rng = r.header("range") or ""
+            if rng.startswith("bytes="):
+                lo, _, hi = rng[6:].partition("-")
+                total += int(hi) - int(lo) + 1
+    return total, gets
+
+
 def release_memory() -> None:
     """Collect garbage and give freed heap back to the OS (glibc ``malloc_trim``), so the RSS
     before a measured step does not hide memory the step reuses from an earlier one."""

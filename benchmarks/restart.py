@@ -50,24 +50,12 @@ def _state(rank: int, state_mib: int, world: int) -> dict:
     return {f"r{rank}.layer{i}": torch.randn(per, generator=g) for i in range(8)}
 
 
-def _count_data_gets(records) -> tuple[int, int]:
-    total = gets = 0
-    for r in records:
-        if r.method == "GET" and ".distcp" in r.target:
-            gets += 1
-            rng = r.header("range") or ""
-            if rng.startswith("bytes="):
-                lo, _, hi = rng[6:].partition("-")
-                total += int(hi) - int(lo) + 1
-    return total, gets
-
-
 def job(uri: str, root: str, state_mib: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from common import release_memory
+    from common import data_gets, release_memory
     from multinode import job_env, write_result
     from s3dcp import CheckpointManager, S3Config, S3StorageReader
 
@@ -117,7 +105,7 @@ def job(uri: str, root: str, state_mib: int, repeats: int) -> None:
         t1 = time.time()
         times = [None] * world
         dist.all_gather_object(times, (t0, t1))
-        counted = _count_data_gets(proxy.requests[before:]) if proxy is not None else (0, 0)
+        counted = data_gets(proxy.requests[before:]) if proxy is not None else (0, 0)
         dist.barrier()
         if tier == "peer" and env["node"] == 1 and env["local_rank"] == 0:
             shutil.rmtree(local_dir, ignore_errors=True)  # what the restore left there

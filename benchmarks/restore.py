@@ -49,19 +49,6 @@ def _state(state_mib: int, world: int) -> dict:
     return {f"layer{i}": torch.randn(rows, COLS, generator=torch.Generator().manual_seed(i)) for i in range(8)}
 
 
-def _count_range_bytes(records) -> tuple[int, int]:
-    """(bytes, GETs) of data objects in proxy request records, from their Range headers."""
-    total = gets = 0
-    for r in records:
-        if r.method == "GET" and ".distcp" in r.target:
-            rng = r.header("range") or ""
-            if rng.startswith("bytes="):
-                lo, _, hi = rng[6:].partition("-")
-                total += int(hi) - int(lo) + 1
-                gets += 1
-    return total, gets
-
-
 def job(uri: str, state_mib: int, repeats: int, window_mib: int) -> None:
     import torch
     import torch.distributed as dist
@@ -69,7 +56,7 @@ def job(uri: str, state_mib: int, repeats: int, window_mib: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from common import peak_rss_sampler, release_memory
+    from common import data_gets, peak_rss_sampler, release_memory
     from multinode import job_env, write_result
     from s3dcp import S3Config, S3StorageReader, S3StorageWriter
 
@@ -131,7 +118,7 @@ def job(uri: str, state_mib: int, repeats: int, window_mib: int) -> None:
         dist.barrier()
         if counted:
             if proxy is not None:
-                out["proxy_bytes"], out["proxy_gets"] = _count_range_bytes(proxy.requests[before:])
+                out["proxy_bytes"], out["proxy_gets"] = data_gets(proxy.requests[before:])
             check(state)
         del state
         gc.collect()

@@ -63,8 +63,9 @@ class MotoServer:
                 preexec_fn=_die_with_parent, start_new_session=True)
             if self._wait_ready():
                 return self
+            why = self.log_tail()
             self.stop()
-        raise RuntimeError(f"moto's server did not start on 127.0.0.1: {self.log_tail()}")
+        raise RuntimeError(f"moto's server did not start on 127.0.0.1 (is moto[server] installed?): {why}")
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + _START_TIMEOUT_S

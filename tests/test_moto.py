@@ -215,3 +215,77 @@ def test_concurrent_saves_of_two_ranks_worth_of_objects_do_not_mix(mbucket, mcon
         out = _blank(states[i])
         s3dcp.load(out, f"s3://{mbucket}/par/{i}", config=mconfig)
         _assert_same(states[i], out)
+
+
+def _answer(call) -> str:
+    from botocore.exceptions import ClientError
+
+    try:
+        call()
+    except ClientError as e:
+        return f"{e.response['ResponseMetadata']['HTTPStatusCode']} {e.response['Error'].get('Code')}"
+    return "accepted"
+
+
+def test_where_moto_and_seaweedfs_differ(moto, s3_server):
+    import boto3
+    from botocore.config import Config
+
+    """What s3dcp relies on, asked of both servers with boto3 (docs/compatibility.md's table).
+    They agree on the create-only PUT and Complete, If-Match, a range past the end, ListParts'
+    pages and a small non-last part; moto checks neither a PUT's wire checksum nor who signed it."""
+    answers = {}
+    for name, server in (("seaweedfs", s3_server), ("moto", moto)):
+        c, b = server.boto3_client(), f"d-{uuid.uuid4().hex[:12]}"
+        server.create_bucket(b)
+        c.put_object(Bucket=b, Key="k", Body=b"hello world")
+        u = c.create_multipart_upload(Bucket=b, Key="mp")["UploadId"]
+        for n in (1, 2, 3):
+            c.upload_part(Bucket=b, Key="mp", UploadId=u, PartNumber=n, Body=b"a" * (5 * MiB if n < 3 else 10))
+        page = c.list_parts(Bucket=b, Key="mp", UploadId=u, MaxParts=1)
+        parts = [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]}
+                 for p in c.list_parts(Bucket=b, Key="mp", UploadId=u)["Parts"]]
+        c.put_object(Bucket=b, Key="mp", Body=b"there first")
+        stranger = boto3.client("s3", endpoint_url=server.endpoint_url, region_name=server.region,
+                                aws_access_key_id="wrong", aws_secret_access_key="wrong",
+                                config=Config(s3={"addressing_style": "path"}))
+        answers[name] = {
+            "create-only PUT over an object": _answer(lambda: c.put_object(Bucket=b, Key="k", Body=b"x", IfNoneMatch="*")),
+            "create-only Complete over an object": _answer(lambda: c.complete_multipart_upload(
+                Bucket=b, Key="mp", UploadId=u, MultipartUpload={"Parts": parts}, IfNoneMatch="*")),
+            "GET If-Match another ETag": _answer(lambda: c.get_object(Bucket=b, Key="k", IfMatch='"0"')),
+            "GET a range past the end": _answer(lambda: c.get_object(Bucket=b, Key="k", Range="bytes=100-200")),
+            "ListParts pages": (page["IsTruncated"], [p["PartNumber"] for p in page["Parts"]]),
+            "PUT with a wrong CRC32C": _answer(lambda: c.put_object(Bucket=b, Key="c", Body=b"hi", ChecksumCRC32C="AAAAAA==")),
+            "PUT with a wrong CRC64NVME": _answer(lambda: c.put_object(Bucket=b, Key="c", Body=b"hi",
+                                                                      ChecksumCRC64NVME="AAAAAAAAAAA=")),
+            "wrong credentials": _answer(lambda: stranger.list_objects_v2(Bucket=b)),
+        }
+    same = {"create-only PUT over an object": "412 PreconditionFailed",
+            "create-only Complete over an object": "412 PreconditionFailed",
+            "GET If-Match another ETag": "412 PreconditionFailed", "GET a range past the end": "416 InvalidRange",
+            "ListParts pages": (True, [1])}
+    for name in answers:
+        assert {k: answers[name][k] for k in same} == same, name
+    assert answers["seaweedfs"]["PUT with a wrong CRC32C"] == answers["seaweedfs"]["PUT with a wrong CRC64NVME"] \
+        == "400 BadDigest"
+    assert answers["moto"]["PUT with a wrong CRC32C"] == answers["moto"]["PUT with a wrong CRC64NVME"] == "accepted"
+    assert answers["seaweedfs"]["wrong credentials"] == "403 InvalidAccessKeyId"
+    assert answers["moto"]["wrong credentials"] == "accepted"
+
+
+def test_a_corrupt_object_fails_the_load_where_the_server_checks_no_wire_checksum(mbucket, mconfig, moto):
+    """moto stores what it is sent without checking the wire checksum: the items' own checksums
+    in the metadata are what catches a changed byte, by name."""
+    state = _state()
+    s3dcp.save(state, f"s3://{mbucket}/run", config=mconfig)
+    c = moto.boto3_client()
+    key = next(o["Key"] for o in c.list_objects_v2(Bucket=mbucket, Prefix="run/")["Contents"]
+               if o["Key"].endswith(".distcp") and o["Size"] > 12 * MiB - 1)  # the object holding "w"
+    body = bytearray(c.get_object(Bucket=mbucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    c.put_object(Bucket=mbucket, Key=key, Body=bytes(body))
+    with pytest.raises(BaseException) as e:
+        s3dcp.load(_blank(state), f"s3://{mbucket}/run", config=mconfig)
+    error = s3dcp.unwrap_error(e.value)
+    assert isinstance(error, IntegrityError) and "checksum mismatch" in str(error) and "'w'" in str(error), error

@@ -6,6 +6,7 @@
       peer[r]                the rank on the next node (node order) with r's index there
       submit(step_root, r)   this rank's copy goes to peer[r]; the copies of the ranks whose peer
                              this rank is arrive into step_root/rank-<R>/ (marker last)
+      pending()              the step roots still being sent or received: never retained away
       wait()                 every transfer so far done; the first error raised
 
 Transfers are point-to-point sends of the files' own mapped pages (``torch.from_file``), into
@@ -65,12 +66,14 @@ class Replicas:
         dist.all_gather_object(nodes, node_name(), group=process_group)
         self.nodes = nodes
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(range(len(nodes)))
-        self.group = dist.new_group(ranks=ranks, backend="gloo")
-        by_index = peer_map(nodes)
-        self.peer = {ranks[i]: ranks[j] for i, j in by_index.items()}
+        # only the group's ranks make it (a rank of the world outside the group never would)
+        self.group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=process_group is not None)
+        by_index = peer_map(nodes)  # in the group's numbering, as the copies' directories are
+        self.peer = {ranks[i]: ranks[j] for i, j in by_index.items()}  # global ranks: the transfers'
         self.sources = sorted(r for r, p in self.peer.items() if p == self.rank)
+        self.source_ranks = sorted(i for i, j in by_index.items() if ranks[j] == self.rank)  # the group's
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0
+        self._pending: list[Path] = []  # step roots submitted and not done, in order
         self._errors: list[BaseException] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -88,11 +91,17 @@ class Replicas:
         if not self.active:
             return
         with self._lock:
-            self._pending += 1
+            self._pending.append(step_root)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="s3dcp-replicas", daemon=True)
                 self._thread.start()
         self._jobs.put((step_root, own_rank))
+
+    def pending(self) -> list[Path]:
+        """The step roots whose transfers are submitted and not done: they must not be deleted
+        (the peer is sending into, or waiting to send from, them)."""
+        with self._lock:
+            return list(self._pending)
 
     def wait(self) -> None:
         """Wait until every submitted transfer is done; raise the first error (once)."""
@@ -115,7 +124,7 @@ class Replicas:
                     self._errors.append(e)
             finally:
                 with self._lock:
-                    self._pending -= 1
+                    self._pending.remove(step_root)
                     self._lock.notify_all()
 
     def _exchange(self, step_root: Path, own_rank: int) -> None:

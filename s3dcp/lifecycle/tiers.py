@@ -33,9 +33,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
+from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError, PeerReadError
 from ..format import integrity
-from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, LocalMarker, parse_rank_dir, rank_dir_name
+from ..format.local import (LOCAL_METADATA_NAME, MARKER_NAME, MAX_MARKER_BYTES, LocalMarker, parse_rank_dir,
+                            rank_dir_name)
 from ..saving.local_copy import LocalCopy
 from ..uri import S3Uri
 
@@ -51,31 +52,52 @@ def scan(local_dir: Path, base: str, step_of: Callable[[str], int | None]) -> di
     directory). Complete: the marker reads, names this run and step, and every object it names
     is there at its size. Anything else is left out (a save that died mid-write)."""
     found = {}
-    if not local_dir.is_dir():
-        return found
-    for step_dir in local_dir.iterdir():
+    for step_dir in _entries(local_dir):
         step = step_of(step_dir.name)
-        if step is None or not step_dir.is_dir():
+        if step is None:
             continue
-        for rank_dir in step_dir.iterdir():
+        for rank_dir in _entries(step_dir):
             rank = parse_rank_dir(rank_dir.name)
-            marker_path = rank_dir / MARKER_NAME
-            if rank is None or not marker_path.is_file():
+            if rank is None:
                 continue
-            try:
-                marker = LocalMarker.decode(marker_path.read_bytes(), str(marker_path))
-            except (MetadataFormatError, OSError) as e:
-                log.warning("local copy %s is unreadable (%s); not used", rank_dir, e)
-                continue
-            if marker.base != base or marker.step != step or marker.rank != rank:
-                continue
-            if not (rank_dir / LOCAL_METADATA_NAME).is_file() or any(
-                    not (rank_dir / name).is_file() or (rank_dir / name).stat().st_size != size
-                    for name, size in marker.objects.items()):
-                log.warning("local copy %s is partial (a file missing or of another size); not used", rank_dir)
-                continue
-            found[(step, rank)] = (marker, rank_dir)
+            copy = _complete_copy(rank_dir, base, step, rank)
+            if copy is not None:
+                found[(step, rank)] = (copy, rank_dir)
     return found
+
+
+def _entries(directory: Path) -> list[Path]:
+    """A directory's entries; none where it is not there (any more: another rank's retention,
+    or this rank's own after an async commit, may be deleting it now)."""
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
+
+
+def _complete_copy(rank_dir: Path, base: str, step: int, rank: int) -> LocalMarker | None:
+    """The marker of the copy in ``rank_dir`` if it is complete (see :func:`scan`), else None."""
+    marker_path = rank_dir / MARKER_NAME
+    try:
+        with open(marker_path, "rb") as f:
+            data = f.read(MAX_MARKER_BYTES + 1)  # bounded: decode refuses more
+        marker = LocalMarker.decode(data, str(marker_path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # not written yet (a save in progress), or being deleted
+    except (MetadataFormatError, OSError) as e:
+        log.warning("local copy %s is unreadable (%s); not used", rank_dir, e)
+        return None
+    if marker.base != base or marker.step != step or marker.rank != rank:
+        return None
+    try:
+        sizes = {name: (rank_dir / name).stat().st_size for name in marker.objects}
+        intact = (rank_dir / LOCAL_METADATA_NAME).is_file() and sizes == marker.objects
+    except OSError:
+        intact = False
+    if not intact:
+        log.warning("local copy %s is partial (a file missing or of another size); not used", rank_dir)
+        return None
+    return marker
 
 
 def choose_step(reports: list[tuple[str, dict]], in_s3: set[int], *, wanted: int | None = None,
@@ -172,17 +194,15 @@ class LocalTier:
 
     def _own_dirs(self, step_dir: Path) -> list[Path]:
         """This rank's copies in a step's directory: its own and the replicas it received."""
-        mine = {_rank(self.process_group)} | set(self.replicas.sources if self.replicas is not None else ())
+        mine = {_rank(self.process_group)} | set(self.replicas.source_ranks if self.replicas is not None else ())
         return [step_dir / rank_dir_name(r) for r in sorted(mine) if (step_dir / rank_dir_name(r)).is_dir()]
 
     def _steps(self) -> list[tuple[int, Path]]:
-        if not self.dir.is_dir():
-            return []
-        return sorted((s, d) for d in self.dir.iterdir() if (s := self.step_of(d.name)) is not None)
+        return sorted((s, d) for d in _entries(self.dir) if (s := self.step_of(d.name)) is not None)
 
     def _usage(self) -> dict[int, int]:
-        """Bytes of this rank's copies, by step."""
-        return {step: sum(f.stat().st_size for d in self._own_dirs(step_dir) for f in d.iterdir())
+        """Bytes of this rank's copies, by step (a replica being received counts as far as it is)."""
+        return {step: sum(_size(f) for d in self._own_dirs(step_dir) for f in _entries(d))
                 for step, step_dir in self._steps()}
 
     def _retain(self, keep: set[int] = frozenset(), room_for: int = 0) -> None:
@@ -191,12 +211,13 @@ class LocalTier:
         nor the newest complete step."""
         complete = sorted({s for (s, r) in scan(self.dir, str(self.base), self.step_of)
                            if r == _rank(self.process_group)})
-        kept = set(complete[-self.keep_last:]) | set(keep) | set(complete[-1:]) | self._writing
+        busy = self._writing | self._replicating()
+        kept = set(complete[-self.keep_last:]) | set(keep) | set(complete[-1:]) | busy
         usage = self._usage()
         for step, step_dir in self._steps():
             over = self.budget_bytes is not None and sum(usage.values()) + room_for > self.budget_bytes
             newest = complete[-1] if complete else None
-            if step in kept and not (over and step not in keep | self._writing and step != newest):
+            if step in kept and not (over and step not in keep | busy and step != newest):
                 continue
             for d in self._own_dirs(step_dir):
                 shutil.rmtree(d, ignore_errors=True)
@@ -205,6 +226,12 @@ class LocalTier:
                 step_dir.rmdir()
             except OSError:
                 pass
+
+    def _replicating(self) -> set[int]:
+        """Steps whose copies are still being sent to, or received from, a peer."""
+        if self.replicas is None:
+            return set()
+        return {s for root in self.replicas.pending() if (s := self.step_of(root.name)) is not None}
 
     def _make_room(self, step: int, nbytes: int) -> None:
         need = nbytes * (2 if self.replicas is not None and self.replicas.active else 1)
@@ -227,8 +254,10 @@ class LocalTier:
                               "(a tmpfs such as /dev/shm: its size, or a container's --shm-size)")
 
     # ------------------------------------------------------------------ restore
-    def restore(self, manager: Any, state_dict: dict, step: int | None = None) -> tuple[int, dict]:
-        """Load the newest step the tiers hold in full (or ``step``) into ``state_dict``; return
+    def restore(self, manager: Any, state_dict: dict | Callable[[int], dict],
+                step: int | None = None) -> tuple[int, dict]:
+        """Load the newest step the tiers hold in full (or ``step``) into ``state_dict`` (or the
+        dict it gives for that step, where it is a function); return
         it and the load's figures (see :attr:`CheckpointManager.last_load_stats`).
 
         Every item is verified against its checksum as it is read, whatever the tier. Only when
@@ -239,11 +268,19 @@ class LocalTier:
         from ..errors import IntegrityError, unwrap_error
         from ..loading.cooperative import node_name
 
-        self.wait()
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - a replica it left incomplete has no marker: not used
+            log.warning("a replication before this restore failed (%s); its copies are not used", e)
         group, dist_on = self.process_group, _dist_on()
         me = _rank(group) if dist_on else 0
-        here = scan(self.dir, str(self.base), self.step_of)
-        s3_steps = {info.step for info in manager.list() if info.committed} if me == 0 else set()
+
+        def survey():
+            here = scan(self.dir, str(self.base), self.step_of)
+            s3_steps = {info.step for info in manager.list() if info.committed} if me == 0 else set()
+            return here, s3_steps
+
+        here, s3_steps = _together(survey, group, dist_on)
         mine = {key: (m.save_id, m.world_size, tuple(sorted(m.objects))) for key, (m, _) in here.items()}
         report = (node_name(), mine, sorted(s3_steps))
         reports = _gather(report, group) if dist_on else [report]
@@ -265,7 +302,7 @@ class LocalTier:
                 if chosen in checked or not any(isinstance(f, IntegrityError) for f in failures.values()):
                     raise
             checked.add(chosen)
-            bad = self._check_node(chosen, here, excluded, nodes, me)
+            bad = _together(lambda: self._check_node(chosen, here, excluded, nodes, me), group, dist_on)
             found = set().union(*_gather(bad, group)) if dist_on else bad
             if not found - excluded:  # no local copy is to blame: the bytes came from S3 or a peer
                 raise failure
@@ -274,13 +311,11 @@ class LocalTier:
     def _check_node(self, step: int, here: dict, excluded: set, nodes: list[str], me: int) -> set:
         """(node, step, saving rank) of this node's copies of ``step`` this rank checks (the node's
         ranks share them) that fail their checksums."""
-        from ..format.metadata import decode_metadata
-
         gone = {(s, r) for n, s, r in excluded if n == nodes[me]}
         metadata = _local_metadata(here, step, gone)
         if metadata is None:
             return set()
-        locations = decode_metadata(metadata, source=f"{self.dir}/{self.name(step)}").storage_data.values()
+        locations = metadata[1].storage_data.values()
         peers = [r for r, n in enumerate(nodes) if n == nodes[me]]
         intact = {k: v for k, v in here.items() if k not in gone}
         return {(nodes[me], s, r) for s, r in
@@ -292,7 +327,6 @@ class LocalTier:
         import torch.distributed.checkpoint as dcp
 
         from .._dcp_warning import ours
-        from ..format.metadata import decode_metadata
         from ..loading.tiered import TieredClient, TieredReader
         from ..uri import object_key
 
@@ -300,8 +334,14 @@ class LocalTier:
         nodes = [r[0] for r in reports]
         me = _rank(group) if dist_on else 0
         gone = {(s, r) for n, s, r in excluded if n == nodes[me]}  # this node's corrupt copies
-        metadata_bytes = _local_metadata(here, chosen, gone)
+        uri = self.base.child(self.name(chosen))
+
+        def local_metadata() -> tuple[bytes | None, set[str] | None]:
+            found = _local_metadata(here, chosen, gone)
+            return (None, None) if found is None else (found[0], _object_names(found[1]))
+
         # the metadata: a copy on this node, else S3's, else sent by a rank whose node has one
+        metadata_bytes, names = _together(local_metadata, group, dist_on)
         if dist_on:
             have = _gather(metadata_bytes is not None, group)
             if not all(have) and chosen not in in_s3:
@@ -310,11 +350,18 @@ class LocalTier:
                 box = [metadata_bytes]
                 dist.broadcast_object_list(box, group_src=have.index(True), group=group)
                 metadata_bytes = box[0]
-        uri = self.base.child(self.name(chosen))
-        if metadata_bytes is None:
-            from ..loading.fetch import fetch_metadata_bytes
+        if names is None:
+            def other_metadata() -> tuple[bytes, set[str]]:
+                from ..loading.fetch import fetch_metadata_bytes
 
-            metadata_bytes = fetch_metadata_bytes(manager.client, uri)
+                from ..format.metadata import decode_metadata
+
+                data = metadata_bytes if metadata_bytes is not None else fetch_metadata_bytes(manager.client, uri)
+                return data, _object_names(decode_metadata(data, source=str(uri)))
+
+            metadata_bytes, names = _together(other_metadata, group, dist_on)
+        else:
+            _together(lambda: None, group, dist_on)  # the ranks that fetch may fail: every rank hears of it
         holders: dict[str, set[int]] = {}  # object -> ranks whose node holds an intact copy of it
         for rank, (_, report, _) in enumerate(reports):
             for (s, saver), (_, _, objects) in report.items():
@@ -323,13 +370,13 @@ class LocalTier:
                         holders.setdefault(name, set()).add(rank)
         local_paths = {name: rank_dir / name for (s, saver), (marker, rank_dir) in here.items()
                        if s == chosen and (s, saver) not in gone for name in marker.objects}
-        names = {loc.object_name for loc in decode_metadata(metadata_bytes, source=str(uri)).storage_data.values()}
         client = TieredClient(manager.client, uri.bucket, {n: object_key(uri, n) for n in names}, metadata_bytes,
                               uri.key(LOCAL_METADATA_NAME))
         try:
             reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes,
                                        local_paths=local_paths, process_group=group))
-            dcp.load(state_dict, storage_reader=reader, process_group=group, no_dist=not dist_on)
+            state = state_dict(chosen) if callable(state_dict) else state_dict  # see CheckpointManager.load
+            dcp.load(state, storage_reader=reader, process_group=group, no_dist=not dist_on)
         finally:
             client.close()
         mine_bytes = dict(client.bytes)
@@ -382,12 +429,51 @@ def _check_copy(rank_dir: Path, marker: LocalMarker, locations) -> str | None:
     return None
 
 
-def _local_metadata(here: dict, step: int, excluded: set) -> bytes | None:
-    """The bytes of a local copy's .metadata of ``step`` on this node (any intact one), or None."""
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # deleted meanwhile
+        return 0
+
+
+def _local_metadata(here: dict, step: int, excluded: set) -> tuple[bytes, Any] | None:
+    """The bytes of a .metadata of ``step`` on this node and DCP's Metadata decoded from them
+    (from the first copy whose file decodes: one that does not is named in the log and the next
+    is tried; they all hold the save's one metadata), or None."""
+    from ..format.metadata import decode_metadata
+
     for (s, rank), (_, rank_dir) in sorted(here.items()):
         if s == step and (s, rank) not in excluded:
-            return (rank_dir / LOCAL_METADATA_NAME).read_bytes()
+            path = rank_dir / LOCAL_METADATA_NAME
+            data = path.read_bytes()
+            try:
+                return data, decode_metadata(data, source=str(path))
+            except MetadataFormatError as e:
+                log.warning("local copy %s: its %s is unreadable (%s); not used", rank_dir, LOCAL_METADATA_NAME, e)
     return None
+
+
+def _object_names(metadata) -> set[str]:
+    """The objects DCP's ``metadata`` names."""
+    return {loc.object_name for loc in metadata.storage_data.values()}
+
+
+def _together(step: Callable[[], Any], group: Any, dist_on: bool) -> Any:
+    """``step()``'s value on every rank, or, where it raised on any rank, an error on every rank:
+    its own on the rank that failed, :class:`PeerReadError` naming that rank on the others (one
+    rank failing alone before a collective would leave the others waiting in it)."""
+    try:
+        value, error = step(), None
+    except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+        value, error = None, e
+    if dist_on:
+        said = _gather(None if error is None else f"{type(error).__name__}: {error}", group)
+        failed = [r for r, text in enumerate(said) if text is not None]
+        if failed and error is None:
+            raise PeerReadError(f"the restore stopped: rank {failed[0]} failed: {said[failed[0]]}", failed)
+    if error is not None:
+        raise error
+    return value
 
 
 def _gather(value: Any, group: Any) -> list:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, PeerReadError
 from ..s3.listing import ObjectInfo
 from .reader import S3StorageReader
 
@@ -150,6 +150,7 @@ class Transfers:
 
     send: tuple = ()
     receive: tuple = ()
+    agree: bool = False  # the job has transfers: every rank agrees that all are ready before any starts
 
 
 def plan_sources(needs: Sequence[set[str]], sizes: dict[str, int], node_of: Sequence[str],
@@ -174,7 +175,8 @@ def plan_sources(needs: Sequence[set[str]], sizes: dict[str, int], node_of: Sequ
                 tiers["peer"] += sizes[name]
             else:
                 tiers["s3"] += sizes[name]
-    return [Transfers(tuple(s), tuple(r)) for s, r in zip(sends, receives)], tiers
+    agree = any(sends)
+    return [Transfers(tuple(s), tuple(r), agree) for s, r in zip(sends, receives)], tiers
 
 
 class TieredReader(S3StorageReader):
@@ -210,7 +212,7 @@ class TieredReader(S3StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         transfers = plan.storage_data if isinstance(plan.storage_data, Transfers) else Transfers()
-        if transfers.send or transfers.receive:
+        if transfers.agree:  # every rank of the job, so that all take part in the agreement
             self._transfer(transfers)
         return super().read_data(plan, planner)
 
@@ -222,16 +224,30 @@ class TieredReader(S3StorageReader):
         def global_rank(r: int) -> int:
             return ranks[r] if ranks is not None else r
 
-        work, keep = [], []
-        for name, size, to in transfers.send:
-            data = torch.from_file(str(self.local_paths[name]), shared=False, size=size, dtype=torch.uint8)
-            keep.append(data)
+        # every file mapped and every buffer made first, and every rank told whether all could
+        # be: a rank that failed here alone would leave its partners waiting in a send or receive
+        try:
+            outgoing = [(torch.from_file(str(self.local_paths[name]), shared=False, size=size, dtype=torch.uint8), to)
+                        for name, size, to in transfers.send]
+            incoming = [(name, torch.empty(size, dtype=torch.uint8), sender) for name, size, sender in transfers.receive]
+            error = None
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error = e
+        failed = torch.tensor([0 if error is None else dist.get_rank(self.process_group) + 1], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group)  # a rank that failed, + 1
+        if error is not None:
+            raise error
+        if int(failed):
+            rank = int(failed) - 1
+            raise PeerReadError(f"rank {rank} could not prepare its transfers of the nodes' copies", [rank])
+        work = []
+        for data, to in outgoing:
             work += [dist.isend(data[i:i + _CHUNK], global_rank(to), group=self.process_group)
-                     for i in range(0, size, _CHUNK)]
-        for name, size, sender in transfers.receive:
-            data = torch.empty(size, dtype=torch.uint8)
+                     for i in range(0, data.numel(), _CHUNK)]
+        for name, data, sender in incoming:
             self.client.add_received(name, data)
             work += [dist.irecv(data[i:i + _CHUNK], global_rank(sender), group=self.process_group)
-                     for i in range(0, size, _CHUNK)]
+                     for i in range(0, data.numel(), _CHUNK)]
         for w in work:
             w.wait()
+        del outgoing

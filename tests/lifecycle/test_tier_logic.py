@@ -4,11 +4,14 @@ where each object is read from, the marker as untrusted input, and the space bud
 from __future__ import annotations
 
 import json
+import shutil
+import threading
+import tracemalloc
 
 import pytest
 
 from s3dcp.errors import ConfigError, MetadataFormatError
-from s3dcp.format.local import LocalMarker
+from s3dcp.format.local import MARKER_NAME, MAX_MARKER_BYTES, LocalMarker
 from s3dcp.lifecycle.replicas import peer_map
 from s3dcp.lifecycle.tiers import LocalTier, choose_step, scan
 from s3dcp.loading.tiered import plan_sources
@@ -110,3 +113,66 @@ def test_a_copy_without_its_marker_or_with_a_short_file_is_never_selected(tmp_pa
     found = scan(tmp_path, "s3://bkt/run", lambda d: int(d[5:]))
     assert sorted(found) == [(1, 0), (4, 0)]
     assert scan(tmp_path, "s3://bkt/other-run", lambda d: int(d[5:])) == {}  # another run's copies: ignored
+
+
+def test_a_huge_marker_file_is_refused_without_reading_it_whole(tmp_path, caplog):
+    _complete(tmp_path, 1, 100)
+    with open(tmp_path / "step-1" / "rank-0" / MARKER_NAME, "ab") as f:
+        f.truncate(1 << 30)  # 1 GiB of (sparse) marker
+    tracemalloc.start()
+    try:
+        assert scan(tmp_path, "s3://bkt/run", lambda d: int(d[5:])) == {}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * MAX_MARKER_BYTES + (1 << 20), peak
+    assert "unreadable" in caplog.text
+
+
+def test_a_scan_beside_copies_being_deleted_does_not_fail(tmp_path):
+    """Another rank of the node (or this rank's async commit) retains copies away while a scan
+    lists them: what vanishes is simply not found."""
+    stop = threading.Event()
+
+    def churn():
+        step = 0
+        while not stop.is_set():
+            step += 1
+            _complete(tmp_path, step, 10)
+            shutil.rmtree(tmp_path / f"step-{step - 3}", ignore_errors=True)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(300):
+            found = scan(tmp_path, "s3://bkt/run", lambda d: int(d[5:]))
+            assert all(size == {"__0_0.abc.distcp": 10} for size in (m.objects for m, _ in found.values()))
+            _tier(tmp_path, keep_last=1)._usage()
+    finally:
+        stop.set()
+        thread.join()
+
+
+class _Replicating:
+    """Stands in for lifecycle.replicas.Replicas: transfers of these step roots are still going."""
+
+    source_ranks: list = []
+    active = True
+
+    def __init__(self, roots):
+        self.roots = roots
+
+    def pending(self):
+        return list(self.roots)
+
+
+def test_retention_keeps_a_step_whose_replication_is_still_going(tmp_path):
+    tier = _tier(tmp_path, keep_last=1)
+    _complete(tmp_path, 1, 100)
+    tier.replicas = _Replicating([tmp_path / "step-1"])  # step 1 still being sent to the peer
+    _complete(tmp_path, 2, 100)
+    tier._retain(keep={2})
+    assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {1, 2}
+    tier.replicas.roots = []  # sent: now it goes
+    tier._retain(keep={2})
+    assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {2}

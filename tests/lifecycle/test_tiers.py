@@ -1,8 +1,9 @@
 """Restart from the nearest copy, on two simulated nodes × 2 ranks (tests/multinode.py), bitwise:
 steps 10 (local + S3) and 20 (local only); a restart resumes at 20 with no S3 data read; a node's
 local_dir lost: 20 from the peer replicas, or 10 from S3 without them; a corrupt local file: that
-part from the next tier; a rank killed while writing its copy: that step never selected; a
-resharded load (4 saved, 2 restore everything) from local copies and peers, else S3."""
+part from the next tier; a copy's .metadata garbled: another node's; a rank killed while writing
+its copy: that step never selected; a resharded load (4 saved, 2 restore everything) from local
+copies and peers, else S3."""
 
 from __future__ import annotations
 
@@ -69,6 +70,16 @@ def test_restart_from_local_copies_and_peer_replicas(bucket, tmp_path, boto3_cli
         assert r["step"] == 20 and r["equal"], r
         assert r["stats"]["corrupt_copies"] == [[20, 0]] and r["stats"]["job_bytes"]["s3"] == 0, r["stats"]
     assert loads[0]["stats"]["peer_bytes"] > 0  # rank 0's own objects, sent from node 1
+
+    # node 1's copies of step 20 with a .metadata that does not decode: named in the log, and the
+    # metadata comes from node 0's copies; node 1's objects still come from its own files
+    for rank_dir in (root / "node1" / "step-00000020").iterdir():
+        (rank_dir / ".metadata").write_bytes(b"\x80\x04 not a metadata")
+    loads = _run(tmp_path, "load", uri, root, 1, name="garbled")
+    for r in loads:
+        assert r["step"] == 20 and r["equal"] and r["stats"]["job_bytes"]["s3"] == 0, r
+    assert all(r["stats"]["local_bytes"] > 0 for r in loads if r["env"]["node"] == 1)
+    assert "its .metadata is unreadable" in (tmp_path / "garbled" / "node1.log").read_text()
 
 
 def test_without_replicas_a_lost_node_resumes_from_s3_and_a_killed_write_is_never_selected(

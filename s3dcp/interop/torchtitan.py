@@ -301,16 +301,20 @@ class S3CheckpointManager(CheckpointManager):
 
     def _load_nearest(self, step: int) -> bool:
         """Resume through the manager's tiers (local copies, peers, S3); False: nothing to resume."""
-        state = self._states_to_load(False)
+        states: dict[int, dict] = {}
+
+        def state_for(chosen: int) -> dict:  # step 0 is a seed checkpoint: the model only, as torchtitan loads it
+            return states.setdefault(chosen, self._states_to_load(chosen == 0))
+
         begin = time.monotonic()
         try:
-            loaded = self._s3.load(state, step=None if step == -1 else step)
+            loaded = self._s3.load(state_for, step=None if step == -1 else step)
         except CheckpointNotFoundError:
             if step != -1:
                 raise
             return False
         if MODEL in self.states:  # torchtitan flattens the model's state into the loaded dict
-            self.states[MODEL].load_state_dict(state)
+            self.states[MODEL].load_state_dict(states[loaded])
         GarbageCollection.collect("GC collection for checkpoint loading.")
         titan_log.info("Loaded step %d from the %s tier in %.2f seconds (%s).", loaded, self._s3.last_load_stats["tier"],
                        time.monotonic() - begin, self._s3.last_load_stats["job_bytes"])

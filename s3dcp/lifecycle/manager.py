@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .._dcp_warning import ours
 from ..config import S3Config
@@ -388,9 +388,10 @@ class CheckpointManager:
         committed = [info.step for info in self.list() if info.committed]
         return max(committed) if committed else None
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+    def load(self, state_dict: dict[str, Any] | Callable[[int], dict[str, Any]], step: int | None = None) -> int:
         """Load checkpoint ``step`` (default: :meth:`latest`) into ``state_dict`` in place
-        (Stateful values get ``load_state_dict``); return the step loaded. With ``local_dir``:
+        (Stateful values get ``load_state_dict``; a function: called with the step chosen, it gives
+        the dict, e.g. model-only for a seed checkpoint); return the step loaded. With ``local_dir``:
         the newest step the local copies, their replicas and S3 together hold in full, read from
         the nearest (:mod:`s3dcp.lifecycle.tiers`); :attr:`last_load_stats` says from where."""
         if self._tiers is not None:
@@ -413,6 +414,7 @@ class CheckpointManager:
         from ..loading.reader import S3StorageReader
 
         reader = ours(S3StorageReader(self.uri(step), config=self.config, client=self.client))
+        state_dict = state_dict(step) if callable(state_dict) else state_dict
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -278,6 +278,27 @@ def _worker(rank: int, world: int, bucket: str, cfg) -> dict:
     _assert_same(at_four, _snapshot(ninth, steps9), "resumed from the local tier")
     out["tiered_stats"] = m9._s3.last_load_stats
     m9.close()
+
+    # 8. a seed checkpoint (step 0: the model only) with the local tier: resumed model-only, as
+    #    torchtitan does (the whole state's keys would be missing from it)
+    seeded, seed_local = f"s3://{bucket}/seeded", f"{local}-seed"
+    m10 = _manager(seeded, cfg, eighth, _Steps(), local_dir=seed_local, last_save_model_only=True)
+    m10.save(0, last_step=True)
+    m10.close()
+    dist.barrier()
+    steps11 = _Steps()
+    eleventh = _components(rank, world, seed=8)
+    m11 = _manager(seeded, cfg, eleventh, steps11, local_dir=seed_local)
+    assert m11.load() is True
+    _assert_same(at_four["model"], _snapshot(eleventh, steps11)["model"], "seed checkpoint")
+    assert steps11.step == 0 and m11._s3.last_load_stats["step"] == 0
+    m11.close()
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        for directory in (local, seed_local):
+            shutil.rmtree(directory, ignore_errors=True)
     return out
 
 

@@ -19,108 +19,28 @@
          next tier (step 2 again, without it)
 
 Owns the tier policy (which steps go where, what is kept, which step a restore takes, what is
-intact); the files are saving/local_copy.py's, the transfers lifecycle/replicas.py's and
-loading/tiered.py's. What it cannot survive: a node lost together with the node holding its
+intact); what a node's local_dir holds is lifecycle/holdings.py's, the files saving/local_copy.py's,
+the transfers lifecycle/replicas.py's and loading/tiered.py's. What it cannot survive: a node lost together with the node holding its
 replicas, for a step not in S3 (the restore then takes an older step).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError, PeerReadError
-from ..format import integrity
-from ..format.local import (LOCAL_METADATA_NAME, MARKER_NAME, MAX_MARKER_BYTES, LocalMarker, parse_rank_dir,
-                            rank_dir_name)
+from ..format.local import LOCAL_METADATA_NAME, rank_dir_name
 from ..saving.local_copy import LocalCopy
 from ..uri import S3Uri
+from .holdings import check_copy, choose_step, entries, scan
 
 __all__ = ["LocalTier", "choose_step", "scan"]
 
 log = logging.getLogger("s3dcp")
-
-Copies = dict  # (step, saving rank) -> LocalMarker of a complete copy
-
-
-def scan(local_dir: Path, base: str, step_of: Callable[[str], int | None]) -> dict[tuple[int, int], tuple]:
-    """The complete copies in ``local_dir`` of run ``base``: (step, saving rank) -> (marker,
-    directory). Complete: the marker reads, names this run and step, and every object it names
-    is there at its size. Anything else is left out (a save that died mid-write)."""
-    found = {}
-    for step_dir in _entries(local_dir):
-        step = step_of(step_dir.name)
-        if step is None:
-            continue
-        for rank_dir in _entries(step_dir):
-            rank = parse_rank_dir(rank_dir.name)
-            if rank is None:
-                continue
-            copy = _complete_copy(rank_dir, base, step, rank)
-            if copy is not None:
-                found[(step, rank)] = (copy, rank_dir)
-    return found
-
-
-def _entries(directory: Path) -> list[Path]:
-    """A directory's entries; none where it is not there (any more: another rank's retention,
-    or this rank's own after an async commit, may be deleting it now)."""
-    try:
-        return list(directory.iterdir())
-    except OSError:
-        return []
-
-
-def _complete_copy(rank_dir: Path, base: str, step: int, rank: int) -> LocalMarker | None:
-    """The marker of the copy in ``rank_dir`` if it is complete (see :func:`scan`), else None."""
-    marker_path = rank_dir / MARKER_NAME
-    try:
-        with open(marker_path, "rb") as f:
-            data = f.read(MAX_MARKER_BYTES + 1)  # bounded: decode refuses more
-        marker = LocalMarker.decode(data, str(marker_path))
-    except (FileNotFoundError, NotADirectoryError):
-        return None  # not written yet (a save in progress), or being deleted
-    except (MetadataFormatError, OSError) as e:
-        log.warning("local copy %s is unreadable (%s); not used", rank_dir, e)
-        return None
-    if marker.base != base or marker.step != step or marker.rank != rank:
-        return None
-    try:
-        sizes = {name: (rank_dir / name).stat().st_size for name in marker.objects}
-        intact = (rank_dir / LOCAL_METADATA_NAME).is_file() and sizes == marker.objects
-    except OSError:
-        intact = False
-    if not intact:
-        log.warning("local copy %s is partial (a file missing or of another size); not used", rank_dir)
-        return None
-    return marker
-
-
-def choose_step(reports: list[tuple[str, dict]], in_s3: set[int], *, wanted: int | None = None,
-                excluded: frozenset = frozenset()) -> int | None:
-    """The newest step (or ``wanted``) that the tiers together hold in full: in S3, or every
-    saving rank's copy (one save, one world size) held by some node. ``reports``: each rank's
-    (node, {(step, saving rank): (save id, world size, objects)}); ``excluded``: (node, step,
-    saving rank) of the copies found corrupt there."""
-    held: dict[int, dict[int, tuple]] = {}
-    for node, report in reports:
-        for (step, rank), (save_id, world_size, *_) in report.items():
-            if (node, step, rank) not in excluded:
-                held.setdefault(step, {}).setdefault(rank, (save_id, world_size))
-    candidates = sorted(set(held) | in_s3, reverse=True)
-    if wanted is not None:
-        candidates = [s for s in candidates if s == wanted]
-    for step in candidates:
-        if step in in_s3:
-            return step
-        idents = set(held[step].values())
-        if len(idents) == 1 and set(held[step]) == set(range(next(iter(idents))[1])):
-            return step
-    return None
 
 
 class LocalTier:
@@ -198,11 +118,11 @@ class LocalTier:
         return [step_dir / rank_dir_name(r) for r in sorted(mine) if (step_dir / rank_dir_name(r)).is_dir()]
 
     def _steps(self) -> list[tuple[int, Path]]:
-        return sorted((s, d) for d in _entries(self.dir) if (s := self.step_of(d.name)) is not None)
+        return sorted((s, d) for d in entries(self.dir) if (s := self.step_of(d.name)) is not None)
 
     def _usage(self) -> dict[int, int]:
         """Bytes of this rank's copies, by step (a replica being received counts as far as it is)."""
-        return {step: sum(_size(f) for d in self._own_dirs(step_dir) for f in _entries(d))
+        return {step: sum(_size(f) for d in self._own_dirs(step_dir) for f in entries(d))
                 for step, step_dir in self._steps()}
 
     def _retain(self, keep: set[int] = frozenset(), room_for: int = 0) -> None:
@@ -394,39 +314,12 @@ class LocalTier:
         for (s, rank), (marker, rank_dir) in sorted(copies.items()):
             if s != step or not share(rank):
                 continue
-            problem = _check_copy(rank_dir, marker, locations)
+            problem = check_copy(rank_dir, marker, locations)
             if problem is not None:
                 log.warning("local copy %s of step %d is corrupt (%s): its objects come from the next tier",
                             rank_dir, step, problem)
                 bad.add((s, rank))
         return bad
-
-
-def _check_copy(rank_dir: Path, marker: LocalMarker, locations) -> str | None:
-    """What is wrong with a copy's bytes, or None: every item stored in one of its objects
-    checked against its checksum (items without one: against their object's size)."""
-    by_object: dict[str, list] = {}
-    for loc in locations:
-        if loc.object_name in marker.objects:
-            by_object.setdefault(loc.object_name, []).append(loc)
-    for name, locs in by_object.items():
-        path = rank_dir / name
-        size = path.stat().st_size
-        if not size:
-            continue
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
-            view = memoryview(m)
-            try:
-                for loc in locs:
-                    if loc.offset + loc.length > size:
-                        return f"{name}: item at {loc.offset}+{loc.length} past the file's {size} bytes"
-                    if loc.checksum:
-                        algorithm = integrity.algorithm_of(loc.checksum)
-                        if integrity.checksum(algorithm, view[loc.offset:loc.offset + loc.length]) != loc.checksum:
-                            return f"{name}: the item at offset {loc.offset} does not match its checksum"
-            finally:
-                view.release()
-    return None
 
 
 def _size(path: Path) -> int:

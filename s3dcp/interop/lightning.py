@@ -128,6 +128,8 @@ class S3CheckpointIO(CheckpointIO):
                 return
             response = dcp.async_save(tensors, storage_writer=writer, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if copy is not None:  # a partial local copy of a failed save: never left behind
+                copy.discard()
             raise unwrap_error(e)  # chained from DCP's exception
         upload = getattr(response, "upload_completion", response)
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -171,7 +173,7 @@ class S3CheckpointIO(CheckpointIO):
         try:
             try:
                 state = self._load_with(local, uri) if local is not None else None
-            except IntegrityError as e:  # a corrupt local copy: S3 has the checkpoint
+            except (IntegrityError, MetadataFormatError) as e:  # a corrupt local copy: S3 has the checkpoint
                 log.warning("the local copy of %s is corrupt (%s); loading it from S3", uri, e)
                 state = None
             finally:

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from s3dcp.errors import S3DCPError
 from s3dcp.interop.lightning import S3CheckpointIO, S3ModelCheckpoint
 from s3dcp.interop.lightning_fs import CheckpointFileSystem
 from s3dcp.s3.client import S3Client
@@ -77,6 +78,13 @@ def test_a_local_copy_is_loaded_from_the_node_and_a_corrupt_one_from_s3(s3_confi
     raw = bytearray(damaged.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     damaged.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="s3dcp"):
+        _assert_tree_equal(io.load_checkpoint(path, weights_only=True), ckpt)
+    assert any("local copy" in r.getMessage() and "loading it from S3" in r.getMessage() for r in caplog.records)
+    raw[len(raw) // 2] ^= 0xFF  # the data intact again
+    damaged.write_bytes(bytes(raw))
+    (copy / ".metadata").write_bytes(b"\x80\x04 not a metadata")  # the copy's metadata garbled: S3's too
+    caplog.clear()
     with caplog.at_level("WARNING", logger="s3dcp"):
         _assert_tree_equal(io.load_checkpoint(path, weights_only=True), ckpt)
     assert any("local copy" in r.getMessage() and "loading it from S3" in r.getMessage() for r in caplog.records)
@@ -328,3 +336,12 @@ def test_example_uses_a_configured_endpoint_and_runs_again(s3_server, demo_bucke
         assert "# resumed and trained to step 12" in out
         time.sleep(1.1)  # the run prefix has one-second resolution
     assert roots[0] != roots[1]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_leaves_no_local_copy(s3_config, tmp_path, async_save):
+    io = S3CheckpointIO(config=s3_config, local_dir=tmp_path / "local", async_save=async_save)
+    with pytest.raises(S3DCPError):
+        io.save_checkpoint(lightning_checkpoint(3), "s3://no-such-bucket-here/run/epoch=0-step=1.ckpt")
+        io.wait()
+    assert not (tmp_path / "local" / "epoch=0-step=1.ckpt").exists()

@@ -15,7 +15,6 @@ GETs are still in flight; a slot is reused only after the copies out of it are d
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,7 +143,7 @@ class BounceWindow:
         self.slot_bytes = slot_bytes
         self.pool = pool
         self.copier = copier
-        self._arena = pool.acquire(slot_bytes * slots, max_in_use=sys.maxsize)
+        self._arena = pool.acquire(slot_bytes * slots, max_in_use=None)
         self._free = [self._arena.buffer[i * slot_bytes:(i + 1) * slot_bytes] for i in range(slots)]
         self._draining: deque[tuple[torch.Tensor, list]] = deque()  # (slot, copy tokens), oldest first
         self.pinned = self._arena.pinned

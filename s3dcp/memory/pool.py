@@ -87,8 +87,13 @@ class Placer:
             if self.limits is not None:
                 if fits_target and start + nbytes <= self.limits[self.current]:
                     return self._take(self.current, start, nbytes)
-                self.current += 1
-                continue
+                # where the plan opened a slab: the next empty one that holds it becomes current;
+                # where it had no room (the budget), none does and the current one stays
+                for i in range(self.current + 1, len(self.ends)):
+                    if self.ends[i] == 0 and nbytes <= self.limits[i]:
+                        self.current = i
+                        return self._take(i, 0, nbytes)
+                return None
             if fits_target:
                 if not self._within_budget(start + nbytes - end):
                     return None
@@ -154,6 +159,7 @@ class Arena:
         self.slabs = [Slab(_rounded(n), pinned, prefault) for n in sizes]
         self.pinned = all(s.pinned for s in self.slabs)
         self.placer = Placer(None, sizes)
+        self.counted = True  # among the pool's staging arenas in use (HostBufferPool.acquire)
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # each slab viewed as each dtype
         self._views: dict[tuple, torch.Tensor] = {}  # view_like's tensors by place, for the next checkpoint
         self._last_places: tuple | None = None  # reserve_all's last sizes and places
@@ -297,20 +303,23 @@ class HostBufferPool:
         self.allocations = 0
         self.bytes_allocated = 0
 
-    def acquire(self, sizes: Sequence[int] | int, *, target_bytes: int | None = None, max_in_use: int = 1,
+    def acquire(self, sizes: Sequence[int] | int, *, target_bytes: int | None = None, max_in_use: int | None = 1,
                 prefault: bool = True) -> Arena:
         """An arena with a slab for each of ``sizes`` (bytes; an int: one slab), its places
         given out by a :class:`Placer` with ``target_bytes`` over those sizes, waiting while
-        ``max_in_use`` arenas are taken. A new arena's pages are touched now unless
-        ``prefault`` is False (the first copy into it then faults them in)."""
+        ``max_in_use`` staging arenas are taken. ``max_in_use=None``: an arena of one slab (a
+        composed object's, a load's bounce buffer), neither counted among those nor ever a
+        staging arena taken for it. A new arena's pages are touched now unless ``prefault`` is False (the first copy
+        into it then faults them in)."""
         needed = [max(0, sizes)] if isinstance(sizes, int) else [max(0, n) for n in sizes] or [0]
+        counted = max_in_use is not None
         waited = None
         while True:
             self.reclaim()  # saves that are over give their arena back first
             with self._cond:
-                if self._in_use < max_in_use:
-                    self._in_use += 1
-                    arena, dropped = self._take_free(needed)
+                if not counted or self._in_use < max_in_use:
+                    self._in_use += counted
+                    arena, dropped = self._take_free(needed, single_slab=not counted)
                     break
                 if waited is None:
                     waited = time.perf_counter()
@@ -326,26 +335,29 @@ class HostBufferPool:
                 arena = Arena(needed, self.pin_memory, prefault)
             except BaseException:
                 with self._cond:
-                    self._in_use -= 1
+                    self._in_use -= counted
                     self._cond.notify_all()
                 raise
             with self._cond:
                 self.allocations += 1
                 self.bytes_allocated += arena.capacity
+        arena.counted = counted
         arena.assign(needed, target_bytes)
         return arena
 
-    def _take_free(self, needed: list[int]) -> tuple[Arena | None, Arena | None]:
+    def _take_free(self, needed: list[int], single_slab: bool = False) -> tuple[Arena | None, Arena | None]:
         """A free arena that fits (the smallest), or None; and a free arena that does not,
         dropped so that memory stays bounded when the state grows (the caller closes it).
-        Called with the lock held."""
-        fits = [a for a in self._free if a.fits(needed)]
+        ``single_slab``: only arenas of one slab are looked at (a staging arena of several is
+        kept for the next stage). Called with the lock held."""
+        free = [a for a in self._free if len(a.slabs) == 1] if single_slab else self._free
+        fits = [a for a in free if a.fits(needed)]
         if fits:
             arena = min(fits, key=lambda a: a.capacity)
             self._free.remove(arena)
             return arena, None
-        if self._free:
-            dropped = max(self._free, key=lambda a: a.capacity)
+        if free:
+            dropped = max(free, key=lambda a: a.capacity)
             self._free.remove(dropped)
             self.bytes_allocated -= dropped.capacity
             return None, dropped
@@ -354,7 +366,7 @@ class HostBufferPool:
     def release(self, arena: Arena) -> None:
         with self._cond:
             self._free.append(arena)
-            self._in_use -= 1
+            self._in_use -= arena.counted
             self._cond.notify_all()
 
     def hold(self, holder: Holder) -> None:

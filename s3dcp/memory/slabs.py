@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Slab", "FileSpan", "file_of", "files_supported", "can_pin"]
+__all__ = ["Slab", "FileSpan", "file_of", "files_supported", "staged_in_files", "can_pin"]
 
 log = logging.getLogger("s3dcp")
 
@@ -122,8 +122,10 @@ def _shared_file(capacity: int) -> tuple[torch.UntypedStorage, str | None]:
     if files_supported():
         try:
             storage = torch.UntypedStorage._new_using_fd_cpu(max(capacity, 1))
+            _LAST_WAS_FILE[0] = True
             return storage, f"{_PROC_FD}/{storage._get_shared_fd()}"
         except RuntimeError as e:
+            _LAST_WAS_FILE[0] = False
             if not _WARNED_NO_SHM:
                 _WARNED_NO_SHM = True
                 log.warning("staging memory is ordinary memory, not shared-memory files (%s): uploads then go "
@@ -133,6 +135,13 @@ def _shared_file(capacity: int) -> tuple[torch.UntypedStorage, str | None]:
 
 
 _WARNED_NO_SHM = False
+_LAST_WAS_FILE = [True]  # whether the last slab made was a shared-memory file
+
+
+def staged_in_files() -> bool:
+    """Whether staging memory is shared-memory files now: where the last slab made fell back
+    to ordinary memory (``/dev/shm`` full), copying more bytes into slabs buys no file upload."""
+    return files_supported() and _LAST_WAS_FILE[0]
 
 
 def can_pin() -> bool:

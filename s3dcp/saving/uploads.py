@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
 from ..format.tensors import byte_view
 from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool
-from ..memory.slabs import FileSpan, file_of
+from ..memory.slabs import FileSpan, file_of, staged_in_files
 from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
 from ..uri import S3Uri
@@ -215,8 +214,9 @@ class Uploads:
             self._compose_one(group, group_bytes)
 
     def _compose_one(self, group: list[_Entry], nbytes: int) -> None:
-        if self.pool is None or nbytes < _COMPOSE_FROM_BYTES or not self.client.sends_files:
-            # sent from the items' own buffers (transport="sockets" sends every object so)
+        if self.pool is None or nbytes < _COMPOSE_FROM_BYTES or not self.client.sends_files or not staged_in_files():
+            # sent from the items' own buffers (transport="sockets" sends every object so, and
+            # so does the CRT where staging is ordinary memory: a copy would buy nothing)
             name = self._next_name()
             offset = 0
             for e in group:
@@ -225,7 +225,7 @@ class Uploads:
             self._put(name, nbytes, None, [e.view for e in group], keep=(group,))
             return
         self._make_room(nbytes)
-        arena = self.pool.acquire(nbytes, max_in_use=sys.maxsize, prefault=False)
+        arena = self.pool.acquire(nbytes, max_in_use=None, prefault=False)
         try:
             slab = arena.slabs[0]
             name = self._next_name()
@@ -236,11 +236,11 @@ class Uploads:
                     slab.buffer[offset:offset + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
                 self._record(name, offset, e)
                 offset += n
-        except BaseException:
+            self.copied_bytes += nbytes
+            future = self._put(name, nbytes, slab.path, [slab.buffer[:nbytes]], keep=(slab,))
+        except BaseException:  # nothing was sent from it (the local copy's write, the request's start)
             self.pool.release(arena)
             raise
-        self.copied_bytes += nbytes
-        future = self._put(name, nbytes, slab.path, [slab.buffer[:nbytes]], keep=(slab,))
         self._composing.append((future, nbytes))
         future.add_done_callback(lambda _f, arena=arena: self.pool.release(arena))
 

@@ -130,13 +130,18 @@ def test_without_room_in_dev_shm_staging_is_ordinary_memory_and_saves_still_work
 
     monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", full, raising=False)
     monkeypatch.setattr(slabs, "_WARNED_NO_SHM", False)
+    monkeypatch.setattr(slabs, "_LAST_WAS_FILE", [True])
     state = _state(4)
     pool = HostBufferPool()
+    writers = [S3StorageWriter(f"s3://{bucket}/noshm", config=config, pool=pool),
+               S3StorageWriter(f"s3://{bucket}/noshm-sync", config=config, pool=pool)]
     with caplog.at_level("WARNING", logger="s3dcp"):
-        dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/noshm", config=config,
-                                                             pool=pool)).result(timeout=120)
-        dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/noshm-sync", config=config, pool=pool))
+        dcp.async_save(state, storage_writer=writers[0]).result(timeout=120)
+        dcp.save(state, storage_writer=writers[1])
     assert any("give /dev/shm room" in r.getMessage() for r in caplog.records)
+    # no file to send from: the staged (async) and the caller's (sync) tensors are sent from
+    # their own memory, not copied again into more ordinary memory
+    assert [w.last_stats.copied_bytes for w in writers] == [0, 0]
     pool.reclaim()
     slabs_made = [slab for arena in pool._free for slab in arena.slabs]
     assert slabs_made and all(slab.path is None for slab in slabs_made)
@@ -156,3 +161,21 @@ def test_a_synchronous_save_under_a_staging_budget_copies_in_a_bounded_window(bu
     assert writer.last_stats.copied_bytes == _tensor_bytes(state) and writer.last_stats.objects == 6
     assert pool.allocations <= 3 and pool.bytes_allocated <= 3 * 5 * MiB, (pool.allocations, pool.bytes_allocated)
     _assert_same(state, _load(f"s3://{bucket}/window", cfg, state))
+
+
+def test_an_upload_that_fails_to_start_gives_its_composed_objects_slab_back(bucket, config):
+    """A synchronous save's tensors are composed into pooled slabs; when the request cannot even
+    start (here: put_file raises at once, as a full local_dir's write would), the slab returns
+    to the pool instead of being held for ever."""
+    pool = HostBufferPool()
+    writer = S3StorageWriter(f"s3://{bucket}/nostart", config=config, pool=pool)
+
+    def refused(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    writer.client.put_file = refused
+    with pytest.raises(BaseException) as e:
+        dcp.save(_state(5), storage_writer=writer)
+    assert "No space left on device" in str(s3dcp.unwrap_error(e.value))
+    pool.reclaim()
+    assert pool.allocations >= 1 and len(pool._free) == pool.allocations and pool.in_use == 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,6 +66,9 @@ class LocalTier:
         self.replicas = None  # lifecycle.replicas.Replicas, made at the first save (collective)
         self._saves = 0
         self._writing: set[int] = set()  # steps whose copy is being written: never retained away
+        # held while retention decides and deletes, and while a step starts or stops being
+        # written: a save's commit (on an upload thread) retains while the next save begins
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ save
     def begin_save(self, step: int, state_dict: dict) -> tuple[LocalCopy, bool]:
@@ -81,17 +85,19 @@ class LocalTier:
         from ..saving.statetree import tensors
 
         copy = LocalCopy(self.dir, self.name(step), str(self.base), step)
-        try:
-            self._make_room(step, sum(t.nbytes for t in tensors(state_dict)))
-        except ConfigError as e:
-            copy.refusal = e
-        self._writing.add(step)
+        with self._lock:
+            self._writing.add(step)  # before any retention can list its directory
+            try:
+                self._make_room(step, sum(t.nbytes for t in tensors(state_dict)))
+            except ConfigError as e:
+                copy.refusal = e
         return copy, to_s3
 
     def failed(self, copy: LocalCopy) -> None:
         """The save of ``copy``'s step failed: its copy goes."""
-        self._writing.discard(copy.step)
-        copy.discard()
+        with self._lock:
+            self._writing.discard(copy.step)
+            copy.discard()
 
     def committed(self, step: int, copy: LocalCopy, *, metadata: Any, in_s3: bool) -> None:
         """The save of ``step`` returned on this rank (``metadata``: DCP's, every rank gets it):
@@ -102,10 +108,11 @@ class LocalTier:
             copy.rank = _rank(self.process_group)
         copy.commit(encode_metadata(metadata), save_id=metadata.storage_meta.save_id,
                     world_size=_world(self.process_group) if _dist_on() else 1, in_s3=in_s3)
-        self._writing.discard(step)
-        if self.replicas is not None:
-            self.replicas.submit(copy.root, copy.rank)
-        self._retain(keep={step})
+        with self._lock:
+            self._writing.discard(step)
+            if self.replicas is not None:
+                self.replicas.submit(copy.root, copy.rank)
+            self._retain(keep={step})
 
     def wait(self) -> None:
         """Every replication so far done (raising its error, once)."""
@@ -128,7 +135,11 @@ class LocalTier:
     def _retain(self, keep: set[int] = frozenset(), room_for: int = 0) -> None:
         """Delete this rank's copies beyond the newest ``keep_last`` complete steps, and older
         ones still while ``room_for`` more bytes would not fit the budget; never one in ``keep``,
-        nor the newest complete step."""
+        nor the newest complete step, nor one being written or replicated."""
+        with self._lock:
+            self._retain_locked(keep, room_for)
+
+    def _retain_locked(self, keep: set[int], room_for: int) -> None:
         complete = sorted({s for (s, r) in scan(self.dir, str(self.base), self.step_of)
                            if r == _rank(self.process_group)})
         busy = self._writing | self._replicating()

@@ -176,3 +176,37 @@ def test_retention_keeps_a_step_whose_replication_is_still_going(tmp_path):
     tier.replicas.roots = []  # sent: now it goes
     tier._retain(keep={2})
     assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {2}
+
+
+def test_retention_on_a_commit_thread_never_deletes_the_copy_the_next_save_begins(tmp_path):
+    """An async save's commit retains on an upload thread while the training thread begins the
+    next save: the new step's copy must not be deleted by a retention that decided what to
+    keep before the step began (a restart then resumed an older step)."""
+    tier = _tier(tmp_path, keep_last=1)
+    _complete(tmp_path, 1, 100)
+    decided, go = threading.Event(), threading.Event()
+    real_usage = tier._usage
+
+    def usage_after_deciding():  # the first retention pauses right after choosing what it keeps
+        if not decided.is_set():
+            decided.set()
+            go.wait(10)
+        return real_usage()
+
+    tier._usage = usage_after_deciding
+    committing = threading.Thread(target=lambda: tier._retain(keep={1}))
+    committing.start()
+    assert decided.wait(10)
+
+    def next_save():
+        copy, _ = tier.begin_save(2, {})
+        copy.begin(0)
+        copy.write("__0_0.abc.distcp", [bytes(10)])
+
+    beginning = threading.Thread(target=next_save)
+    beginning.start()
+    beginning.join(0.5)  # it may wait for the retention in progress, or be done already
+    go.set()
+    committing.join(10)
+    beginning.join(10)
+    assert (tmp_path / "step-2" / "rank-0" / "__0_0.abc.distcp").is_file()

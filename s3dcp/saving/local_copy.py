@@ -10,7 +10,7 @@
       discard()              a failed save: the directory goes
 
 Owns writing the files; it must not decide which step is kept locally or sent to S3 (the
-manager's tiers, :mod:`s3dcp.lifecycle.tiers`) nor read copies back (:mod:`s3dcp.loading.local`).
+manager's tiers, :mod:`s3dcp.lifecycle.tiers`) nor read copies back (:mod:`s3dcp.loading.tiered`).
 Picklable (paths only): DCP's process executor writes through it in the child process, and the
 commit, in the parent, lists what the child wrote. Imports no torch (the manager, which
 ``s3dcp ls`` and ``rm`` import, holds one).

@@ -187,7 +187,7 @@ def _killed_worker(rank: int, world: int, port: int, uri: str, cfg, outdir: str)
         def swap_then_die(*args, **kwargs):
             calls[0] += 1
             if calls[0] == 3:  # mid-exchange: two rounds done, the others posting their third
-                Path(outdir, "killed").write_text(str(time.time()))
+                _write_atomically(Path(outdir, "killed"), str(time.time()).encode())
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
 
@@ -198,8 +198,15 @@ def _killed_worker(rank: int, world: int, port: int, uri: str, cfg, outdir: str)
         outcome = ("loaded", "")
     except BaseException as e:  # noqa: BLE001 - recorded for the test
         outcome = (type(e).__name__, str(e)[:300])
-    Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps((outcome, time.time())))
+    _write_atomically(Path(outdir, f"rank{rank}.pkl"), pickle.dumps((outcome, time.time())))
     time.sleep(GROUP_TIMEOUT_S)  # stay alive: see above
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """The test polls for these files: it must never read one half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def test_a_rank_killed_mid_exchange_fails_the_others_within_a_bounded_time(s3_server, bucket, s3_config, tmp_path):

@@ -19,9 +19,10 @@
          next tier (step 2 again, without it)
 
 Owns the tier policy (which steps go where, what is kept, which step a restore takes, what is
-intact); what a node's local_dir holds is lifecycle/holdings.py's, the files saving/local_copy.py's,
-the transfers lifecycle/replicas.py's and loading/tiered.py's. What it cannot survive: a node lost together with the node holding its
-replicas, for a step not in S3 (the restore then takes an older step).
+intact); what a node's local_dir holds is lifecycle/holdings.py's, the files
+saving/local_copy.py's, the transfers lifecycle/replicas.py's and loading/tiered.py's. What it
+cannot survive: a node lost together with the node holding its replicas, for a step not in S3
+(the restore then takes an older step).
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ class LocalTier:
     def restore(self, manager: Any, state_dict: dict | Callable[[int], dict],
                 step: int | None = None) -> tuple[int, dict]:
         """Load the newest step the tiers hold in full (or ``step``) into ``state_dict`` (or the
-        dict it gives for that step, where it is a function); return
-        it and the load's figures (see :attr:`CheckpointManager.last_load_stats`).
+        dict it gives for that step, where it is a function); return it and the load's figures
+        (see :attr:`CheckpointManager.last_load_stats`).
 
         Every item is verified against its checksum as it is read, whatever the tier. Only when
         a load fails so (an ``IntegrityError`` on some rank: every rank hears of it through
@@ -283,9 +284,8 @@ class LocalTier:
                 metadata_bytes = box[0]
         if names is None:
             def other_metadata() -> tuple[bytes, set[str]]:
-                from ..loading.fetch import fetch_metadata_bytes
-
                 from ..format.metadata import decode_metadata
+                from ..loading.fetch import fetch_metadata_bytes
 
                 data = metadata_bytes if metadata_bytes is not None else fetch_metadata_bytes(manager.client, uri)
                 return data, _object_names(decode_metadata(data, source=str(uri)))

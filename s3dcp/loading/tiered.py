@@ -248,6 +248,5 @@ class TieredReader(S3StorageReader):
             self.client.add_received(name, data)
             work += [dist.irecv(data[i:i + _CHUNK], global_rank(sender), group=self.process_group)
                      for i in range(0, data.numel(), _CHUNK)]
-        for w in work:
+        for w in work:  # the mapped files (outgoing) stay referenced until every send is done
             w.wait()
-        del outgoing

@@ -6,8 +6,9 @@ placed one after the other (64-byte aligned) until the object size target; a ten
 the target gets a slab of its own. The CRT uploads each object from its slab's file. The
 :class:`HostBufferPool` hands arenas out and takes them back, so only the first checkpoint of a
 job pays for allocating and page-faulting host memory; later ones are a memcpy. It also bounds
-how many arenas are in use at once (``max_inflight_checkpoints``): :meth:`HostBufferPool.acquire`
-waits for a free one.
+how many checkpoints' staging arenas are in use at once (``max_inflight_checkpoints``):
+:meth:`HostBufferPool.acquire` waits for a free one. A composed object's arena or a load's bounce
+buffer (one slab each) is not counted among them.
 
     plan_slabs(sizes, target, budget) ──► slab sizes ──pool.acquire──► Arena ──reserve──► places
 
@@ -309,8 +310,8 @@ class HostBufferPool:
         given out by a :class:`Placer` with ``target_bytes`` over those sizes, waiting while
         ``max_in_use`` staging arenas are taken. ``max_in_use=None``: an arena of one slab (a
         composed object's, a load's bounce buffer), neither counted among those nor ever a
-        staging arena taken for it. A new arena's pages are touched now unless ``prefault`` is False (the first copy
-        into it then faults them in)."""
+        staging arena taken for it. A new arena's pages are touched now unless ``prefault`` is
+        False (the first copy into it then faults them in)."""
         needed = [max(0, sizes)] if isinstance(sizes, int) else [max(0, n) for n in sizes] or [0]
         counted = max_in_use is not None
         waited = None

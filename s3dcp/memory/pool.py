@@ -27,6 +27,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..config import MiB
+from .ring_buffer import align
 from .slabs import Slab, can_pin
 
 __all__ = ["Arena", "HostBufferPool", "Holder", "Placer", "plan_slabs", "shared_pool", "release_staging_memory",
@@ -39,10 +40,6 @@ _POLL_S = 0.05
 _MAX_VIEWS = 1 << 16  # staged tensors an arena keeps for reuse
 
 Place = tuple[int, int]  # (slab index, byte offset in the slab)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
 
 _TAIL_BYTES = 64 << 10  # room after a slab's tensors for a save's small serialized values
@@ -83,7 +80,7 @@ class Placer:
             return self._alone(nbytes)
         while self.current < len(self.ends):
             end = self.ends[self.current]
-            start = _align(end)
+            start = align(end, ALIGN_BYTES)
             fits_target = end == 0 or self.target is None or start + nbytes <= self.target
             if self.limits is not None:
                 if fits_target and start + nbytes <= self.limits[self.current]:

@@ -32,6 +32,7 @@ from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
 from ..format.tensors import byte_view
 from ..memory.pool import ALIGN_BYTES, Arena, HostBufferPool
+from ..memory.ring_buffer import align
 from ..memory.slabs import FileSpan, file_of, staged_in_files
 from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
@@ -185,12 +186,12 @@ class Uploads:
         rest: list[_Entry] = []
         for e in loose:
             n = e.view.nbytes
-            home = next((d for d in homes if -(-d[2] // ALIGN_BYTES) * ALIGN_BYTES + n
+            home = next((d for d in homes if align(d[2], ALIGN_BYTES) + n
                          <= slabs[d[0].address].capacity), None) if n < _COMPOSE_FROM_BYTES else None
             if home is None:
                 rest.append(e)
                 continue
-            start = -(-home[2] // ALIGN_BYTES) * ALIGN_BYTES
+            start = align(home[2], ALIGN_BYTES)
             if n:
                 slabs[home[0].address].buffer[start:start + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
                 self.copied_bytes += n

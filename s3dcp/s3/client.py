@@ -129,15 +129,8 @@ class S3Client:
                 lambda: self.get(bucket, key), body, operation="PutObject", bucket=bucket, key=key)
         stream = BufferStream(buffers)
         single_request = single_request or if_none_match
-        headers = [("Host", self._at.host_for(bucket)), ("Content-Length", str(stream.size)),
-                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.bucket_headers(), *create_only]
-        etag: list[str | None] = [None]
-
-        def on_headers(status_code, headers, **_):
-            for name, value in headers:
-                if name.lower() == "etag":
-                    etag[0] = value
-
+        headers = [*self._put_headers(bucket, stream.size, content_type), *create_only]
+        etag, on_headers = _etag_of_answer()
         size = stream.size
         # Above the threshold the upload goes in parts; at the threshold itself the CRT's choice
         # depends on its comparison, so it counts as a single PUT here (the safe side, see
@@ -165,6 +158,10 @@ class S3Client:
             clean_abort=multipart,
         )
 
+    def _put_headers(self, bucket: str, size: int, content_type: str) -> list[tuple[str, str]]:
+        return [("Host", self._at.host_for(bucket)), ("Content-Length", str(size)), ("Content-Type", content_type),
+                *self._at.sse_headers(), *self._at.bucket_headers()]
+
     @property
     def sends_files(self) -> bool:
         """Whether :meth:`put_file` is how large objects go (the CRT reads them from the file);
@@ -185,17 +182,10 @@ class S3Client:
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3FileIoOptions, S3RequestType
 
-        headers = [("Host", self._at.host_for(bucket)), ("Content-Length", str(nbytes)),
-                   ("Content-Type", content_type), *self._at.sse_headers(), *self._at.bucket_headers()]
-        request = HttpRequest("PUT", self._at.path(bucket, key), HttpHeaders(headers))
-        etag: list[str | None] = [None]
+        request = HttpRequest("PUT", self._at.path(bucket, key),
+                              HttpHeaders(self._put_headers(bucket, nbytes, content_type)))
+        etag, on_headers = _etag_of_answer()
         held = [keep]
-
-        def on_headers(status_code, headers, **_):
-            for name, value in headers:
-                if name.lower() == "etag":
-                    etag[0] = value
-
         return self._submit(
             "PutObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
@@ -444,3 +434,16 @@ class S3Client:
                 signing_config=native.signing_for(bucket), on_headers=on_headers, on_body=collect, on_done=on_done),
             result=value,
         )
+
+
+def _etag_of_answer() -> tuple[list, Callable]:
+    """An ``on_headers`` callback for the CRT that keeps the answer's ETag, and the list it
+    keeps it in (``[None]`` until an answer names one)."""
+    etag: list[str | None] = [None]
+
+    def on_headers(status_code, headers, **_):
+        for name, value in headers:
+            if name.lower() == "etag":
+                etag[0] = value
+
+    return etag, on_headers

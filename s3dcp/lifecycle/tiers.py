@@ -299,8 +299,10 @@ class LocalTier:
                 if s == chosen and (nodes[rank], s, saver) not in excluded:
                     for name in objects:
                         holders.setdefault(name, set()).add(rank)
+        # only this save's objects (their names carry its id): a stale copy of another save of
+        # the same step, left on a node, is not read
         local_paths = {name: rank_dir / name for (s, saver), (marker, rank_dir) in here.items()
-                       if s == chosen and (s, saver) not in gone for name in marker.objects}
+                       if s == chosen and (s, saver) not in gone for name in marker.objects if name in names}
         client = TieredClient(manager.client, uri.bucket, {n: object_key(uri, n) for n in names}, metadata_bytes,
                               uri.key(LOCAL_METADATA_NAME))
         try:

@@ -279,8 +279,9 @@ class Uploads:
         the transport sends from memory. ``keep`` stays referenced until the upload ends. With a
         local copy the same bytes are written to the node's local directory first; a step kept
         only there (``upload=False``) sends nothing."""
+        views = [byte_view(b) if isinstance(b, torch.Tensor) else b for b in buffers]
         if self.local is not None:
-            self.local.write(name, [byte_view(b) if isinstance(b, torch.Tensor) else b for b in buffers])
+            self.local.write(name, views)
         self.bytes += nbytes
         if not self.upload:
             done: Future = Future()
@@ -292,8 +293,7 @@ class Uploads:
             future = self.client.put_file(self.uri.bucket, key, path, nbytes, keep=keep)
         else:
             self._keep_alive.append(keep)
-            future = self.client.put(self.uri.bucket, key,
-                                     [byte_view(b) if isinstance(b, torch.Tensor) else b for b in buffers])
+            future = self.client.put(self.uri.bucket, key, views)
         self.futures.append(future)
         return future
 

@@ -15,9 +15,10 @@ them only in ``str()``, which only an error message calls; a name is quoted and 
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
-__all__ = ["At", "quoted", "NAME_CHARS"]
+__all__ = ["At", "quoted", "shown", "NAME_CHARS"]
 
 NAME_CHARS = 200  # of a name quoted in an error message; the rest is elided
 
@@ -65,3 +66,14 @@ class quoted:
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple, _REPR.maxstring, _REPR.maxother = 3, 8, 4, 8, 60, 60
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, made in bounded time: a list of a million
+    values or a string of megabytes is not printed whole first."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -6,11 +6,10 @@ A ``where`` is text or an :class:`~s3dcp.format.context.At`, made into text only
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any, Callable
 
 from ...errors import MetadataFormatError
-from ..context import At
+from ..context import At, shown
 
 # ---------------------------------------------------------------------------------------------
 # Checked access. Type checks are exact, so a JSON true is never taken for the integer 1.
@@ -80,12 +79,4 @@ def _type_name(value: Any) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple, _REPR.maxstring, _REPR.maxother = 3, 8, 4, 8, 60, 60
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, made in bounded time: a list of a million
-    values or a string of megabytes is not printed whole first."""
-    text = _REPR.repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+_short = shown  # the name this package's modules import

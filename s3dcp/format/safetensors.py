@@ -22,11 +22,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import IncompleteCheckpointError, MetadataFormatError
-from .context import quoted
+from .context import quoted, shown
 
 __all__ = [
     "HEADER_LENGTH_BYTES", "INDEX_NAME", "SUFFIX", "DTYPES", "MAX_DIMS", "RESERVED_NAME", "TensorEntry", "Header",
     "header_length", "parse_header", "parse_index", "safetensors_dtype", "shard_file_name", "check_shard_set",
+    "MAX_INDEX_BYTES",
 ]
 
 HEADER_LENGTH_BYTES = 8
@@ -37,6 +38,7 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library refuses larger 
 # A shape's dimensions: NumPy's limit (safetensors' NumPy and Flax loaders share it). torch has
 # none on CPU (its CUDA kernels take 25); no model tensor comes near either.
 MAX_DIMS = 64
+MAX_INDEX_BYTES = 64 << 20  # an index names every tensor once: megabytes at most
 # A header is parsed into Python objects of ~50-100 bytes per JSON value; a real one has one value
 # per 7 bytes or more (a tensor's entry: 7 values in 50+ bytes). More is refused before parsing.
 _BYTES_PER_VALUE = 5
@@ -104,7 +106,7 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
     try:
         doc = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise MetadataFormatError(f"{source}: the safetensors header is not JSON ({_short(str(e))})") from None
+        raise MetadataFormatError(f"{source}: the safetensors header is not JSON ({shown(str(e))})") from None
     if not isinstance(doc, dict):
         raise MetadataFormatError(f"{source}: the safetensors header is not a JSON object")
     data_start = HEADER_LENGTH_BYTES + n
@@ -115,12 +117,12 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
         try:
             dtype_name, dims, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
-            raise MetadataFormatError(f"{source}: tensor {name_text} has a malformed header entry {_short(spec)}") from e
+            raise MetadataFormatError(f"{source}: tensor {name_text} has a malformed header entry {shown(spec)}") from e
         if type(dtype_name) is not str:
-            raise MetadataFormatError(f"{source}: tensor {name_text} has dtype {_short(dtype_name)}: its 'dtype' "
+            raise MetadataFormatError(f"{source}: tensor {name_text} has dtype {shown(dtype_name)}: its 'dtype' "
                                       'must be a string such as "BF16"')
         if type(dims) is not list or any(type(d) is not int or d < 0 for d in dims):
-            raise MetadataFormatError(f"{source}: tensor {name_text} has shape {_short(dims)}: its 'shape' must be "
+            raise MetadataFormatError(f"{source}: tensor {name_text} has shape {shown(dims)}: its 'shape' must be "
                                       "a list of non-negative ints")
         if len(dims) > MAX_DIMS:
             raise MetadataFormatError(f"{source}: tensor {name_text} has a 'shape' of {len(dims)} dimensions, "
@@ -128,25 +130,25 @@ def parse_header(raw: bytes | bytearray | memoryview, *, source: str, file_size:
         shape = tuple(dims)
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
-            raise MetadataFormatError(f"{source}: tensor {name_text} has dtype {_short(dtype_name)}, which this torch "
+            raise MetadataFormatError(f"{source}: tensor {name_text} has dtype {shown(dtype_name)}, which this torch "
                                       f"cannot hold (known: {', '.join(sorted(DTYPES))})")
         expected = math.prod(shape) * dtype.itemsize
         if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != expected:
-            raise MetadataFormatError(f"{source}: tensor {name!r} ({dtype_name} {list(shape)}) has data_offsets "
+            raise MetadataFormatError(f"{source}: tensor {name_text} ({dtype_name} {list(shape)}) has data_offsets "
                                       f"{[begin, end]}, expected a range of {expected} bytes")
         if file_size is not None and data_start + end > file_size:
-            raise MetadataFormatError(f"{source}: tensor {name!r} ends at byte {data_start + end}, past the end of "
+            raise MetadataFormatError(f"{source}: tensor {name_text} ends at byte {data_start + end}, past the end of "
                                       f"the {file_size}-byte file (truncated upload?)")
         entries.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
     entries.sort(key=lambda e: e.start)
     previous = None
     for e in entries:  # as the safetensors library: no two tensors share bytes
         if previous is not None and e.start < previous.end and e.nbytes and previous.nbytes:
-            raise MetadataFormatError(f"{source}: tensors {previous.name!r} and {e.name!r} overlap "
+            raise MetadataFormatError(f"{source}: tensors {quoted(previous.name)} and {quoted(e.name)} overlap "
                                       f"(bytes {e.start}-{previous.end})")
         previous = e if previous is None or e.end > previous.end else previous
     if not isinstance(metadata, dict) or not all(type(v) is str for v in metadata.values()):
-        raise MetadataFormatError(f"{source}: __metadata__ is not a JSON object of strings: {_short(metadata)}")
+        raise MetadataFormatError(f"{source}: __metadata__ is not a JSON object of strings: {shown(metadata)}")
     return Header(tuple(entries), dict(metadata), data_start)
 
 
@@ -156,10 +158,12 @@ def _check_before_parsing(text: bytes, source: str) -> None:
     3.4 million took +285 MiB and 2.4 s to parse), or more JSON values than a header of tensors
     has in as many bytes. (A shape key written with escapes is caught after parsing, within the
     second bound.)"""
-    for m in _SHAPE_KEY.finditer(text):
+    at = 0
+    while (m := _SHAPE_KEY.search(text, at)) is not None:  # each byte looked at once
         end = text.find(b"]", m.end())
         if end < 0:
             break  # not JSON: the parser says so
+        at = end + 1
         dims = text.count(b",", m.end(), end) + 1
         if dims > MAX_DIMS:
             raise MetadataFormatError(f"{source}: a tensor's 'shape' in the safetensors header has {dims} "
@@ -171,17 +175,15 @@ def _check_before_parsing(text: bytes, source: str) -> None:
                                   "or crafted")
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def parse_index(raw: bytes, *, source: str) -> dict[str, str]:
-    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> file name."""
+    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> file name (an index
+    of more than :data:`MAX_INDEX_BYTES`, or nested deeper than JSON of names needs, refused)."""
+    if len(raw) > MAX_INDEX_BYTES:
+        raise MetadataFormatError(f"{source}: a safetensors index of {len(raw)} bytes, more than {MAX_INDEX_BYTES}")
     try:
         doc = json.loads(raw)
         weight_map = doc["weight_map"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
         raise MetadataFormatError(f"{source}: not a safetensors index (JSON with a 'weight_map')") from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise MetadataFormatError(f"{source}: 'weight_map' must map tensor names to file names")

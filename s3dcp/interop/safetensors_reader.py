@@ -37,7 +37,8 @@ from ..config import S3Config
 from ..errors import CheckpointNotFoundError, ConfigError, MetadataFormatError
 from ..format.layout import ItemLocation
 from ..format.metadata import dtype_to_str
-from ..format.safetensors import INDEX_NAME, SUFFIX, Header, check_shard_set, header_length, parse_header, parse_index
+from ..format.safetensors import (INDEX_NAME, MAX_INDEX_BYTES, SUFFIX, Header, check_shard_set, header_length,
+                                  parse_header, parse_index)
 from ..loading.reader import S3StorageReader
 from ..memory.pool import HostBufferPool
 from ..s3.client import S3Client
@@ -115,6 +116,9 @@ class S3SafetensorsReader(S3StorageReader):
         sizes = {o.key[len(uri.dir_prefix):]: o.size for o in objects}
         self.last_header_bytes = 0
         if INDEX_NAME in sizes:
+            if sizes[INDEX_NAME] > MAX_INDEX_BYTES:  # before reading it into memory
+                raise MetadataFormatError(f"{uri.child(INDEX_NAME)} is {sizes[INDEX_NAME]} bytes, more than a "
+                                          f"safetensors index holds ({MAX_INDEX_BYTES})")
             raw = self.client.get(uri.bucket, uri.key(INDEX_NAME)).result()
             self.last_header_bytes += len(raw)
             weight_map = parse_index(raw, source=str(uri.child(INDEX_NAME)))

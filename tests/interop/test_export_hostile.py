@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from s3dcp.errors import ConfigError, MetadataFormatError
 from s3dcp.format.layout import ItemLocation
-from s3dcp.format.safetensors import MAX_DIMS, parse_header
+from s3dcp.format.safetensors import MAX_DIMS, MAX_INDEX_BYTES, parse_header, parse_index
 from s3dcp.interop.export import export_safetensors
 
 from handmade import OBJECT, put_checkpoint, put_metadata, tensor_meta
@@ -97,6 +97,39 @@ def test_a_shape_past_the_bound_is_refused_even_when_its_key_is_escaped():
         parse_header(_header(text), source="x")
     ok = b'{"w":{"dtype":"U8","shape":[' + b",".join([b"1"] * MAX_DIMS) + b'],"data_offsets":[0,1]}}'
     assert parse_header(_header(ok), source="x").tensors[0].shape == (1,) * MAX_DIMS
+
+
+def test_many_shape_keys_before_one_bracket_are_scanned_once():
+    """The pre-parse shape scan looked ahead from every '"shape":[' to the next ']': a header of
+    that key repeated, with one ']' at its end, cost time quadratic in its length."""
+    text = b'{"w":{"dtype":"U8",' + b'"shape":[' * 60_000 + b"]"
+    start = time.perf_counter()
+    with pytest.raises(MetadataFormatError, match="not JSON"):
+        parse_header(_header(text), source="x")
+    assert time.perf_counter() - start < 2
+
+
+def test_error_messages_quote_a_huge_entry_in_bounded_text():
+    spec = {"dtype": "U8", "shape": [1], "junk": "x" * 5_000_000}  # no data_offsets
+    with pytest.raises(MetadataFormatError, match="malformed header entry") as e:
+        parse_header(_header({"w": spec}), source="x")
+    assert len(str(e.value)) < 500
+
+
+@pytest.mark.parametrize("raw", [b" " * (MAX_INDEX_BYTES + 1), b"[" * 300_000])
+def test_a_safetensors_index_too_large_or_too_deep_is_refused(raw):
+    with pytest.raises(MetadataFormatError, match="safetensors index"):
+        parse_index(raw, source="x")
+
+
+def test_the_reader_refuses_an_index_larger_than_any_before_reading_it(s3_config, bucket, boto3_client):
+    from s3dcp.interop.safetensors_reader import S3SafetensorsReader
+
+    boto3_client.put_object(Bucket=bucket, Key="m/model.safetensors.index.json", Body=b" " * (MAX_INDEX_BYTES + 1))
+    reader = S3SafetensorsReader(f"s3://{bucket}/m", config=s3_config)
+    with pytest.raises(MetadataFormatError, match="more than a safetensors index holds"):
+        reader.read_headers()
+    assert reader.last_header_bytes == 0  # refused by its size in the listing, not read
 
 
 def test_a_tensor_named_like_the_headers_metadata_is_refused_by_export(uri, s3_config, tmp_path):

@@ -74,7 +74,7 @@ class LocalMarker:
                                       f"{MAX_MARKER_BYTES}): not one s3dcp wrote")
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise MetadataFormatError(f"{where}: the local-copy marker is not JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise MetadataFormatError(f"{where}: not an s3dcp local-copy marker")

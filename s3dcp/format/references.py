@@ -101,7 +101,7 @@ def _v1_names(raw: bytes) -> set[str] | None:
         if doc.get("format") != "s3dcp-metadata" or doc.get("version") != 1:
             return None
         names = {entry["location"]["object_name"] for entry in doc.get("storage_data") or []}
-    except (ValueError, KeyError, TypeError, AttributeError, MetadataFormatError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, MetadataFormatError):
         return None  # the decoder says what is wrong
     return names if all(isinstance(n, str) for n in names) else None
 
@@ -119,10 +119,18 @@ def _v2_names(raw: bytes) -> set[str] | None:
         if header.get("format") != "s3dcp-metadata" or header.get("version") != 2:
             return None
         storage = header.get("storage_data")
-        names = set(storage["object_names"]) if storage is not None else set()
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError, MetadataFormatError):
+        names = set(_list_of_names(storage["object_names"])) if storage is not None else set()
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError, MetadataFormatError):
         return None  # the decoder says what is wrong
-    return names if all(isinstance(n, str) for n in names) else None
+    return names
+
+
+def _list_of_names(value) -> list:
+    """``value`` if it is a JSON list of strings; else ValueError (a string or an object would
+    turn into a set of its characters or keys, names nobody wrote)."""
+    if type(value) is not list or not all(type(n) is str for n in value):
+        raise ValueError(f"object_names is {type(value).__name__}, not a list of names")
+    return value
 
 
 _PENDING_FORMAT = "s3dcp-pending-references"
@@ -143,9 +151,7 @@ def pending_names(raw: bytes, source: str) -> set[str]:
         doc = json.loads(raw)
         if doc.get("format") != _PENDING_FORMAT or doc.get("version") != 1:
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
-        names = set(doc["object_names"])
-        if not all(isinstance(n, str) for n in names):
-            raise ValueError("object_names holds a non-string")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        names = set(_list_of_names(doc["object_names"]))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise MetadataFormatError(f"{source} is not a pending-references marker of s3dcp ({e})") from e
     return names

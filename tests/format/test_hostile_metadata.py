@@ -357,3 +357,32 @@ def test_a_huge_value_where_a_number_belongs_is_named_in_bounded_time():
     out = v2.MAGIC + struct.pack("<Q", len(head)) + head + data[16 + n:-4]
     for refusal in _decode_everything(out + struct.pack("<I", zlib.crc32(out))):
         assert "metadata.header.length: [0, 0, 0, 0, 0, 0, 0, 0, ...] is not a byte count" in refusal, refusal[:300]
+
+
+# ---------------------------------------------------------------- the light readers (ls, rm, gc)
+def test_object_names_as_a_string_are_never_taken_for_names():
+    """A header's (or a pending marker's) object_names written as a string: set() of it gave
+    its characters, which rm and gc would have taken as names other checkpoints use."""
+    from s3dcp.format.references import object_names, pending_names
+
+    header, body = parts(scalar_checkpoint())
+    assert object_names(pack(header, body), "x") == {"__0_0.t.distcp"}
+    header["storage_data"]["object_names"] = "__0_0.t.distcp"
+    with pytest.raises(MetadataFormatError):  # the light reader declines; the decoder says what is wrong
+        object_names(pack(header, body), "x")
+    marker = {"format": "s3dcp-pending-references", "version": 1, "save_id": "s", "base": "b", "object_names": "ab"}
+    with pytest.raises(MetadataFormatError, match="not a list of names"):
+        pending_names(json.dumps(marker).encode(), "x")
+
+
+@pytest.mark.parametrize("reader", ["object_names", "pending_names", "local_marker"])
+def test_json_nested_past_the_parsers_depth_is_a_clear_error(reader):
+    """200,000 nested '[' pass the container bound and make json.loads raise RecursionError."""
+    from s3dcp.format.local import LocalMarker
+    from s3dcp.format.references import object_names, pending_names
+
+    raw = b"[" * 200_000
+    call = {"object_names": lambda: object_names(raw, "x"), "pending_names": lambda: pending_names(raw, "x"),
+            "local_marker": lambda: LocalMarker.decode(raw, "x")}[reader]
+    with pytest.raises(MetadataFormatError):
+        call()

@@ -50,14 +50,25 @@ class TlsFront:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-                conn.settimeout(None)
-                tls = self._context.wrap_socket(conn, server_side=True)
-            except OSError:  # a timeout, or a client that refused the certificate
+            except OSError:  # the timeout that lets close() be seen
                 continue
-            plain = socket.create_connection(self._upstream)
-            self._sockets += [tls, plain]
-            for a, b in ((tls, plain), (plain, tls)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            # each handshake on a thread of its own: a client that opens several connections
+            # at once (the CRT does) is not kept waiting behind one handshake, nor behind one
+            # that never completes
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        conn.settimeout(30)
+        try:
+            tls = self._context.wrap_socket(conn, server_side=True)
+        except OSError:  # a client that refused the certificate, or went silent
+            conn.close()
+            return
+        tls.settimeout(None)
+        plain = socket.create_connection(self._upstream)
+        self._sockets += [tls, plain]
+        for a, b in ((tls, plain), (plain, tls)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pipe(src, dst) -> None:

@@ -15,7 +15,9 @@ message text.
     │   ├── CheckpointExistsError       saving onto a committed checkpoint without overwrite=True
     │   ├── MetadataFormatError         metadata that is not ours, garbage, or of an unknown version
     │   ├── IntegrityError              checksum mismatch or truncated object
-    │   └── UnsafePickleError           a non-tensor item holds more than plain data (see allow_pickle)
+    │   ├── UnsafePickleError           a non-tensor item holds more than plain data (see allow_pickle)
+    │   └── LocalCopyError              a node's local copy (CheckpointManager's local_dir) failed
+    │       └── LocalRoomError              (also a ConfigError) no room for it: the budget, the disk
     └── S3Error                     a failed S3 request
         ├── AccessDeniedError           403: wrong or missing credentials, no permission
         ├── NoSuchBucketError           the bucket does not exist
@@ -39,6 +41,8 @@ __all__ = [
     "MetadataFormatError",
     "IntegrityError",
     "UnsafePickleError",
+    "LocalCopyError",
+    "LocalRoomError",
     "PeerReadError",
     "S3Error",
     "AccessDeniedError",
@@ -89,6 +93,18 @@ class IntegrityError(CheckpointError):
 
 class UnsafePickleError(CheckpointError):
     """A non-tensor item would need arbitrary unpickling to load (the reader's ``allow_pickle``)."""
+
+
+class LocalCopyError(CheckpointError):
+    """A node's local copy of a checkpoint (``CheckpointManager(local_dir=...)``) could not be
+    written or committed: the directory, the disk's room, its permissions. A step that also goes
+    to S3 is committed there all the same (the copy is reported failed); a step kept only on the
+    nodes fails on every rank."""
+
+
+class LocalRoomError(LocalCopyError, ConfigError):
+    """``local_budget_bytes`` or the ``local_dir``'s disk has no room for a checkpoint's copy
+    beside the newest complete one (raise the budget, give the tmpfs more room, or save less)."""
 
 
 class PeerReadError(S3DCPError):
@@ -265,3 +281,8 @@ class ClockSkewError(S3Error, ConfigError):
     def __init__(self, message: str, *, skew_s: float | None = None, **fields) -> None:
         self.skew_s = skew_s
         super().__init__(message, **fields)
+
+
+# S3 could not be reached or did not serve (after retries), as opposed to S3 refusing a request:
+# the local tier restores and saves on through these (CheckpointManager with local_dir)
+UNREACHABLE = (S3ConnectionError, S3ServerError, ThrottlingError)

@@ -7,8 +7,10 @@ marker that says a rank's copy is complete.
                                      .local-commit                this marker, written last (rename)
 
 A rank's copy is *complete* once its marker is there: the marker names the run, step, save,
-world size and every object with its size, and is written (atomically, by rename) only after
-every object and the metadata. A peer node's replica of rank R is the same directory on that
+world size, when it was made (``saved_at``: the rank's clock at its commit, which tells two saves
+of one step apart after a rollback) and every object with its size, and is written (atomically,
+by rename) only after every object and the metadata. Version 1 markers (no ``saved_at``) read
+as made at time 0: older than any save of this version. A peer node's replica of rank R is the same directory on that
 node. Pure code: encoding and decoding, with the decoded marker checked as untrusted input
 (bounded size, types, names that stay inside the directory).
 """
@@ -16,6 +18,7 @@ node. Pure code: encoding and decoding, with the decoded marker checked as untru
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -28,7 +31,8 @@ MARKER_NAME = ".local-commit"
 LOCAL_METADATA_NAME = ".metadata"
 MAX_MARKER_BYTES = 4 << 20  # a marker names a rank's objects: thousands at most
 _FORMAT = "s3dcp-local-copy"
-_VERSION = 1
+_VERSION = 2
+_READS = (1, 2)
 _RANK_DIR = re.compile(r"rank-(\d{1,7})")
 _OBJECT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")  # what layout.object_name makes; never a path
 
@@ -54,12 +58,13 @@ class LocalMarker:
     world_size: int  # ranks of the save: a step is whole when every rank's copy is found
     objects: dict  # object name -> size in bytes
     in_s3: bool  # the step was also committed to S3
+    saved_at: float = 0.0  # seconds since the epoch, the saving rank's clock at its commit
 
     def encode(self) -> bytes:
         return json.dumps({"format": _FORMAT, "version": _VERSION, "base": self.base, "step": self.step,
                            "save_id": self.save_id, "rank": self.rank, "world_size": self.world_size,
-                           "objects": dict(sorted(self.objects.items())), "in_s3": self.in_s3},
-                          separators=(",", ":")).encode()
+                           "objects": dict(sorted(self.objects.items())), "in_s3": self.in_s3,
+                           "saved_at": self.saved_at}, separators=(",", ":")).encode()
 
     @property
     def nbytes(self) -> int:
@@ -78,9 +83,10 @@ class LocalMarker:
             raise MetadataFormatError(f"{where}: the local-copy marker is not JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise MetadataFormatError(f"{where}: not an s3dcp local-copy marker")
-        if doc.get("version") != _VERSION:
-            raise MetadataFormatError(f"{where}: local-copy marker version {doc.get('version')!r}; this s3dcp "
-                                      f"reads version {_VERSION}")
+        version = doc.get("version")
+        if isinstance(version, bool) or version not in _READS:
+            raise MetadataFormatError(f"{where}: local-copy marker version {version!r}; this s3dcp "
+                                      f"reads versions {', '.join(map(str, _READS))}")
 
         def field(name, kind, check=lambda v: True):
             value = doc.get(name)
@@ -97,4 +103,5 @@ class LocalMarker:
                    save_id=field("save_id", str, lambda v: 0 < len(v) <= 64),
                    rank=field("rank", int, lambda v: v >= 0),
                    world_size=field("world_size", int, lambda v: v >= 1),
-                   objects=dict(objects), in_s3=field("in_s3", bool))
+                   objects=dict(objects), in_s3=field("in_s3", bool),
+                   saved_at=float(field("saved_at", (int, float), math.isfinite)) if version >= 2 else 0.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def copy_for(local_dir: str | os.PathLike | None, uri: str) -> LocalCopy | None:
     if local_dir is None:
         return None
     name = _name(uri)
-    return LocalCopy(local_dir, name, uri, _step(name))
+    return LocalCopy(local_dir, name, uri, _step(name), required=False)  # S3 holds every one
 
 
 def commit(copy: LocalCopy | None, metadata: Any) -> None:
@@ -51,7 +52,10 @@ def commit(copy: LocalCopy | None, metadata: Any) -> None:
 
     if copy.rank is None:  # written in DCP's process executor's child
         copy.rank = 0
-    copy.commit(encode_metadata(metadata), save_id=metadata.storage_meta.save_id, world_size=1, in_s3=True)
+    marker = copy.prepare(encode_metadata(metadata), metadata.storage_data.values(),
+                          save_id=metadata.storage_meta.save_id, world_size=1, in_s3=True, saved_at=time.time())
+    if marker is not None:  # one rank: nobody else to agree with
+        copy.seal(marker)
 
 
 def reader_for(local_dir: str | os.PathLike | None, uri: str, client) -> S3StorageReader | None:

@@ -1,6 +1,6 @@
 """What a node's ``local_dir`` holds, for the local tier (:mod:`s3dcp.lifecycle.tiers`): its
-complete copies (:func:`scan`), the newest step the tiers hold in full between them
-(:func:`choose_step`), and whether a copy's bytes match the items' checksums (:func:`check_copy`).
+complete copies (:func:`scan`), the one save a restore takes (:func:`choose_save`), and whether
+a copy's bytes match the items' checksums (:func:`check_copy`).
 Everything in ``local_dir`` is read as untrusted input: a copy is complete only when its marker
 decodes, names this run, step and rank, and every object it names is there at its size.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +17,7 @@ from ..errors import MetadataFormatError
 from ..format import integrity
 from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, MAX_MARKER_BYTES, LocalMarker, parse_rank_dir
 
-__all__ = ["check_copy", "choose_step", "entries", "scan"]
+__all__ = ["Choice", "S3View", "check_copy", "choose_save", "entries", "held", "scan"]
 
 log = logging.getLogger("s3dcp")
 
@@ -69,32 +70,104 @@ def _complete_copy(rank_dir: Path, base: str, step: int, rank: int) -> LocalMark
     except OSError:
         intact = False
     if not intact:
-        log.warning("local copy %s is partial (a file missing or of another size); not used", rank_dir)
+        if marker_path.exists():  # else it is being deleted (marker first): nothing to say
+            log.warning("local copy %s is partial (a file missing or of another size); not used", rank_dir)
         return None
     return marker
 
 
-def choose_step(reports: list[tuple[str, dict]], in_s3: set[int], *, wanted: int | None = None,
-                excluded: frozenset = frozenset()) -> int | None:
-    """The newest step (or ``wanted``) that the tiers together hold in full: in S3, or every
-    saving rank's copy (one save, one world size) held by some node. ``reports``: each rank's
-    (node, {(step, saving rank): (save id, world size, objects)}); ``excluded``: (node, step,
-    saving rank) of the copies found corrupt there."""
-    held: dict[int, dict[int, tuple]] = {}
+@dataclass(frozen=True)
+class S3View:
+    """What the restore learned of S3: the committed steps, and the save id of those whose
+    ``.metadata`` it read (the step a restore would take from S3)."""
+
+    steps: frozenset
+    save_ids: dict = field(default_factory=dict)  # step -> save id
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The one save a restore reads: its step, its save id, whether S3 committed it, and the
+    copies on the nodes it leaves out, each with why: (node, step, saving rank, why)."""
+
+    step: int
+    save_id: str
+    in_s3: bool
+    ignored: tuple = ()
+
+
+def choose_save(reports: list[tuple[str, dict]], s3: S3View | None, *, wanted: int | None = None,
+                excluded: frozenset = frozenset()) -> Choice | None:
+    """The save a restore takes (see docs/restart.md, "Which save a restore takes"): the newest
+    step (or ``wanted``) that the tiers together hold in full, and of that step one save.
+
+    ``reports``: each rank's (node, {(step, saving rank): LocalMarker}) of the complete copies on
+    its node; ``s3``: what S3 holds, or None when it could not be consulted; ``excluded``:
+    (node, step, saving rank) of the copies found corrupt there. The rules, in order:
+
+    1. S3's save is the truth for a step S3 committed: a node's copy of another save of it is
+       stale. A copy whose marker says it went to S3, of a step S3 no longer holds, was deleted
+       there on purpose (``s3dcp rm``, retention): not used either (unless S3 is unreachable).
+    2. A save is superseded by a save made later (by the saving ranks' clocks) at the same or an
+       earlier step: the run went back (a rollback, or a fresh start) after it, so it belongs to
+       a line of training that was abandoned; its copies are not used.
+    3. A save is held in full when every saving rank's copy (one world size) is on some node;
+       S3's saves always are. Of the newest step held in full, S3's save where S3 has it, else
+       the one made last.
+    """
+    ignored: dict[tuple, str] = {}
+    saves: dict[tuple[int, str], dict] = {}  # (step, save id) -> {"ranks", "world", "first", "last"}
+    seen = {}
     for node, report in reports:
-        for (step, rank), (save_id, world_size, *_) in report.items():
-            if (node, step, rank) not in excluded:
-                held.setdefault(step, {}).setdefault(rank, (save_id, world_size))
-    candidates = sorted(set(held) | in_s3, reverse=True)
-    if wanted is not None:
-        candidates = [s for s in candidates if s == wanted]
+        for (step, rank), marker in report.items():
+            seen[(node, step, rank)] = marker
+    for (node, step, rank), m in sorted(seen.items()):
+        save = saves.setdefault((step, m.save_id), {"ranks": set(), "world": set(), "first": m.saved_at,
+                                                     "last": m.saved_at})
+        save["first"], save["last"] = min(save["first"], m.saved_at), max(save["last"], m.saved_at)
+        if (node, step, rank) in excluded:
+            continue
+        if s3 is not None and step in s3.save_ids and m.save_id != s3.save_ids[step]:
+            ignored[(node, step, rank)] = f"another save of step {step} than the one S3 committed"
+        elif s3 is not None and m.in_s3 and step not in s3.steps:
+            ignored[(node, step, rank)] = f"step {step} went to S3 and was deleted there since"
+        else:
+            save["ranks"].add(rank)
+            save["world"].add(m.world_size)
+    for (step, save_id), save in saves.items():
+        later = [other for (s, i), other in saves.items() if s <= step and i != save_id and other["first"] > save["last"]]
+        if later:
+            for (node, s, rank), m in seen.items():
+                if s == step and m.save_id == save_id and (node, s, rank) not in excluded:
+                    ignored.setdefault((node, s, rank), f"step {step} was saved again, or an earlier one, after it")
+            save["ranks"] = set()
+    whole = {}  # step -> (save id, made last)
+    for (step, save_id), save in saves.items():
+        if len(save["world"]) == 1 and save["ranks"] == set(range(next(iter(save["world"])))):
+            if step not in whole or save["last"] > whole[step][1]:
+                whole[step] = (save_id, save["last"])
+    candidates = sorted(set(whole) | (s3.steps if s3 is not None else set()), reverse=True)
     for step in candidates:
-        if step in in_s3:
-            return step
-        idents = set(held[step].values())
-        if len(idents) == 1 and set(held[step]) == set(range(next(iter(idents))[1])):
-            return step
+        if wanted is not None and step != wanted:
+            continue
+        in_s3 = s3 is not None and step in s3.steps
+        save_id = s3.save_ids.get(step, "") if in_s3 else whole[step][0]
+        return Choice(step, save_id, in_s3, tuple(sorted((*k, why) for k, why in ignored.items() if k[1] == step)))
     return None
+
+
+def held(reports: list[tuple[str, dict]], s3: S3View | None) -> str:
+    """What the tiers hold, for a message: S3's committed steps and the steps of the copies on
+    the nodes."""
+    local = sorted({step for _, report in reports for (step, _) in report})
+    s3_part = "S3 could not be consulted" if s3 is None else \
+        f"S3 holds step(s) {_steps(sorted(s3.steps))}" if s3.steps else "S3 holds none"
+    return f"{s3_part}; the nodes hold copies of step(s) {_steps(local)}" if local else \
+        f"{s3_part}; the nodes hold no copy"
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[-10:])) + (f" (and {len(steps) - 10} older)" if len(steps) > 10 else "")
 
 
 def check_copy(rank_dir: Path, marker: LocalMarker, locations) -> str | None:

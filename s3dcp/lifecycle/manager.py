@@ -29,6 +29,7 @@ S3 too, and :meth:`CheckpointManager.load` restores from the nearest copy
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -37,8 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .._dcp_warning import ours
 from ..config import S3Config
-from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ConfigError,
-                      S3ConnectionError, unwrap_error)
+from ..errors import CheckpointNotFoundError, ConfigError, S3ConnectionError, unwrap_error
 from ..format.layout import METADATA_NAME
 from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..s3.client import S3Client
@@ -48,6 +48,7 @@ from ..uri import checkpoint_uri
 from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete as retention does
 from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
+from .newest import agreed, refuse_older
 from .retention import Doomed, apply_retention, choose_base
 from .tiers import LocalTier
 
@@ -201,14 +202,21 @@ class CheckpointManager:
         """
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step={step!r} must be an int >= 0")
+        if self._tiers is not None and _multi_rank(self.process_group):
+            # what the last save became decides this one's tiers, and its error is raised here: every
+            # rank must know it (the next save's staging waits for that save's upload anyway)
+            self._saves.drain()
         self._saves.raise_finished()
-        self._refuse_an_older_step(step)
+        refuse_older(self, step)
         import torch.distributed.checkpoint as dcp
 
         from ..saving.writer import S3StorageWriter
 
         base = self._choose_base(step) if self.incremental else None
-        copy, to_s3 = self._tiers.begin_save(step, state_dict) if self._tiers else (None, True)
+        copy, to_s3 = None, True
+        if self._tiers is not None:
+            state_dict = _flattened(state_dict)  # Stateful values as DCP saves them: sized and saved once
+            copy, to_s3 = self._tiers.begin_save(step, state_dict)
         try:
             writer = ours(S3StorageWriter(self.uri(step), config=self.config, client=self.client,
                                           incremental_from=None if base is None else self.uri(base),
@@ -226,14 +234,18 @@ class CheckpointManager:
                                           no_dist=no_dist)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             self._release_base(step)
+            error = self._unwrapped(e)
             if copy is not None:
-                self._tiers.failed(copy)
-            raise self._unwrapped(e)
+                self._tiers.failed(copy, error)
+            raise error
         if not self.async_mode:
             self._release_base(step)
-            self._committed(writer, step, copy, metadata, to_s3)
+            try:
+                stored_in = self._committed(writer, step, copy, metadata, to_s3)
+            except BaseException as e:  # noqa: BLE001
+                raise self._unwrapped(e)
             elapsed = time.perf_counter() - started
-            if to_s3:
+            if "s3" in stored_in:
                 self._after_commit(step, writer, metadata, stall_s=elapsed, upload_s=elapsed)
             return None
 
@@ -251,13 +263,13 @@ class CheckpointManager:
                 log.error("checkpoint step %d to %s failed: %s: %s", step, self.uri(step),
                           type(error).__name__, " ".join(str(error).split()))
                 if copy is not None:
-                    self._tiers.failed(copy)
+                    self._tiers.failed(copy, error)
                 outer.set_exception(error)
                 return
             upload_s = time.perf_counter() - returned
             try:  # whatever happens after the commit reaches the caller: wait() and close() never hang
-                self._committed(writer, step, copy, metadata, to_s3)
-                if to_s3:
+                stored_in = self._committed(writer, step, copy, metadata, to_s3)
+                if "s3" in stored_in:
                     self._after_commit(step, writer, metadata, stall_s=returned - started, upload_s=upload_s)
             except BaseException as e:  # noqa: BLE001
                 return outer.set_exception(e)
@@ -266,19 +278,6 @@ class CheckpointManager:
         self._saves.add(outer)
         inner.add_done_callback(done)
         return outer
-
-    def _refuse_an_older_step(self, step: int) -> None:
-        """Refuse ``step`` at or below the newest committed step: the bucket's when this manager
-        first saves (a run started over an earlier one), then the newest this manager saved."""
-        if not self._checked:  # the first save: what the bucket holds already
-            self._newest, self._checked = self.latest(), True  # collective: every rank refuses, or none
-        if self._newest is not None and step <= self._newest:
-            raise CheckpointExistsError(
-                f"{self.base} already holds a committed checkpoint at step {self._newest} "
-                f"({self.uri(self._newest)}); this manager does not save step {step} beside it (resuming takes "
-                f"the newest step, so two runs would mix). Resume from it (step = manager.load(state_dict), "
-                f"then save later steps), give this run a base folder of its own, or delete the old run's "
-                f"checkpoints first (s3dcp ls {self.base}/ lists them; s3dcp rm URI --yes)")
 
     def _unwrapped(self, error: BaseException) -> BaseException:
         """The error to raise for DCP's ``error`` (:func:`unwrap_error`), with the TLS/plain-HTTP
@@ -321,13 +320,20 @@ class CheckpointManager:
         if self._owns_client:
             self.client.close()  # an S3Client is usable again after close: it takes a native client again
 
-    def _committed(self, writer: S3StorageWriter, step: int, copy=None, metadata=None, to_s3: bool = True) -> None:
+    def _committed(self, writer: S3StorageWriter, step: int, copy=None, metadata=None, to_s3: bool = True) -> tuple:
+        """Where step ``step`` is held now that its save returned (with a local tier: once every
+        rank agreed on what each copy became; raises where nothing holds it)."""
+        stats = writer.last_stats
         if copy is not None:  # the local copy is complete; then replicated, older ones retained
-            self._tiers.committed(step, copy, metadata=metadata, in_s3=to_s3)
+            outcome = self._tiers.committed(step, copy, metadata=metadata, in_s3=to_s3)
+            stats = dataclasses.replace(stats, stored_in=outcome.stored_in, local_error=outcome.local_error)
+            if self._is_coordinator():
+                self._tiers.tell(step, self.uri(step), outcome)
         with self._lock:
             self._newest = step if self._newest is None else max(self._newest, step)
-        self.last_save_stats = writer.last_stats
-        record_committed(writer.last_stats)  # s3dcp.last_save_stats()
+        self.last_save_stats = stats
+        record_committed(stats)  # s3dcp.last_save_stats()
+        return stats.stored_in
 
     def _after_commit(self, step: int, writer: S3StorageWriter, metadata: Any, *,
                       stall_s: float, upload_s: float) -> None:
@@ -363,26 +369,14 @@ class CheckpointManager:
         Collective under ``torch.distributed``: the coordinator lists, every rank gets its
         answer (or its error). Saves of this manager still in flight are waited for first.
         """
-        self._saves.drain()
-        if not _dist_on():
-            return self._latest_local()
-        box: list[Any] = [None]
-        error: BaseException | None = None
-        if self._is_coordinator():
-            try:
-                box[0] = ("ok", self._latest_local())
-            except Exception as e:  # noqa: BLE001 - the other ranks must not hang on the broadcast
-                error = e
-                box[0] = ("error", f"{type(e).__name__}: {e}")
-        import torch.distributed as dist
+        return self._agreed_latest()[0]
 
-        dist.broadcast_object_list(box, group_src=0, group=self.process_group)
-        if error is not None:
-            raise error
-        status, value = box[0]
-        if status != "ok":
-            raise CheckpointError(f"the coordinator could not list {self.base}: {value}")
-        return value
+    def _agreed_latest(self, outage_ok: bool = False) -> tuple[int | None, str | None]:
+        """(:meth:`latest`, None); with ``outage_ok``, (None, why) on every rank where S3 could not
+        be reached instead of that error (:func:`~s3dcp.lifecycle.directories.agreed`)."""
+        self._saves.drain()
+        return agreed(self._latest_local, self.process_group, self._is_coordinator(), outage_ok,
+                      f"the coordinator could not list {self.base}")
 
     def _latest_local(self) -> int | None:
         committed = [info.step for info in self.list() if info.committed]
@@ -442,6 +436,14 @@ def _dist_on() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _flattened(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()``, as DCP saves
+    it (DCP does the same again, at no cost, on a dict without Stateful values)."""
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    return _stateful_to_state_dict(state_dict)
 
 
 def _is_int(value: Any) -> bool:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 from typing import Any
 
 from ..errors import PeerReadError
 
-__all__ = ["Watch", "POLL_S", "BROKEN_TIMEOUT_S"]
+__all__ = ["Watch", "POLL_S", "BROKEN_TIMEOUT_S", "attempt", "gather_objects"]
 
 log = logging.getLogger("s3dcp")
 
@@ -36,15 +37,23 @@ POLL_S = 0.5  # how often a waiting rank asks the store whether a peer saw the g
 BROKEN_TIMEOUT_S = 10.0  # the group's timeout once it broke: DCP's collectives after read_data
 
 
-class Watch:
-    """The waits of one cooperative load on ``group`` (``None``: the default group), ``key``
-    naming the load in the group's store (the same on every rank)."""
+def attempt() -> str:
+    """This run of the job (torchrun's run id and restart count), for keys in the group's store: a
+    key an earlier attempt set (a torchrun restart keeps the agent's store) never speaks for this one."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
 
-    def __init__(self, group: Any, key: str) -> None:
+
+class Watch:
+    """The waits of one cooperative load (or another exchange: ``what`` names it in messages) on
+    ``group`` (``None``: the default group), ``key`` naming it in the group's store (the same on
+    every rank)."""
+
+    def __init__(self, group: Any, key: str, what: str = "cooperative load") -> None:
         import torch.distributed as dist
 
         self.pg = group if group is not None else dist.group.WORLD
         self.key = key
+        self.what = what
         try:
             self.store = self.pg.get_group_store()
         except Exception:  # noqa: BLE001 - no store to share it through: peers wait for the group's timeout
@@ -88,7 +97,7 @@ class Watch:
         except Exception as e:  # noqa: BLE001 - the store's host (rank 0, or the agent) is gone
             said = f"the store is unreachable ({type(e).__name__}: {e})"
         if said is not None:
-            raise PeerReadError(f"cooperative load: the process group broke ({said}); rank {self.rank} stopped too",
+            raise PeerReadError(f"{self.what}: the process group broke ({said}); rank {self.rank} stopped too",
                                 [])
 
     def broke(self, error: BaseException) -> None:
@@ -96,7 +105,7 @@ class Watch:
         of :meth:`check`): tell the others through the store when this rank saw it first, and
         shorten the group's timeout so that the collectives that follow (DCP's) end within
         :data:`BROKEN_TIMEOUT_S` instead of the group's own."""
-        log.error("cooperative load: rank %d stops, the process group is broken (%s: %s)", self.rank,
+        log.error("%s: rank %d stops, the process group is broken (%s: %s)", self.what, self.rank,
                   type(error).__name__, error)
         if self.store is not None and not isinstance(error, PeerReadError):
             try:
@@ -107,3 +116,41 @@ class Watch:
             self.pg.set_timeout(datetime.timedelta(seconds=BROKEN_TIMEOUT_S))
         except Exception:  # noqa: BLE001 - a backend without it keeps the group's own timeout
             pass
+
+
+def gather_objects(value: Any, group: Any, watch: Watch) -> list:
+    """Every rank's ``value`` (picklable), in rank order: ``all_gather_object``, with each wait
+    bounded by ``watch`` (a peer that dies or breaks the group ends it within seconds, instead of
+    the group's timeout)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    data = pickle.dumps(value)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    watch.wait([dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group, async_op=True)])
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    every = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    watch.wait([dist.all_gather(every, mine, group=group, async_op=True)])
+    # the peers' values are the job's own (the same program on every rank), never storage's
+    return [pickle.loads(bytes(t[:int(n)].numpy())) for t, n in zip(every, sizes)]  # noqa: S301
+
+
+def broadcast_bytes(data: bytes | None, src: int, group: Any, watch: Watch) -> bytes:
+    """``data`` of rank ``src`` (its rank in ``group``) on every rank, each wait bounded by ``watch``."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    source = dist.get_global_rank(group, src) if group is not None else src
+    size = torch.tensor([len(data) if me == src and data is not None else 0], dtype=torch.int64)
+    watch.wait([dist.broadcast(size, source, group=group, async_op=True)])
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src and data
+              else torch.empty(int(size), dtype=torch.uint8))
+    if int(size):
+        watch.wait([dist.broadcast(buffer, source, group=group, async_op=True)])
+    return bytes(buffer.numpy())

@@ -9,6 +9,9 @@
           mapped pages), then DCP's reads through a TieredClient: local files and received objects
           served from memory (every item verified against its checksum, as from S3), the rest S3
 
+Every wait of the transfers is bounded by a liveness watch (loading/liveness.py): a rank that
+fails or dies mid-transfer ends every rank's load within seconds, as in a cooperative load.
+
 Owns where each object is read from and the transfers between ranks; it must not choose the step
 or decide which copies are intact (:mod:`s3dcp.lifecycle.tiers`).
 """
@@ -27,6 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ..errors import IntegrityError, PeerReadError
 from ..s3.listing import ObjectInfo
+from .liveness import Watch
 from .reader import S3StorageReader
 
 __all__ = ["TieredClient", "TieredReader", "Transfers", "plan_sources"]
@@ -182,11 +186,14 @@ def plan_sources(needs: Sequence[set[str]], sizes: dict[str, int], node_of: Sequ
 class TieredReader(S3StorageReader):
     """An S3StorageReader over a :class:`TieredClient` (see the module docstring). ``holders``:
     object -> ranks whose node holds an intact copy (every rank passes the same); ``node_of``:
-    each rank's node; ``local_paths``: object -> this node's file of it."""
+    each rank's node; ``local_paths``: object -> this node's file of it; ``watch_key``: names
+    this load in the group's store (the same on every rank, new for every load)."""
 
     def __init__(self, path: str, *, client: TieredClient, holders: dict[str, set[int]], node_of: Sequence[str],
-                 local_paths: dict[str, Path], process_group: Any = None, **kwargs: Any) -> None:
+                 local_paths: dict[str, Path], process_group: Any = None, watch_key: str = "s3dcp/tiered/broken",
+                 **kwargs: Any) -> None:
         super().__init__(path, client=client, config=client.config, process_group=process_group, **kwargs)
+        self.watch_key = watch_key
         self.holders = holders
         self.node_of = list(node_of)
         self.local_paths = local_paths
@@ -233,20 +240,28 @@ class TieredReader(S3StorageReader):
             error = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             error = e
+        watch = Watch(self.process_group, self.watch_key, "restore from the nodes")
         failed = torch.tensor([0 if error is None else dist.get_rank(self.process_group) + 1], dtype=torch.int64)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group)  # a rank that failed, + 1
-        if error is not None:
+        try:
+            watch.wait([dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)])
+        except BaseException as e:
+            watch.broke(e)
+            raise
+        if error is not None:  # every rank knows: the group is still whole
             raise error
         if int(failed):
             rank = int(failed) - 1
             raise PeerReadError(f"rank {rank} could not prepare its transfers of the nodes' copies", [rank])
-        work = []
-        for data, to in outgoing:
-            work += [dist.isend(data[i:i + _CHUNK], global_rank(to), group=self.process_group)
-                     for i in range(0, data.numel(), _CHUNK)]
-        for name, data, sender in incoming:
-            self.client.add_received(name, data)
-            work += [dist.irecv(data[i:i + _CHUNK], global_rank(sender), group=self.process_group)
-                     for i in range(0, data.numel(), _CHUNK)]
-        for w in work:  # the mapped files (outgoing) stay referenced until every send is done
-            w.wait()
+        try:
+            work = []
+            for data, to in outgoing:
+                work += [dist.isend(data[i:i + _CHUNK], global_rank(to), group=self.process_group)
+                         for i in range(0, data.numel(), _CHUNK)]
+            for name, data, sender in incoming:
+                self.client.add_received(name, data)
+                work += [dist.irecv(data[i:i + _CHUNK], global_rank(sender), group=self.process_group)
+                         for i in range(0, data.numel(), _CHUNK)]
+            watch.wait(work)  # the mapped files (outgoing) stay referenced until every send is done
+        except BaseException as e:
+            watch.broke(e)  # a transfer failed mid-way: the group is of no further use
+            raise

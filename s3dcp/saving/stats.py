@@ -25,6 +25,10 @@ class SaveStats:
     inherited_bytes: int = 0  # bytes of unchanged items referenced in the base (incremental saves)
     inherited_items: int = 0
     copied_bytes: int = 0  # bytes write_data copied into shared memory to upload them (see saving/uploads.py)
+    # where the checkpoint is held (a CheckpointManager with local_dir): ("s3",), ("s3", "local") or
+    # ("local",); local_error: why the node copies failed (on which rank), the same on every rank
+    stored_in: tuple = ("s3",)
+    local_error: str | None = None
 
     @property
     def upload_gbps(self) -> float:

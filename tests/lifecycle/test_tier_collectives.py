@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, directory: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from s3dcp.lifecycle.tiers import _together
+    from s3dcp.lifecycle.restore import _Job
     from s3dcp.loading.tiered import TieredReader, Transfers
 
     out = {}
@@ -38,12 +38,12 @@ def _worker(rank: int, world: int, directory: str) -> dict:
             raise OSError("local_dir is not readable")
         return rank
 
-    out["together"] = _outcome(lambda: _together(survey, None, True))
-    out["together_ok"] = _outcome(lambda: _together(lambda: rank * 2, None, True))
+    out["together"] = _outcome(lambda: _Job(None, True).together(survey))
+    out["together_ok"] = _outcome(lambda: _Job(None, True).together(lambda: rank * 2))
 
     received = {}
     reader = SimpleNamespace(process_group=None, client=SimpleNamespace(add_received=received.__setitem__),
-                             local_paths={"obj": Path(directory) / "obj"})
+                             local_paths={"obj": Path(directory) / "obj"}, watch_key="s3dcp/test/broken")
     send = Transfers(send=(("obj", 1000, 1),), agree=True)
     receive = Transfers(receive=(("obj", 1000, 0),), agree=True)
     mine = send if rank == 0 else receive
@@ -67,7 +67,7 @@ def test_a_failure_on_one_rank_reaches_every_rank_at_once(tmp_path):
     assert one["together"][:2] == ("OSError", "local_dir is not readable")
     assert zero["together"][0] == "PeerReadError" and "rank 1 failed: OSError: local_dir is not readable" in \
         zero["together"][1]
-    assert zero["together_ok"][:2] == ("ok", 0) and one["together_ok"][:2] == ("ok", 2)
+    assert zero["together_ok"][:2] == ("ok", [0, 2]) and one["together_ok"][:2] == ("ok", [0, 2])
     assert zero["transfer_missing"][0] == "RuntimeError" and "obj" in zero["transfer_missing"][1]  # torch's, naming it
     assert one["transfer_missing"][0] == "PeerReadError" and "rank 0 could not prepare" in one["transfer_missing"][1]
     assert all(r[key][2] < 5.0 for r in (zero, one) for key in ("together", "transfer_missing")), (zero, one)

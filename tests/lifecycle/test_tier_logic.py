@@ -10,33 +10,71 @@ import tracemalloc
 
 import pytest
 
-from s3dcp.errors import ConfigError, MetadataFormatError
+from s3dcp.errors import ConfigError, LocalRoomError, MetadataFormatError
 from s3dcp.format.local import MARKER_NAME, MAX_MARKER_BYTES, LocalMarker
 from s3dcp.lifecycle.replicas import peer_map
-from s3dcp.lifecycle.tiers import LocalTier, choose_step, scan
+from s3dcp.lifecycle.holdings import S3View, choose_save, scan
+from s3dcp.lifecycle.tiers import LocalTier
 from s3dcp.loading.tiered import plan_sources
 from s3dcp.saving.local_copy import LocalCopy
 from s3dcp.uri import parse_s3_uri
 
 
+def _marker(step, rank, save, world, at=0.0, in_s3=False):
+    return LocalMarker(base="s3://bkt/run", step=step, save_id=save, rank=rank, world_size=world, objects={},
+                       in_s3=in_s3, saved_at=at)
+
+
 def _report(node, copies):
-    return node, {(step, rank): (save, world, ()) for step, rank, save, world in copies}
+    return node, {(c[0], c[1]): _marker(*c) for c in copies}
 
 
-def test_the_newest_step_held_in_full_by_the_tiers_together():
+def _chosen(reports, s3, **kw):
+    choice = choose_save(reports, s3, **kw)
+    return None if choice is None else (choice.step, choice.save_id)
+
+
+def test_the_newest_save_held_in_full_by_the_tiers_together():
     a = _report("n0", [(20, 0, "x", 2), (10, 0, "w", 2)])
     b = _report("n1", [(20, 1, "x", 2), (30, 1, "y", 2)])
-    assert choose_step([a, b], in_s3={10}) == 20  # 20: rank 0 on n0, rank 1 on n1
-    assert choose_step([a, b], in_s3={10, 30}) == 30  # S3 holds 30 whole
-    assert choose_step([a, b], in_s3=set(), excluded=frozenset({("n1", 20, 1)})) is None  # 10 lacks rank 1
-    assert choose_step([a, b], in_s3={10}, excluded=frozenset({("n1", 20, 1)})) == 10
-    assert choose_step([a, b], in_s3={10}, wanted=10) == 10
-    # two saves of one step (a save restarted after a crash): never mixed
-    c = _report("n1", [(20, 1, "z", 2)])
-    assert choose_step([a, c], in_s3=set()) is None
+    s3 = S3View(frozenset({10}), {10: "w"})
+    assert _chosen([a, b], s3) == (20, "x")  # 20: rank 0 on n0, rank 1 on n1
+    assert _chosen([a, b], S3View(frozenset({10, 30}), {30: "y"})) == (30, "y")  # S3 holds 30 whole
+    assert _chosen([a, b], S3View(frozenset()), excluded=frozenset({("n1", 20, 1)})) is None  # 10 lacks rank 1
+    assert _chosen([a, b], s3, excluded=frozenset({("n1", 20, 1)})) == (10, "w")
+    assert _chosen([a, b], S3View(frozenset({10})), wanted=10) == (10, "")
     # a copy corrupt on one node and intact on another is still there
     d = _report("n0", [(20, 1, "x", 2)])
-    assert choose_step([a, b, d], in_s3=set(), excluded=frozenset({("n1", 20, 1)})) == 20
+    assert _chosen([a, b, d], S3View(frozenset()), excluded=frozenset({("n1", 20, 1)})) == (20, "x")
+    # S3 unreachable: the nodes' saves alone
+    assert _chosen([a, b], None) == (20, "x")
+
+
+def test_a_step_saved_twice_resumes_the_later_save_and_never_mixes_them():
+    # run 1 saved 20 "x" at t=1 (node 0 holds rank 0's copy and, as a replica, rank 1's); run 2
+    # went back and saved 20 "y" at t=5: each node holds its own rank's copy of y
+    n0 = _report("n0", [(20, 0, "y", 2, 5.0), (20, 1, "x", 2, 1.0)])
+    n1 = _report("n1", [(20, 1, "y", 2, 5.1), (20, 0, "x", 2, 1.1)])
+    choice = choose_save([n0, n1], S3View(frozenset({10}), {10: "w"}))
+    assert (choice.step, choice.save_id) == (20, "y")
+    assert {(node, rank) for node, _, rank, _ in choice.ignored} == {("n0", 1), ("n1", 0)}  # x's, named
+    # the later save incomplete (a rank killed before its commit): the earlier one of the same step is
+    # from the line of training the run went back from: never taken, the step below is
+    n0 = _report("n0", [(20, 0, "y", 2, 5.0), (20, 1, "x", 2, 1.0)])
+    n1 = _report("n1", [(20, 0, "x", 2, 1.1)])  # rank 1 died before its copy of y
+    assert _chosen([n0, n1], S3View(frozenset({10}), {10: "w"})) == (10, "w")
+    # a step the run went back from, held in full, above a later save of an earlier step: not taken
+    n0 = _report("n0", [(30, 0, "x", 1, 3.0), (15, 0, "y", 1, 6.0)])
+    assert _chosen([n0], S3View(frozenset({10}), {10: "w"})) == (15, "y")
+    # where S3 committed the step, S3's save is the truth: a node's copy of another save is stale
+    n0 = _report("n0", [(20, 0, "x", 1, 9.0)])
+    choice = choose_save([n0], S3View(frozenset({20}), {20: "z"}))
+    assert (choice.step, choice.save_id, choice.in_s3) == (20, "z", True) and len(choice.ignored) == 1
+    # a copy of a step that went to S3 and was deleted there since (s3dcp rm): not used ...
+    n0 = _report("n0", [(30, 0, "x", 1, 9.0, True)])
+    assert _chosen([n0], S3View(frozenset({10}), {10: "w"})) == (10, "w")
+    # ... unless S3 cannot be asked
+    assert _chosen([n0], None) == (30, "x")
 
 
 def test_peers_are_on_the_next_node_and_none_on_one_node():
@@ -80,11 +118,17 @@ def _tier(tmp_path, **kw):
                      step_of=lambda d: int(d[5:]) if d.startswith("step-") else None, **kw)
 
 
+class _Loc:
+    def __init__(self, name, length):
+        self.object_name, self.offset, self.length = name, 0, length
+
+
 def _complete(tmp_path, step, nbytes):
     copy = LocalCopy(tmp_path, f"step-{step}", "s3://bkt/run", step)
     copy.begin(0)
     copy.write("__0_0.abc.distcp", [bytes(nbytes)])
-    copy.commit(b"metadata", save_id="abc", world_size=1, in_s3=False)
+    copy.seal(copy.prepare(b"metadata", [_Loc("__0_0.abc.distcp", nbytes)], save_id="abc", world_size=1,
+                           in_s3=False, saved_at=float(step)))
 
 
 def test_the_budget_keeps_the_newest_copy_and_refuses_what_cannot_fit_beside_it(tmp_path):
@@ -95,9 +139,9 @@ def test_the_budget_keeps_the_newest_copy_and_refuses_what_cannot_fit_beside_it(
     assert copy.refusal is None
     tier._make_room(4, 500)  # 1 and 2 take 600: step 1 goes to make room, the newest (2) stays
     assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {2}
-    with pytest.raises(ConfigError, match="beside the newest complete local copy"):
+    with pytest.raises(LocalRoomError, match="beside the newest complete local copy"):
         tier._make_room(5, 800)
-    with pytest.raises(ConfigError, match="cannot hold checkpoint step 6"):
+    with pytest.raises(LocalRoomError, match="cannot hold checkpoint step 6"):
         tier._make_room(6, 2000)
     assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {2}
 
@@ -153,6 +197,18 @@ def test_a_scan_beside_copies_being_deleted_does_not_fail(tmp_path):
         thread.join()
 
 
+class _Job:
+    """Stands in for lifecycle.tier_sync.TierSync: one rank, owning every directory."""
+
+    local_world = 1
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+
+    def owned(self, ranks):
+        return ranks
+
+
 class _Replicating:
     """Stands in for lifecycle.replicas.Replicas: transfers of these step roots are still going."""
 
@@ -169,7 +225,7 @@ class _Replicating:
 def test_retention_keeps_a_step_whose_replication_is_still_going(tmp_path):
     tier = _tier(tmp_path, keep_last=1)
     _complete(tmp_path, 1, 100)
-    tier.replicas = _Replicating([tmp_path / "step-1"])  # step 1 still being sent to the peer
+    tier.sync = _Job(_Replicating([tmp_path / "step-1"]))  # step 1 still being sent to the peer
     _complete(tmp_path, 2, 100)
     tier._retain(keep={2})
     assert {s for s, _ in scan(tmp_path, "s3://bkt/run", tier.step_of)} == {1, 2}

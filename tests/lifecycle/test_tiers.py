@@ -1,107 +1,104 @@
-"""Restart from the nearest copy, on two simulated nodes × 2 ranks (tests/multinode.py), bitwise:
-steps 10 (local + S3) and 20 (local only); a restart resumes at 20 with no S3 data read; a node's
-local_dir lost: 20 from the peer replicas, or 10 from S3 without them; a corrupt local file: that
-part from the next tier; a copy's .metadata garbled: another node's; a rank killed while writing
-its copy: that step never selected; a resharded load (4 saved, 2 restore everything) from local
-copies and peers, else S3."""
+"""Restart from the nearest copy, on two simulated nodes × 2 ranks (torchrun ``--nnodes 2``,
+tests/multinode.py), bitwise, in one job whose phases are restarts (tests/lifecycle/tiers_job.py):
+
+    save       steps 10 (local + S3) and 20 (local only), replicated; every file private
+    restart    20, nothing read from S3
+    lost       node 1's local_dir gone: 20 from the replicas node 0 holds
+    corrupt    a corrupt local file: that part from the other node's copy
+    garbled    a node's .metadata unreadable: another node's
+    rollback_s3  back to 10, then 15 to S3 and 20 ("y2") on the nodes only, without replicas, the
+               other save's replicas left on the nodes: 20 "y2" resumed (before: 15), no rank waits
+               (issue 38, rows 1 and 2), the stale copies named
+    rollback   back to 10 again, 20 saved again ("y", to S3): S3's save is the step's truth
+    rm         step 20 deleted from S3: the nodes' copies of it are not loaded; 15 is resumed
+    swap       the node order changes between runs: each node finds the other's copies
+    outage     S3 unreachable: the restore comes from the nodes; an S3 step fails, saying why, the
+               local-only step after it is kept (issue 39, row 1)
+"""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from multinode import NodesFailed, run_two_nodes
+from multinode import run_two_nodes
 
 pytestmark = pytest.mark.multiproc
 
 JOB = Path(__file__).with_name("tiers_job.py")
-
-
-def _run(tmp_path, phase, uri, root, replicas, *extra, nproc=2, name=None):
-    return run_two_nodes(JOB, [phase, uri, str(root), str(replicas), *extra], outdir=tmp_path / (name or phase),
-                         nproc_per_node=nproc, env=_env)
-
-
-_env: dict = {}
-
-
-@pytest.fixture(autouse=True)
-def _server_env(s3_server):
-    _env.clear()
-    _env.update(s3_server.env())
+PHASES = ["save", "restart", "lost", "corrupt", "garbled", "rollback_s3", "rollback", "rm", "swap", "outage"]
 
 
 def _s3_steps(boto3_client, bucket, run):
     keys = [o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix=f"{run}/").get("Contents", [])]
-    return sorted({k.split("/")[1] for k in keys if k.endswith("/.metadata")})
+    return sorted(int(k.split("/")[1][5:]) for k in keys if k.endswith("/.metadata"))
 
 
-def test_restart_from_local_copies_and_peer_replicas(bucket, tmp_path, boto3_client):
+def _loaded(r, step, variant, tier=None):
+    assert r.get("step") == step and r["variant"] == variant and r["equal"], r
+    if tier is not None:
+        assert r["stats"]["tier"] == tier, r["stats"]
+
+
+def test_restart_from_the_nearest_copy_through_rollbacks_node_changes_and_an_outage(
+        s3_server, bucket, tmp_path, boto3_client):
     uri, root = f"s3://{bucket}/run", tmp_path / "local"
-    _run(tmp_path, "save", uri, root, 1)
-    assert _s3_steps(boto3_client, bucket, "run") == ["step-00000010"]  # 20 is local only
-    for node, held in ((0, ["rank-0", "rank-1", "rank-2", "rank-3"]), (1, ["rank-0", "rank-1", "rank-2", "rank-3"])):
-        assert sorted(p.name for p in (root / f"node{node}" / "step-00000020").iterdir()) == held  # own + replicas
+    ranks = run_two_nodes(JOB, [uri, str(root), ",".join(PHASES)], outdir=tmp_path / "job", nproc_per_node=2,
+                          env=s3_server.env(), timeout_s=420)
+    logs = "\n".join((tmp_path / "job" / f"node{n}.log").read_text(errors="replace") for n in (0, 1))
+    for r in ranks:
+        node = r["env"]["node"]
+        save = r["save"]
+        assert [s["stored_in"] for s in save["saves"]] == [["s3", "local"], ["local"]], save
+        assert save["held"] == ["rank-0", "rank-1", "rank-2", "rank-3"]  # own copies + the other node's replicas
+        assert save["loose"] == [], save["loose"]  # 0700 directories, 0600 files (issue 38, row 4)
 
-    # every process restarted on the same nodes: step 20, nothing read from S3
-    loads = _run(tmp_path, "load", uri, root, 1, name="restart")
-    for r in loads:
-        assert r["step"] == 20 and r["equal"], r
-        assert r["stats"]["tier"] == "local" and r["stats"]["job_bytes"]["s3"] == 0, r["stats"]
+        _loaded(r["restart"], 20, "x", "local")
+        assert r["restart"]["stats"]["job_bytes"]["s3"] == 0
+        _loaded(r["lost"], 20, "x", "peer")
+        assert r["lost"]["stats"]["job_bytes"]["s3"] == 0
+        if node == 1:
+            assert r["lost"]["stats"]["peer_bytes"] > 0
+        _loaded(r["corrupt"], 20, "x")
+        assert r["corrupt"]["stats"]["corrupt_copies"] == [[20, 0]] and r["corrupt"]["stats"]["job_bytes"]["s3"] == 0
+        _loaded(r["garbled"], 20, "x")
+        assert r["garbled"]["stats"]["job_bytes"]["s3"] == 0
+        if node == 1:
+            assert r["garbled"]["stats"]["local_bytes"] > 0
 
-    # node 1's local_dir lost: step 20 from the replicas node 0 holds, still nothing from S3
-    shutil.rmtree(root / "node1")
-    loads = _run(tmp_path, "load", uri, root, 1, name="lost")
-    for r in loads:
-        assert r["step"] == 20 and r["equal"], r
-        assert r["stats"]["tier"] == "peer" and r["stats"]["job_bytes"]["s3"] == 0, r["stats"]
-    assert all(r["stats"]["peer_bytes"] > 0 for r in loads if r["env"]["node"] == 1)
+        rollback = r["rollback_s3"]
+        _loaded(rollback["back"], 10, "x")
+        assert [s["stored_in"] for s in rollback["saves"]] == [["s3", "local"], ["local"]]
+        assert rollback["held"] == ["rank-0", "rank-1", "rank-2", "rank-3"]  # "y2" of its own, "x" of the other's
+        _loaded(rollback["load"], 20, "y2")  # before: 15, or every rank waiting for the group's timeout
+        assert rollback["load"]["s"] < 30, rollback["load"]
 
-    # a corrupt local file: that rank's part of step 20 comes from the next tier, node 1's copy
-    shutil.copytree(root / "node0", root / "node1")  # node 1 holds the same copies again
-    damaged = next((root / "node0" / "step-00000020" / "rank-0").glob("__0_*.distcp"))
-    data = bytearray(damaged.read_bytes())
-    data[100] ^= 0xFF
-    damaged.write_bytes(bytes(data))
-    loads = _run(tmp_path, "load", uri, root, 1, name="corrupt")
-    for r in loads:
-        assert r["step"] == 20 and r["equal"], r
-        assert r["stats"]["corrupt_copies"] == [[20, 0]] and r["stats"]["job_bytes"]["s3"] == 0, r["stats"]
-    assert loads[0]["stats"]["peer_bytes"] > 0  # rank 0's own objects, sent from node 1
+        _loaded(r["rollback"]["load"], 20, "y")
+        assert [s["stored_in"] for s in r["rollback"]["saves"]] == [["s3", "local"]]
 
-    # node 1's copies of step 20 with a .metadata that does not decode: named in the log, and the
-    # metadata comes from node 0's copies; node 1's objects still come from its own files
-    for rank_dir in (root / "node1" / "step-00000020").iterdir():
-        (rank_dir / ".metadata").write_bytes(b"\x80\x04 not a metadata")
-    loads = _run(tmp_path, "load", uri, root, 1, name="garbled")
-    for r in loads:
-        assert r["step"] == 20 and r["equal"] and r["stats"]["job_bytes"]["s3"] == 0, r
-    assert all(r["stats"]["local_bytes"] > 0 for r in loads if r["env"]["node"] == 1)
-    assert "its .metadata is unreadable" in (tmp_path / "garbled" / "node1.log").read_text()
+        rm = r["rm"]
+        assert rm["gone"]["error"] == "CheckpointNotFoundError", rm["gone"]
+        assert "S3 holds step(s) 10, 15" in rm["gone"]["message"], rm["gone"]
+        _loaded(rm["load"], 15, "y2")
+        _loaded(rm["after"], 20, "y3")
 
+        _loaded(r["swap"]["load"], 20, "y3")
+        assert r["swap"]["load"]["stats"]["job_bytes"]["s3"] == 0 and r["swap"]["load"]["stats"]["peer_bytes"] > 0
+        _loaded(r["swap"]["after"], 30, "z")
 
-def test_without_replicas_a_lost_node_resumes_from_s3_and_a_killed_write_is_never_selected(
-        bucket, tmp_path, boto3_client):
-    uri, root = f"s3://{bucket}/run", tmp_path / "local"
-    _run(tmp_path, "save", uri, root, 0)
-    with pytest.raises(NodesFailed):  # rank 3 dies while writing its copy of step 30
-        _run(tmp_path, "crash", uri, root, 0)
-    assert "step-00000030" not in _s3_steps(boto3_client, bucket, "run")
-    loads = _run(tmp_path, "load", uri, root, 0, name="after-crash")
-    assert all(r["step"] == 20 and r["equal"] and r["stats"]["job_bytes"]["s3"] == 0 for r in loads), loads
-
-    # resharded: 2 ranks (one a node) each load all 4 saving ranks' tensors of step 20: their
-    # node's copies locally, the other node's sent over by a rank there
-    loads = _run(tmp_path, "load", uri, root, 0, "all", nproc=1, name="resharded")
-    for r in loads:
-        assert r["step"] == 20 and r["equal"], r
-        assert r["stats"]["local_bytes"] > 0 and r["stats"]["peer_bytes"] > 0 and r["stats"]["s3_bytes"] == 0
-
-    shutil.rmtree(root / "node1")  # ranks 2 and 3's copies are gone, and no peer holds them
-    loads = _run(tmp_path, "load", uri, root, 0, name="lost")
-    for r in loads:
-        assert r["step"] == 10 and r["equal"], r
-    assert all(r["stats"]["s3_bytes"] > 0 for r in loads if r["env"]["node"] == 1)
-    assert all(r["stats"]["s3_bytes"] == 0 and r["stats"]["local_bytes"] > 0 for r in loads if r["env"]["node"] == 0)
+        outage = r["outage"]
+        # without replicas, node 1 gets rank 0's non-tensor item ("step") from node 0: "peer"
+        _loaded(outage["load"], 30, "z")
+        first, second = outage["saves"]
+        assert first["error"] == "S3ConnectionError", first  # the S3 step: says why
+        assert second == {"step": 50, "stored_in": ["local"], "local_error": None}, second
+        _loaded(outage["after"], 50, "w")
+        assert outage["load"]["stats"]["job_bytes"]["s3"] == outage["after"]["stats"]["job_bytes"]["s3"] == 0
+        assert any("without S3" in line for line in outage["warnings"]), outage["warnings"]
+    assert _s3_steps(boto3_client, bucket, "run") == [15, 20, 30]  # keep_last=3
+    said = [line for r in ranks for key, lines in r.items() if key.endswith(".log") for line in lines]
+    assert any("are not used" in line and "saved again" in line for line in ranks[0]["rollback_s3.log"]), \
+        ranks[0]["rollback_s3.log"]  # the stale copies, named once, by the coordinator
+    assert not [line for line in said if "is partial" in line]  # no copy seen half deleted (issue 39, row 4)
+    assert "Traceback" not in logs

@@ -59,8 +59,8 @@ class Records(logging.Handler):
 
 
 class Ctx:
-    def __init__(self, uri: str, root: str, rank: int, world: int, node: int, local_rank: int) -> None:
-        self.uri, self.root = uri, Path(root)
+    def __init__(self, uri: str, root: str, rank: int, world: int, node: int, local_rank: int, config=None) -> None:
+        self.uri, self.root, self.config = uri, Path(root), config
         self.rank, self.world, self.node, self.local_rank = rank, world, node, local_rank
         self.records = Records()
         logging.getLogger("s3dcp").addHandler(self.records)
@@ -69,6 +69,7 @@ class Ctx:
         return self.root / f"node{self.node if node is None else node}"
 
     def manager(self, replicas: int = 1, local_dir: Path | None = None, **kw) -> CheckpointManager:
+        kw.setdefault("config", self.config)
         return CheckpointManager(self.uri, local_dir=local_dir or self.dir(), s3_every=2, local_keep_last=3,
                                  local_replicas=replicas, **kw)
 

@@ -1,0 +1,237 @@
+"""The local tier when one rank fails (issue 38, row 7), on 4 gloo ranks as two simulated nodes
+(``GROUP_RANK`` per rank, as torchrun sets it), against the real server:
+
+- a rank SIGKILLed mid-transfer of a restore: every survivor fails within seconds, not at the
+  group's timeout (before: the senders waited forever);
+- a local commit that fails on one rank (ENOSPC writing ``.metadata``): every rank says the same
+  of the step — in S3 with its local copy failed on rank 1, or, kept on the nodes only, dropped
+  everywhere with a LocalCopyError — and nothing waits, replication included (before: the peer
+  waited for a manifest that never came, and ``wait()`` hung);
+- a rank killed while writing its copy of step 30: 20 is resumed; then the job comes back on 2
+  ranks (another world size): the 4 ranks' copies are read (resharded), and the copies no rank
+  owns any more are cleaned by retention.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import pickle
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from test_multiprocess import Job, _context, _free_port, run_jobs
+from tiers_job import Ctx
+
+pytestmark = pytest.mark.multiproc
+
+BOUND_S = 40  # documented: a few seconds (liveness POLL_S, then BROKEN_TIMEOUT_S); generous for 2 loaded cores
+GROUP_TIMEOUT_S = 300
+
+
+def _ctx(rank, world, uri, root, cfg, per_node=2) -> Ctx:
+    os.environ["GROUP_RANK"] = str(rank // per_node)  # the simulated node, as torchrun says it
+    return Ctx(uri, root, rank, world, rank // per_node, rank % per_node, config=cfg)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank killed mid-transfer
+
+
+def _setup(rank, world, uri, root, cfg):
+    c = _ctx(rank, world, uri, root, cfg)
+    return c.save(c.manager(replicas=0), (10, 20), "x")
+
+
+def _killed_mid_transfer(rank, world, port, uri, root, cfg, outdir):
+    """Ranks 2 and 3 need rank 0's object (its non-tensor item: no replicas), sent by ranks 0
+    and 1; rank 0 dies as it posts its send."""
+    log = open(Path(outdir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    c = _ctx(rank, world, uri, root, cfg)
+    if rank == 0:
+        real = dist.isend
+
+        def isend_then_die(*args, **kwargs):
+            _write_atomically(Path(outdir, "killed"), str(time.time()).encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        dist.isend = isend_then_die
+    outcome = c.load(c.manager(replicas=0))
+    _write_atomically(Path(outdir, f"rank{rank}.pkl"), pickle.dumps((outcome, time.time())))
+    time.sleep(GROUP_TIMEOUT_S)  # stay alive: an exit would close the connections a hang waits on
+
+
+def test_a_rank_killed_mid_transfer_ends_every_rank_s_restore_within_seconds(s3_config, bucket, tmp_path):
+    uri, root = f"s3://{bucket}/run", str(tmp_path / "local")
+    setup = Job("setup", _setup, 4, (uri, root, s3_config))
+    run_jobs(tmp_path / "setup", setup)
+    assert all([s["stored_in"] for s in r] == [["s3", "local"], ["local"]] for r in setup.results), setup.results
+    ctx, port, outdir = _context(), _free_port(), tmp_path / "killed"
+    outdir.mkdir()
+    procs = [ctx.Process(target=_killed_mid_transfer, args=(r, 4, port, uri, root, s3_config, str(outdir)))
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        deadline = time.monotonic() + 150
+        while not (outdir / "killed").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (outdir / "killed").exists(), "rank 0 never reached its send"
+        killed_at = float((outdir / "killed").read_text())
+        while len(results) < 3 and time.time() < killed_at + BOUND_S + 5:
+            for r in (1, 2, 3):
+                if r not in results and (outdir / f"rank{r}.pkl").exists():
+                    results[r] = pickle.loads((outdir / f"rank{r}.pkl").read_bytes())
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    logs = {r: (outdir / f"rank{r}.log").read_text(errors="replace")[-1500:] for r in range(4)}
+    assert sorted(results) == [1, 2, 3], f"survivors still waiting {BOUND_S} s after the kill\n{logs}"
+    for r, (outcome, at) in results.items():
+        assert "error" in outcome, (r, outcome)
+        assert at - killed_at < BOUND_S, f"rank {r} failed {at - killed_at:.1f} s after the kill: {outcome}"
+        print(f"rank {r}: {outcome['error']} {at - killed_at:.1f} s after the kill: {outcome['message'][:120]!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# a local commit that fails on one rank
+
+
+def _failing_commit(rank, world, uri, root, cfg):
+    from s3dcp.saving import local_copy
+
+    c = _ctx(rank, world, uri, root, cfg)
+    real, full = local_copy.write_private, [rank == 1]
+
+    def no_room_for_its_metadata(path, data):  # rank 1's own copy only (not the replicas it receives)
+        if full[0] and path.name == ".metadata" and path.parent.name == "rank-1":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, data)
+
+    local_copy.write_private = no_room_for_its_metadata
+    m = c.manager(replicas=1)
+    began = time.monotonic()
+    saves = c.save(m, (10, 20), "x")  # 10: to S3 (the first); 20: on the nodes only
+    full[0] = False
+    saves += c.save(m, (30,), "x")  # after a failed step: to S3, whatever s3_every says
+    m.close()  # nothing left waiting: replication included
+    out = {"saves": saves, "s": time.monotonic() - began, "load": c.load(c.manager(replicas=1))}
+    out["held20"] = sorted(p.name for p in (c.dir() / "step-00000020").glob("*")) if (
+        c.dir() / "step-00000020").exists() else []
+    return out
+
+
+def test_a_local_commit_failing_on_one_rank_is_the_same_outcome_on_every_rank(s3_config, bucket, tmp_path):
+    uri, root = f"s3://{bucket}/run", str(tmp_path / "local")
+    job = Job("commit", _failing_commit, 4, (uri, root, s3_config))
+    run_jobs(tmp_path / "out", job)
+    for r in job.results:
+        ten, twenty, thirty = r["saves"]
+        assert ten["stored_in"] == ["s3"] and "rank 1" in ten["local_error"] and "No space" in ten["local_error"], ten
+        assert twenty["error"] == "LocalCopyError" and "rank 1" in twenty["message"], twenty
+        assert thirty == {"step": 30, "stored_in": ["s3", "local"], "local_error": None}, thirty
+        assert r["held20"] == [], r["held20"]  # dropped on every node: nobody counts it
+        assert r["load"]["step"] == 30 and r["load"]["equal"], r["load"]
+        assert r["s"] < 60, r["s"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank killed while writing its copy; the job back on another world size
+
+
+def _killed_writing(rank, world, port, uri, root, cfg, outdir):
+    log = open(Path(outdir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    c = _ctx(rank, world, uri, root, cfg)
+    m = c.manager(replicas=0)
+    c.save(m, (10, 20), "x")
+    if rank == 3:  # dies after the first object of its copy of step 30 is written
+        from s3dcp.saving import local_copy
+
+        real = local_copy.LocalCopy.write
+
+        def write_then_die(self, name, buffers):
+            real(self, name, buffers)
+            _write_atomically(Path(outdir, "killed"), b"")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        local_copy.LocalCopy.write = write_then_die
+    outcome = c.save(m, (30,), "x")
+    _write_atomically(Path(outdir, f"rank{rank}.pkl"), pickle.dumps(outcome))
+    time.sleep(GROUP_TIMEOUT_S)
+
+
+def _restart(rank, world, uri, root, cfg):
+    c = _ctx(rank, world, uri, root, cfg)
+    return c.load(c.manager(replicas=0))
+
+
+def _back_on_two(rank, world, uri, root, cfg):
+    c = _ctx(rank, world, uri, root, cfg, per_node=1)
+    out = {"resharded": c.load(c.manager(replicas=1), ranks=range(4))}  # every saving rank's tensors
+    m = c.manager(replicas=1)
+    out["saves"] = c.save(m, (40, 50, 60), "z")
+    m.close()
+    out["dirs"] = sorted(f"{s.name}/{d.name}" for s in c.dir().iterdir() for d in s.iterdir())
+    shutil.rmtree(c.dir()) if rank == 1 else None
+    dist.barrier()
+    out["lost"] = c.load(c.manager(replicas=1))  # the replicas node 0 holds
+    return out
+
+
+def test_a_rank_killed_writing_its_copy_and_a_job_back_on_another_world_size(s3_config, bucket, tmp_path):
+    uri, root = f"s3://{bucket}/run", str(tmp_path / "local")
+    ctx, port, outdir = _context(), _free_port(), tmp_path / "crash"
+    outdir.mkdir()
+    procs = [ctx.Process(target=_killed_writing, args=(r, 4, port, uri, root, s3_config, str(outdir)))
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + 150
+        while len(list(outdir.glob("rank*.pkl"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    assert (outdir / "killed").exists()
+
+    after = Job("after-crash", _restart, 4, (uri, root, s3_config))
+    back = Job("back-on-two", _back_on_two, 2, (uri, root, s3_config))
+    run_jobs(tmp_path / "after", after)
+    for r in after.results:  # 30 never selected: a rank's copy has no marker
+        assert r["step"] == 20 and r["equal"] and r["stats"]["job_bytes"]["s3"] == 0, r
+    run_jobs(tmp_path / "back", back)
+    for r in back.results:
+        assert r["resharded"]["step"] == 20 and r["resharded"]["equal"], r["resharded"]
+        assert r["resharded"]["stats"]["s3_bytes"] == 0 and r["resharded"]["stats"]["peer_bytes"] > 0
+        assert [s["stored_in"] for s in r["saves"]] == [["s3", "local"], ["local"], ["s3", "local"]], r["saves"]
+        # steps 10-30 (and their rank-2, rank-3 copies no rank owns now) went by local_keep_last=3
+        assert r["dirs"] == [f"step-000000{s}/rank-{k}" for s in (40, 50, 60) for k in (0, 1)], r["dirs"]
+        assert r["lost"]["step"] == 60 and r["lost"]["equal"] and r["lost"]["stats"]["job_bytes"]["s3"] == 0

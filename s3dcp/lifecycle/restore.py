@@ -121,9 +121,10 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
             log.warning("restoring step %d (save %s): %d copie(s) on the nodes are not used, e.g. %s's of rank %d: "
                         "%s; retention removes them", choice.step, choice.save_id or "?", len(choice.ignored), node,
                         rank, why)
+        used: dict = {}  # the metadata the load went by: the copies are checked against it
         try:
             stats = _load(tier, manager, state_dict, job, choice, nodes, markers, here, excluded,
-                          s3_metadata[0] if choice.in_s3 else None)
+                          s3_metadata[0] if choice.in_s3 else None, used)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failure = unwrap_error(e)
             failures = getattr(failure, "rank_errors", None) or {me: failure}
@@ -137,7 +138,7 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
                      stats["seconds"])
             return choice.step, stats
         checked.add(choice.step)
-        mine = job.together(lambda: _check_node(tier, choice, here, excluded, nodes, me))
+        mine = job.together(lambda: _check_node(choice, here, excluded, nodes, me, used.get("metadata")))
         found = set().union(*mine)
         if not found - excluded:  # no local copy is to blame: the bytes came from S3 or a peer
             raise failure
@@ -164,8 +165,9 @@ def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | No
 
 
 def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, nodes: list, markers: list,
-          here: dict, excluded: set, s3_metadata: bytes | None) -> dict:
-    """dcp.load of the chosen save from the nearest copies; the load's figures."""
+          here: dict, excluded: set, s3_metadata: bytes | None, used: dict) -> dict:
+    """dcp.load of the chosen save from the nearest copies (``used["metadata"]``: the metadata it
+    goes by); the load's figures."""
     import torch.distributed.checkpoint as dcp
 
     from .._dcp_warning import ours
@@ -190,6 +192,7 @@ def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, n
                                               f"{choice.save_id}), and S3 cannot give it")
             data = job.broadcast(data, have.index(True))
     metadata = decode_metadata(data, source=str(uri))
+    used["metadata"] = metadata
     if choice.save_id and (getattr(metadata.storage_meta, "save_id", "") or "") != choice.save_id:
         raise MetadataFormatError(f"{uri}: its metadata is of save {metadata.storage_meta.save_id!r}, not of the "
                                   f"save {choice.save_id!r} chosen")
@@ -243,17 +246,15 @@ def _local_metadata(copies: dict, choice: Choice) -> bytes | None:
     return None
 
 
-def _check_node(tier: Any, choice: Choice, here: dict, excluded: set, nodes: list[str], me: int) -> set:
+def _check_node(choice: Choice, here: dict, excluded: set, nodes: list[str], me: int, metadata: Any) -> set:
     """(node, step, saving rank) of this node's copies of the chosen save this rank checks (the
-    node's ranks share them) that fail their checksums."""
-    from ..format.metadata import decode_metadata
-
+    node's ranks share them) that fail the checksums of ``metadata`` (the load's: S3's where S3
+    committed the save, so a copy consistent only with its own .metadata fails too)."""
     gone = {(s, r) for n, s, r in excluded if n == nodes[me]}
     copies = {k: v for k, v in here.items() if k[0] == choice.step and v[0].save_id == choice.save_id and k not in gone}
-    data = _local_metadata(copies, choice)
-    if data is None:
+    if metadata is None:
         return set()
-    locations = list(decode_metadata(data).storage_data.values())
+    locations = list(metadata.storage_data.values())
     peers = [r for r, n in enumerate(nodes) if n == nodes[me]]
     bad = set()
     for (s, rank), (marker, rank_dir) in sorted(copies.items()):

@@ -16,7 +16,7 @@ from s3dcp.lifecycle.replicas import peer_map
 from s3dcp.lifecycle.holdings import S3View, choose_save, scan
 from s3dcp.lifecycle.tiers import LocalTier
 from s3dcp.loading.tiered import plan_sources
-from s3dcp.saving.local_copy import LocalCopy
+from s3dcp.saving.local_copy import LocalCopy, remove_copy
 from s3dcp.uri import parse_s3_uri
 
 
@@ -173,9 +173,10 @@ def test_a_huge_marker_file_is_refused_without_reading_it_whole(tmp_path, caplog
     assert "unreadable" in caplog.text
 
 
-def test_a_scan_beside_copies_being_deleted_does_not_fail(tmp_path):
+def test_a_scan_beside_copies_being_deleted_does_not_fail_nor_warn(tmp_path, caplog):
     """Another rank of the node (or this rank's async commit) retains copies away while a scan
-    lists them: what vanishes is simply not found."""
+    lists them: what vanishes is simply not found, and nothing is said of it (issue 39, row 4:
+    before, data files went before the marker, and a scan between warned of a partial copy)."""
     stop = threading.Event()
 
     def churn():
@@ -183,7 +184,7 @@ def test_a_scan_beside_copies_being_deleted_does_not_fail(tmp_path):
         while not stop.is_set():
             step += 1
             _complete(tmp_path, step, 10)
-            shutil.rmtree(tmp_path / f"step-{step - 3}", ignore_errors=True)
+            remove_copy(tmp_path / f"step-{step - 3}" / "rank-0")  # as retention deletes
 
     thread = threading.Thread(target=churn)
     thread.start()
@@ -195,6 +196,7 @@ def test_a_scan_beside_copies_being_deleted_does_not_fail(tmp_path):
     finally:
         stop.set()
         thread.join()
+    assert "partial" not in caplog.text and "unreadable" not in caplog.text, caplog.text
 
 
 class _Job:

@@ -1,0 +1,254 @@
+"""The local tier on one node, against the real server: whose the copies are (issue 38, rows 3-5),
+what a broken local disk costs (issue 39, row 3: never the S3 checkpoint), and what the settings
+say (row 11).
+
+Another local user is played by ``nobody``: a forked child of this process that changed its uid
+(root runs the suite here; without root those cases are skipped, the rest run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from s3dcp import CheckpointManager
+from s3dcp.errors import ConfigError, LocalCopyError
+from s3dcp.format import integrity
+from s3dcp.format.metadata import decode_metadata, encode_metadata
+from s3dcp.lifecycle.local_dir import open_local_dir
+from s3dcp.saving import local_copy
+
+MiB = 1 << 20
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="plays another user: needs root")
+
+
+def _manager(s3_config, bucket, local_dir, **kw):
+    kw.setdefault("s3_every", 2)
+    return CheckpointManager(f"s3://{bucket}/run", config=s3_config, local_dir=local_dir, async_mode=False, **kw)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(MiB // 4, generator=g), "b": torch.randn(100, generator=g)}
+
+
+def _as_nobody(call) -> str:
+    """``call()``'s outcome in a child of this process running as ``nobody``: "ok" or the error."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no new imports (nobody cannot read the interpreter's own directory)
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            call()
+            said = "ok"
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test's subject
+            said = f"{type(e).__name__}: {e}"
+        os.write(write, said.encode()[:60000])
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_a_new_local_dir_is_private_and_an_open_one_is_made_private(tmp_path, caplog):
+    made = open_local_dir(tmp_path / "a" / "run")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    readable = tmp_path / "readable"
+    readable.mkdir(mode=0o755)
+    os.chmod(readable, 0o755)
+    with caplog.at_level(logging.INFO, logger="s3dcp"):
+        open_local_dir(readable)
+    assert stat.S_IMODE(readable.stat().st_mode) == 0o700 and "made private" in caplog.text
+
+
+@pytest.mark.parametrize("mode, says", [(0o777, "writable by its group and every user"),
+                                        (0o770, "writable by its group"), (0o702, "writable by every user")])
+def test_a_local_dir_others_may_write_is_refused(tmp_path, mode, says):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(ConfigError, match=f"local_dir=.*{says}.*chmod 700"):
+        open_local_dir(d)
+
+
+def test_a_local_dir_that_is_a_file_or_under_one_says_so(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="local_dir=.*is a file"):
+        open_local_dir(tmp_path / "f")
+    with pytest.raises(ConfigError, match="local_dir=.*a part of its path is a file"):
+        open_local_dir(tmp_path / "f" / "run")
+
+
+@as_root
+def test_a_local_dir_of_another_user_or_their_link_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match=f"belongs to user {NOBODY}"):
+        open_local_dir(theirs)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match=f"symbolic link of user {NOBODY}"):
+        open_local_dir(link)
+
+
+@pytest.fixture
+def shm():
+    """A directory every user may write in, as /dev/shm is (1777), where nobody can reach it."""
+    path = Path(tempfile.mkdtemp(prefix="s3dcp-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@as_root
+def test_another_user_can_neither_plant_nor_read_a_copy(s3_config, bucket, shm):
+    """Issue 38, rows 3 and 4: before, a local_dir pre-created 0777 by another user was taken,
+    and the copy that user wrote there was restored; peer replicas and markers were 0644."""
+    tmp_path = shm
+    planted = tmp_path / "planted"
+    assert _as_nobody(lambda: (planted.mkdir(), os.chmod(planted, 0o777))) == "ok"
+    with pytest.raises(ConfigError, match="belongs to user"):
+        _manager(s3_config, bucket, planted)
+
+    local_dir = tmp_path / "local"
+    m = _manager(s3_config, bucket, local_dir)
+    m.save(10, _state(10))
+    m.save(20, _state(20))  # kept on the node only
+    m.close()
+    copy = local_dir / "step-00000020" / "rank-0"
+    marker = copy / ".local-commit"
+    said = _as_nobody(lambda: marker.read_bytes())
+    assert "PermissionError" in said, said
+    said = _as_nobody(lambda: (copy / "forged").write_bytes(b"x"))
+    assert "PermissionError" in said, said
+    for path in [local_dir, *local_dir.rglob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) in (0o700, 0o600), (path, oct(path.stat().st_mode))
+
+
+def _forge(copy: Path, seed: int) -> None:
+    """Another state's bytes in a copy's objects, its .metadata's checksums made to match: a copy
+    consistent in itself, as a forger with s3dcp in hand would make it."""
+    path = copy / ".metadata"
+    metadata = decode_metadata(path.read_bytes())
+    metadata.storage_data = dict(metadata.storage_data.items())
+    forged = _state(seed)["w"]
+    raw = memoryview(forged.numpy().tobytes())
+    for index, loc in list(metadata.storage_data.items()):
+        if index.fqn == "w":
+            data = bytearray((copy / loc.object_name).read_bytes())
+            data[loc.offset:loc.offset + loc.length] = raw
+            (copy / loc.object_name).write_bytes(bytes(data))
+            sums = integrity.compute(integrity.algorithm_of(loc.checksum), raw)
+            metadata.storage_data[index] = dataclasses.replace(loc, checksum=sums.whole,
+                                                               block_checksums=tuple(sums.blocks))
+    path.write_bytes(encode_metadata(metadata))
+
+
+def test_a_forged_copy_of_a_step_in_s3_is_caught_by_s3_s_own_metadata(s3_config, bucket, tmp_path):
+    """Where S3 committed the step, its .metadata is the truth, not the node's: a forged copy
+    (another state, checksums to match) fails them and is read from S3 instead."""
+    local_dir = tmp_path / "local"
+    m = _manager(s3_config, bucket, local_dir)
+    m.save(10, _state(10))
+    m.close()
+    _forge(local_dir / "step-00000010" / "rank-0", seed=99)
+    out = {k: torch.zeros_like(v) for k, v in _state(10).items()}
+    m = _manager(s3_config, bucket, local_dir)
+    assert m.load(out) == 10
+    assert all(torch.equal(out[k], v) for k, v in _state(10).items())
+    assert m.last_load_stats["corrupt_copies"] == [[10, 0]] and m.last_load_stats["s3_bytes"] > 0
+
+
+class _App:
+    """DCP's AppState pattern: the tensors are inside a Stateful."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+
+
+def test_the_budget_counts_the_tensors_inside_a_stateful(s3_config, bucket, tmp_path):
+    """Issue 38, row 5: before, a 6 MiB budget held 8.4 MiB of a Stateful's tensors."""
+    torch.manual_seed(0)
+    app = _App(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)))  # 8 MiB
+    local_dir = tmp_path / "local"
+    m = _manager(s3_config, bucket, local_dir, local_budget_bytes=6 * MiB)
+    m.save(1, {"app": app})  # to S3: the copy that cannot fit is left out, and said so
+    stats = m.last_save_stats
+    assert stats.stored_in == ("s3",) and "local_budget_bytes" in stats.local_error, stats
+    assert sum(f.stat().st_size for f in local_dir.rglob("*") if f.is_file()) == 0
+    with pytest.raises(LocalCopyError, match="local_budget_bytes=6291456 cannot hold checkpoint step 2"):
+        m.save(2, {"app": app})  # on the node only: nothing could hold it
+    m.close()
+
+
+class _FullDisk:
+    """``os`` as saving/local_copy.py sees it on a full disk: every write fails with ENOSPC."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_broken_local_disk_never_costs_the_s3_checkpoint(s3_config, bucket, tmp_path, monkeypatch, caplog):
+    """Issue 39, row 3: before, an unwritable local_dir (or a full disk) failed the S3 upload too."""
+    local_dir = tmp_path / "local"
+    m = _manager(s3_config, bucket, local_dir)
+    monkeypatch.setattr(local_copy, "os", _FullDisk())  # the local copy's writes only
+    with caplog.at_level(logging.WARNING, logger="s3dcp"):
+        m.save(10, _state(10))  # to S3: committed there, the copy failed
+    assert m.last_save_stats.stored_in == ("s3",) and "No space" in m.last_save_stats.local_error
+    assert "the step still goes to S3" in caplog.text
+    with pytest.raises(LocalCopyError, match="No space left on device"):
+        m.save(20, _state(20))  # on the node only: it fails, on every rank
+    monkeypatch.undo()
+    m.save(30, _state(30))  # after a failed one: to S3, whatever s3_every says
+    assert m.last_save_stats.stored_in == ("s3", "local")
+    local_dir.rename(tmp_path / "gone")  # the directory gone mid-run: made again
+    m.save(40, _state(40))
+    assert m.last_save_stats.stored_in == ("local",)
+    m.close()
+    out = {k: torch.zeros_like(v) for k, v in _state(40).items()}
+    m = _manager(s3_config, bucket, local_dir)
+    assert m.load(out) == 40 and all(torch.equal(out[k], v) for k, v in _state(40).items())
+    assert m.load(out, step=10) == 10 and m.last_load_stats["tier"] == "s3"
+
+
+def test_settings_say_what_is_possible(s3_config, bucket, tmp_path, caplog):
+    with pytest.raises(ConfigError, match="s3_every=0 must be an int >= 1: every s3_every-th checkpoint also goes "
+                                          "to S3 .* a run that never writes it is not offered"):
+        _manager(s3_config, bucket, tmp_path / "a", s3_every=0)
+    m = _manager(s3_config, bucket, tmp_path / "b", local_replicas=1)
+    with caplog.at_level(logging.WARNING, logger="s3dcp"):
+        m.save(1, _state(1))
+    assert "local_replicas=1 in a process without torch.distributed" in caplog.text
+    with pytest.raises(Exception, match=r"no checkpoint at step 999 .* S3 holds step\(s\) 1; the nodes hold copies "
+                                        r"of step\(s\) 1"):
+        m.load(_state(0), step=999)
+    m.close()

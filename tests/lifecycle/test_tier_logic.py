@@ -4,13 +4,12 @@ where each object is read from, the marker as untrusted input, and the space bud
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import tracemalloc
 
 import pytest
 
-from s3dcp.errors import ConfigError, LocalRoomError, MetadataFormatError
+from s3dcp.errors import LocalRoomError, MetadataFormatError
 from s3dcp.format.local import MARKER_NAME, MAX_MARKER_BYTES, LocalMarker
 from s3dcp.lifecycle.replicas import peer_map
 from s3dcp.lifecycle.holdings import S3View, choose_save, scan

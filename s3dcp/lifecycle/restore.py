@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from ..errors import (UNREACHABLE, CheckpointNotFoundError, IntegrityError, MetadataFormatError, PeerReadError,
                       unwrap_error)
-from ..format.local import LOCAL_METADATA_NAME
+from ..format.local import LOCAL_METADATA_NAME, rank_dir_name
 from ..loading.cooperative import node_name
 from ..loading.liveness import Watch, attempt, broadcast_bytes, gather_objects
 from .holdings import Choice, S3View, check_copy, choose_save, held, scan
@@ -90,19 +90,21 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
     job = _Job(tier.process_group, _dist_on())
     me, base = job.rank, str(tier.base)
 
-    here: dict = {}
     s3_metadata: list = [None]  # the coordinator's: the .metadata of the step S3 would give
 
     def survey():
-        here.update(scan(tier.dir, base, tier.step_of))
         s3 = None
         if me == 0:
             view, s3_metadata[0], problem = _s3_survey(manager, tier, step)
             s3 = (view, problem)
-        return node_name(), {key: marker for key, (marker, _) in here.items()}, s3
+        return node_name(), {key: marker for key, (marker, _) in scan(tier.dir, base, tier.step_of).items()}, s3
 
     reports = job.together(survey)
     s3_view, s3_problem = reports[0][2]
+    # this node's copies, as all its ranks found them (one rank's scan may run before another
+    # rank of the node sealed its copy of the save it just made): (step, saving rank) -> (marker, dir)
+    here = {key: (marker, tier.dir / tier.name(key[0]) / rank_dir_name(key[1]))
+            for node, report, _ in reports if node == reports[me][0] for key, marker in report.items()}
     if s3_problem is not None:
         log.warning("restoring from the nodes' copies without S3, which could not be consulted (%s): a step "
                     "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen", s3_problem)

@@ -85,7 +85,10 @@ class LocalTier:
         self.replicas_wanted = replicas
         self.process_group = process_group
         self.sync: TierSync | None = None  # the job's layout, learned at the first save (collective)
-        self._since_s3: int | None = None  # local-only saves since the last S3 one (None: the next goes to S3)
+        # the schedule, in saves begun (never in what an upload thread has finished: every rank decides
+        # alike): the save of that number goes to S3, and so does the one after a failed copy
+        self._begun = self._next_s3 = 0
+        self._force_s3 = False
         self._writing: set[int] = set()  # steps whose copy is being written: never retained away
         # held while retention decides and deletes, and while a step starts or stops being
         # written: a save's commit (on an upload thread) retains while the next save begins
@@ -105,10 +108,13 @@ class LocalTier:
             from .tier_sync import TierSync
 
             self.sync = TierSync(self.process_group, replicas=bool(self.replicas_wanted))
-        elif self.sync is None and self.replicas_wanted and self._since_s3 is None:
+        elif self.sync is None and self.replicas_wanted and self._begun == 0:
             log.warning("local_replicas=1 in a process without torch.distributed: there is no other node to "
                         "hold a replica, so none is kept")
-        to_s3 = self._since_s3 is None or self._since_s3 >= self.s3_every - 1
+        to_s3 = self._force_s3 or self._begun >= self._next_s3
+        if to_s3:
+            self._next_s3, self._force_s3 = self._begun + self.s3_every, False
+        self._begun += 1
         from ..saving.statetree import tensors
 
         copy = LocalCopy(self.dir, self.name(step), str(self.base), step, required=not to_s3)
@@ -131,9 +137,7 @@ class LocalTier:
             copy.discard()
         errors = list((getattr(error, "rank_errors", None) or {None: error}).values())
         if error is None or any(isinstance(e, LocalCopyError) for e in errors):
-            self._since_s3 = None
-        elif copy.required is False:  # the S3 step of the schedule was tried
-            self._since_s3 = 0
+            self._force_s3 = True
 
     def committed(self, step: int, copy: LocalCopy, *, metadata: Any, in_s3: bool) -> SaveOutcome:
         """The save of ``step`` returned on this rank (``metadata``: DCP's, every rank gets it):
@@ -155,8 +159,8 @@ class LocalTier:
         mine = None if marker is not None else f"rank {copy.rank}: {copy.failure}"
         try:
             said = self.sync.agree(save_id, mine) if self.sync is not None else [mine]
-        except BaseException:
-            self.failed(copy)
+        except BaseException as e:
+            self.failed(copy, e)
             raise
         failures = [why for why in said if why is not None]
         try:
@@ -164,7 +168,6 @@ class LocalTier:
                 copy.seal(marker)
                 if self.replicas is not None:
                     self.replicas.submit(copy.root, copy.rank, save_id)
-                self._since_s3 = 0 if in_s3 else (self._since_s3 or 0) + 1
                 return SaveOutcome(("s3", "local") if in_s3 else ("local",))
             why = "; ".join(failures[:3]) + (f" (and {len(failures) - 3} more)" if len(failures) > 3 else "")
             if in_s3:  # S3 holds the step: the copies that are whole still serve their ranks
@@ -172,11 +175,10 @@ class LocalTier:
                     copy.seal(marker)
                 log.warning("checkpoint step %d is committed to S3, but its local copy failed on %d rank(s) (%s): "
                             "on a restart those ranks' parts come from S3", step, len(failures), why)
-                self._since_s3 = 0
                 return SaveOutcome(("s3",), why)
             with self._lock:
                 copy.discard()
-            self._since_s3 = None
+            self._force_s3 = True
             raise LocalCopyError(f"checkpoint step {step} was kept only on the nodes, and its local copy failed on "
                                  f"{len(failures)} rank(s): {why}. Nothing holds the step: every rank dropped it, "
                                  "and the next checkpoint goes to S3")

@@ -219,7 +219,7 @@ class _FullDisk:
 def test_a_broken_local_disk_never_costs_the_s3_checkpoint(s3_config, bucket, tmp_path, monkeypatch, caplog):
     """Issue 39, row 3: before, an unwritable local_dir (or a full disk) failed the S3 upload too."""
     local_dir = tmp_path / "local"
-    m = _manager(s3_config, bucket, local_dir)
+    m = _manager(s3_config, bucket, local_dir, s3_every=3)
     monkeypatch.setattr(local_copy, "os", _FullDisk())  # the local copy's writes only
     with caplog.at_level(logging.WARNING, logger="s3dcp"):
         m.save(10, _state(10))  # to S3: committed there, the copy failed
@@ -228,7 +228,7 @@ def test_a_broken_local_disk_never_costs_the_s3_checkpoint(s3_config, bucket, tm
     with pytest.raises(LocalCopyError, match="No space left on device"):
         m.save(20, _state(20))  # on the node only: it fails, on every rank
     monkeypatch.undo()
-    m.save(30, _state(30))  # after a failed one: to S3, whatever s3_every says
+    m.save(30, _state(30))  # after a failed one: to S3, whatever s3_every says (3: not yet)
     assert m.last_save_stats.stored_in == ("s3", "local")
     local_dir.rename(tmp_path / "gone")  # the directory gone mid-run: made again
     m.save(40, _state(40))

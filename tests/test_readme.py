@@ -181,8 +181,12 @@ def test_every_cli_line_runs(aws_env, s3_server, tmp_path, monkeypatch, capsys):
     s3dcp.save(state, f"s3://{bucket}/run7/step-00001000", item_checksum="crc64nvme")
     state["step"] = 2
     s3dcp.save(state, f"s3://{bucket}/run7/step-00002000", incremental_from=f"s3://{bucket}/run7/step-00001000")
-    lines = [shlex.split(_in(line, bucket) if "s3://bucket" in line else line, comments=True)
-             for line in block.splitlines()]
+    local_dir = tmp_path / "shm-run7"  # the node's copies --local-dir shows: 3000 also in S3, 4000 only there
+    with CheckpointManager(f"s3://{bucket}/run7", local_dir=local_dir, s3_every=2, async_mode=False) as manager:
+        for step in (3000, 4000):
+            manager.save(step, state)
+    lines = [shlex.split(_in(line, bucket).replace("/dev/shm/run7", str(local_dir)) if "s3://bucket" in line else line,
+                         comments=True) for line in block.splitlines()]
     commands = [argv[1:] for argv in lines if argv and argv[0] == "s3dcp"]
     run = [c for c in commands if c[0] not in ("server", "rm")] + [c for c in commands if c[0] == "rm"]
     assert {c[0] for c in run} >= {"ls", "inspect", "verify", "materialize", "gc", "download", "export", "mb",
@@ -196,7 +200,7 @@ def test_every_cli_line_runs(aws_env, s3_server, tmp_path, monkeypatch, capsys):
     loaded = torch.load(tmp_path / "model.pt", weights_only=True)
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    assert [c.step for c in s3dcp.CheckpointManager(f"s3://{bucket}/run7").list()] == [2000]
+    assert [c.step for c in s3dcp.CheckpointManager(f"s3://{bucket}/run7").list()] == [2000, 3000]
 
 
 # ------------------------------------------------------------------ Trainers

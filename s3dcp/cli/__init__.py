@@ -1,6 +1,7 @@
 """The ``s3dcp`` command: look at, check, copy out and clean up checkpoints in S3.
 
     s3dcp ls s3://bucket/run/                 checkpoints below, committed or INCOMPLETE
+    s3dcp ls s3://bucket/run/ --local-dir D   ... and this node's copies in D, and the step a restart takes
     s3dcp inspect s3://bucket/run/step-1000   what the metadata says (no data is read)
     s3dcp verify s3://bucket/run/step-1000    read every item, check its checksum
     s3dcp rm s3://bucket/run/step-1000 --yes  delete (.metadata first; keeps what others reference)
@@ -21,6 +22,7 @@ This module owns :func:`main` and how errors are reported (exit status, one line
 object, the hint for an http/https mismatch). The command line is parsed in :mod:`.parser`;
 the commands live one group per module: :mod:`.browse` (ls, inspect), :mod:`.verify` (verify,
 download), :mod:`.cleanup` (rm, materialize, gc), :mod:`.export`, :mod:`.server` (server, mb);
+:mod:`.nodes` and :mod:`.copies` read a node's copies (``--local-dir``);
 :mod:`.output` prints tables, sizes and JSON. Importing any of them imports no torch: the heavy
 imports happen inside the commands that need them.
 """

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import wait
 from typing import Any
 
-from ..errors import S3Error
+from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, S3Error
 from ..format.context import At, quoted
 from ..format.layout import (
     METADATA_HEAD_BYTES,
@@ -20,6 +20,8 @@ from ..format.layout import (
 )
 from ..uri import parse_s3_uri
 from .common import plain_metadata, s3_client
+from .copies import copy_metadata
+from .nodes import node, ranks_text, runs_on_node, survey
 from .output import format_age, format_size, print_json, print_table
 
 __all__ = ["cmd_ls", "cmd_inspect"]
@@ -35,6 +37,7 @@ def cmd_ls(args) -> int:
     from ..lifecycle.directories import scan_directories
 
     base = parse_s3_uri(args.uri)
+    found = survey(args.local_dir) if args.local_dir else None  # a bad --local-dir: refused before any request
     now = time.time()
     client = s3_client(args)
     by_dir = scan_directories(client, base)
@@ -76,23 +79,28 @@ def cmd_ls(args) -> int:
             "last_modified": newest, "age_s": None if newest is None else max(0.0, now - newest),
         })
     rows.sort(key=lambda r: (r["run"], r["step"] is None, r["step"] or 0, r["name"]))
+    local = None if found is None else runs_on_node(
+        found, base, client, {r["uri"] for r in rows if r["committed"] and r["state"] != "kept_for_references"})
     if args.json:
-        print_json(rows)
+        print_json(rows if local is None else {"checkpoints": rows, **_local_json(found, local)})
         return 0
-    if not rows:
+    if not rows and not local:
         print(f"s3dcp: no checkpoints under {base}", file=sys.stderr)
+        _unusable(found)
         return 0
-    runs: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {run: [] for run in local or ()}
     for r in rows:
         runs.setdefault(r["run"], []).append(r)
+    runs = dict(sorted(runs.items()))
     header = ["NAME", "STEP", "SIZE", "OBJECTS", "STATE", "AGE"]
     headed = len(runs) > 1 or next(iter(runs)) != str(base)
     for i, (run, group) in enumerate(runs.items()):
         if headed:  # one table per run (the checkpoints' parent prefix)
             committed = [r for r in group if r["state"] == "committed" and r["step"] is not None]
-            latest = f", latest committed step {max(r['step'] for r in committed)}" if committed else ""
-            print(f"{'' if i == 0 else chr(10)}{run}/  ({len(group)} checkpoint(s), "
-                  f"{format_size(sum(r['bytes'] for r in group))}{latest})")
+            latest = f", latest in S3: step {max(r['step'] for r in committed)}" if committed else ""
+            print(f"{'' if i == 0 else chr(10)}{run}/  ("
+                  + (f"{len(group)} checkpoint(s), {format_size(sum(r['bytes'] for r in group))}{latest})"
+                     if group else "no checkpoint in S3)"))
         cut = len(run) - len(str(base)) if run != str(base) else 0  # "a/" of "a/step-1"
         print_table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], format_size(r["bytes"]),
                               r["objects"], _ls_state(r, run), format_age(r["age_s"])]
@@ -100,7 +108,42 @@ def cmd_ls(args) -> int:
                     indent=2 if headed else 0)
         for note in _ls_notes(group, run, cut):
             print(f"{'  ' if headed else ''}# {note}")
+        if local and run in local:
+            _print_on_node(found, local[run], indent=2 if headed else 0)
+    _unusable(found)
     return 0
+
+
+def _local_json(found, local: dict) -> dict[str, Any]:
+    """What ``ls --json --local-dir`` adds beside the S3 rows (``checkpoints``)."""
+    return {"local_dir": str(found.local_dir), "node": node(),
+            "local_copies": [row.as_json(run) for run, on in local.items() for row in on.rows],
+            "restart": [on.restart_json() for on in local.values()],
+            "unusable": [{"path": str(path), "why": why} for path, why in found.unusable],
+            "notes": [note for on in local.values() for note in on.notes]}
+
+
+def _print_on_node(found, on, indent: int) -> None:
+    """One run's copies on this node under its S3 table: a row per save, why, and the restart."""
+    pad = " " * indent
+    print(f"{pad}on this node ({node()}, {found.local_dir}):")
+    print_table(["NAME", "STEP", "SAVE", "RANKS", "SIZE", "S3", "STATE"],
+                [[r.name, r.step, r.save_id, ranks_text(r.ranks, r.world_size), format_size(r.nbytes), r.s3, r.state]
+                 for r in on.rows], indent=indent)
+    for r in on.rows:
+        if r.state == "stale":
+            print(f"{pad}# {r.name} (save {r.save_id}): {r.why}: a restore does not use it (retention on the "
+                  "node removes it)")
+        elif r.state == "not used":
+            print(f"{pad}# {r.paths[0]}: {r.why}")
+    for note in on.notes:
+        print(f"{pad}# {note}")
+    print(f"{pad}{on.line}")
+
+
+def _unusable(found) -> None:
+    for path, why in [] if found is None else found.unusable:
+        print(f"# {path}: {why}")
 
 
 def _ls_state(row: dict[str, Any], run: str) -> str:
@@ -182,7 +225,13 @@ def cmd_inspect(args) -> int:
 
     uri = parse_s3_uri(args.uri)
     client = s3_client(args)
-    md = plain_metadata(client, uri)
+    source = None  # where the metadata came from, when not from S3
+    try:
+        md = plain_metadata(client, uri)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        if not args.local_dir:
+            raise
+        md, source = copy_metadata(survey(args.local_dir), uri)  # a step kept on the nodes
     format_version = md.version
     storage = [] if md.storage is None else list(md.storage.items())
     stored: dict[str, int] = {}
@@ -216,6 +265,7 @@ def cmd_inspect(args) -> int:
         "total_bytes": sum(stored.values()),
         **sources(loc for _, loc in storage),  # incremental: bytes written vs inherited per base
         "invalid_items": invalid,
+        **({"metadata_from": source} if source else {}),
     }
     if args.json:
         print_json(report)
@@ -223,6 +273,8 @@ def cmd_inspect(args) -> int:
     extra = "".join(f", {label} {value}" for label, value in (("DCP", md.dcp_version), ("save", report["save_id"]))
                     if value)
     print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
+    if source:
+        print(f"  metadata from this node's copy {source}: S3 holds none of it")
     print(f"\ntensors: {len(tensors)}, {format_size(sum(t['bytes'] for t in tensors))}")
     print_table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
                 [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]

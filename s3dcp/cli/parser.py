@@ -70,15 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("ls", cmd_ls, "list the checkpoints below a prefix (directories holding .metadata or .distcp objects)")
     p.add_argument("uri", help="s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--local-dir", metavar="D", help="also this node's copies in D (a CheckpointManager's local_dir) "
+                   "of the runs below the prefix, and the step a restart would take")
 
     p = command("inspect", cmd_inspect, "show a checkpoint's contents from its metadata alone")
     p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--local-dir", metavar="D", help="where S3 holds no .metadata of it: the one of a copy in D")
 
     p = command("verify", cmd_verify, "download every item and check its checksum (exit 1 if any is bad or has none)")
     p.add_argument("uri", help="s3://bucket/prefix/checkpoint")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--local-dir", metavar="D", help="check this node's copies of it in D instead of S3's objects "
+                   "(against S3's metadata where S3 committed it, else each copy's own)")
 
     p = command("rm", cmd_rm, "delete a checkpoint (its .metadata first, then its data objects)")
     p.add_argument("uri", help="s3://bucket/prefix/checkpoint")

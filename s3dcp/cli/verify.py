@@ -13,6 +13,7 @@ from ..format import integrity, layout
 from ..format.context import At, quoted
 from ..uri import S3Uri, object_key, parse_s3_uri
 from .common import UsageError, plain_metadata, s3_client
+from .copies import cmd_verify_copies
 from .output import format_size, print_json, progress_bar
 
 __all__ = ["cmd_verify", "cmd_download"]
@@ -32,6 +33,8 @@ def cmd_verify(args) -> int:
     from ..format.metadata.declared import problems
     from ..format.metadata.locations import check_item
 
+    if args.local_dir:  # this node's copies of it instead of S3's objects
+        return cmd_verify_copies(args)
     uri = parse_s3_uri(args.uri)
     client = s3_client(args)
     md = plain_metadata(client, uri)  # decoded without torch

@@ -145,7 +145,7 @@ def test_ls_of_a_bucket_groups_checkpoints_by_run(capsys, bucket, s3_config):
     assert code == 0
     blocks = [b.splitlines() for b in out.strip().split("\n\n")]
     assert [b[0].split()[0] for b in blocks] == [f"s3://{bucket}/a/", f"s3://{bucket}/b/x/"]
-    assert "latest committed step 2" in blocks[0][0]
+    assert "latest in S3: step 2" in blocks[0][0]
     assert [line.split()[0] for line in blocks[0][2:]] == ["step-1", "step-2"]
     assert [line.split()[0] for line in blocks[1][2:]] == ["step-5"]
     rows = json.loads(run_cli(capsys, "ls", "--json", f"s3://{bucket}")[1])

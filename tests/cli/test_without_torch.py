@@ -112,3 +112,25 @@ def test_errors_without_torch(bucket, s3_config, boto3_client):
     boto3_client.delete_object(Bucket=bucket, Key=key)
     code, _, err = _cli_without_torch("verify", uri)
     assert code == 1 and "is incomplete" in err
+
+
+def test_the_nodes_copies_without_torch(bucket, s3_config, tmp_path):
+    """``ls``, ``verify`` and ``inspect`` with ``--local-dir`` read the node's copies (markers,
+    .metadata) without torch too."""
+    from s3dcp import CheckpointManager
+
+    run, local_dir = f"s3://{bucket}/tiered", str(tmp_path / "node")
+    m = CheckpointManager(run, config=s3_config, local_dir=local_dir, async_mode=False, s3_every=2)
+    for step in (1, 2):
+        m.save(step, _state())
+    m.close()
+    code, out, err = _cli_without_torch("ls", "--json", run, "--local-dir", local_dir)
+    assert code == 0, err
+    report = json.loads(out)
+    assert [(r["step"], r["s3"]) for r in report["local_copies"]] == [(1, "committed"), (2, "not sent")]
+    assert report["restart"][0]["step"] == 2
+    for step in (1, 2):
+        code, out, err = _cli_without_torch("verify", "--json", f"{run}/step-{step:08d}", "--local-dir", local_dir)
+        assert code == 0 and json.loads(out)["ok"] is True, err
+    code, out, err = _cli_without_torch("inspect", "--json", f"{run}/step-00000002", "--local-dir", local_dir)
+    assert code == 0 and "metadata_from" in json.loads(out), err

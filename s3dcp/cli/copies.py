@@ -21,10 +21,10 @@ from ..format.context import At, quoted
 from ..format.local import LOCAL_METADATA_NAME
 from ..format.metadata import decode_plain
 from ..format.metadata.locations import check_item
-from ..lifecycle.holdings import S3View, check_copy
+from ..lifecycle.holdings import S3View, check_copy, stale_copies
 from ..uri import parse_s3_uri
 from .common import plain_metadata, s3_client
-from .nodes import MAX_LOCAL_METADATA_BYTES, Copy, Survey, node, read_private, report, stale_copies, survey
+from .nodes import MAX_LOCAL_METADATA_BYTES, Copy, Survey, node, read_private, report, survey
 from .output import format_size, print_json, print_table
 
 __all__ = ["cmd_verify_copies", "copy_metadata"]

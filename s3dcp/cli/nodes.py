@@ -28,12 +28,12 @@ from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataFormatError, S3DCPError
 from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, MAX_MARKER_BYTES, LocalMarker, parse_rank_dir
-from ..lifecycle.holdings import Choice, S3View, choose_save
+from ..lifecycle.holdings import Choice, S3View, choose_save, stale_copies
 from ..uri import S3Uri, parse_s3_uri
 from .common import UsageError, plain_metadata
 
 __all__ = ["Copy", "Survey", "SaveRow", "RunOnNode", "survey", "runs_on_node", "s3_view", "judge", "restart",
-           "stale_copies", "report", "node", "ranks_text", "read_private", "MAX_LOCAL_METADATA_BYTES"]
+           "report", "node", "ranks_text", "read_private", "MAX_LOCAL_METADATA_BYTES"]
 
 MAX_LOCAL_METADATA_BYTES = 256 << 20  # a real one is a few MB (4.3 MB for 1,024 ranks x 900 tensors)
 _DIGITS = re.compile(r"\d+")
@@ -216,33 +216,6 @@ def s3_view(client, run: S3Uri, committed: dict[int, str], wanted: set[int]) -> 
 
 
 # ---------------------------------------------------------------------- judging
-def stale_copies(reports: list[tuple[str, dict]], s3: S3View | None,
-                 excluded: frozenset = frozenset()) -> dict[tuple, str]:
-    """(node, step, saving rank) -> why, of every copy :func:`~s3dcp.lifecycle.holdings.choose_save`
-    leaves out whatever step it takes: its rules 1 and 2, as it words them (``reports``, ``s3``
-    and ``excluded`` as there). choose_save names only those of the step it chose; ``ls`` names
-    them for every step. Here until holdings offers it (for choose_save to call);
-    tests/cli/test_local_copies.py checks that the two say the same."""
-    ignored: dict[tuple, str] = {}
-    saves: dict[tuple[int, str], dict] = {}  # (step, save id) -> {"first", "last"}: the saving ranks' clocks
-    seen = {(n, step, rank): m for n, report in reports for (step, rank), m in report.items()}
-    for (n, step, rank), m in sorted(seen.items()):
-        save = saves.setdefault((step, m.save_id), {"first": m.saved_at, "last": m.saved_at})
-        save["first"], save["last"] = min(save["first"], m.saved_at), max(save["last"], m.saved_at)
-        if (n, step, rank) in excluded:
-            continue
-        if s3 is not None and step in s3.save_ids and m.save_id != s3.save_ids[step]:
-            ignored[(n, step, rank)] = f"another save of step {step} than the one S3 committed"
-        elif s3 is not None and m.in_s3 and step not in s3.steps:
-            ignored[(n, step, rank)] = f"step {step} went to S3 and was deleted there since"
-    for (step, save_id), save in saves.items():
-        if any(s <= step and i != save_id and other["first"] > save["last"] for (s, i), other in saves.items()):
-            for (n, s, rank), m in seen.items():
-                if s == step and m.save_id == save_id and (n, s, rank) not in excluded:
-                    ignored.setdefault((n, s, rank), f"step {step} was saved again, or an earlier one, after it")
-    return ignored
-
-
 @dataclass(frozen=True)
 class SaveRow:
     """One save of one step on this node: the ranks whose complete copies it holds (``ranks``,

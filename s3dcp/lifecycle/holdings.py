@@ -17,7 +17,7 @@ from ..errors import MetadataFormatError
 from ..format import integrity
 from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, MAX_MARKER_BYTES, LocalMarker, parse_rank_dir
 
-__all__ = ["Choice", "S3View", "check_copy", "choose_save", "entries", "held", "scan"]
+__all__ = ["Choice", "S3View", "check_copy", "choose_save", "entries", "held", "scan", "stale_copies"]
 
 log = logging.getLogger("s3dcp")
 
@@ -96,10 +96,35 @@ class Choice:
     ignored: tuple = ()
 
 
+def stale_copies(reports: list[tuple[str, dict]], s3: S3View | None,
+                 excluded: frozenset = frozenset()) -> dict[tuple, str]:
+    """(node, step, saving rank) -> why, of every copy a restore leaves out whatever step it
+    takes (rules 1 and 2 of :func:`choose_save`; ``reports``, ``s3`` and ``excluded`` as there).
+    ``s3dcp ls --local-dir`` names them for every step."""
+    ignored: dict[tuple, str] = {}
+    saves: dict[tuple[int, str], dict] = {}  # (step, save id) -> {"first", "last"}: the saving ranks' clocks
+    seen = {(node, step, rank): m for node, report in reports for (step, rank), m in report.items()}
+    for (node, step, rank), m in sorted(seen.items()):
+        save = saves.setdefault((step, m.save_id), {"first": m.saved_at, "last": m.saved_at})
+        save["first"], save["last"] = min(save["first"], m.saved_at), max(save["last"], m.saved_at)
+        if (node, step, rank) in excluded:
+            continue
+        if s3 is not None and step in s3.save_ids and m.save_id != s3.save_ids[step]:
+            ignored[(node, step, rank)] = f"another save of step {step} than the one S3 committed"
+        elif s3 is not None and m.in_s3 and step not in s3.steps:
+            ignored[(node, step, rank)] = f"step {step} went to S3 and was deleted there since"
+    for (step, save_id), save in saves.items():
+        if any(s <= step and i != save_id and other["first"] > save["last"] for (s, i), other in saves.items()):
+            for (node, s, rank), m in seen.items():
+                if s == step and m.save_id == save_id and (node, s, rank) not in excluded:
+                    ignored.setdefault((node, s, rank), f"step {step} was saved again, or an earlier one, after it")
+    return ignored
+
+
 def choose_save(reports: list[tuple[str, dict]], s3: S3View | None, *, wanted: int | None = None,
                 excluded: frozenset = frozenset()) -> Choice | None:
-    """The save a restore takes (see docs/restart.md, "Which save a restore takes"): the newest
-    step (or ``wanted``) that the tiers together hold in full, and of that step one save.
+    """The save a restore takes (see docs/restart.md, "How a restore decides"): the newest step
+    (or ``wanted``) that the tiers together hold in full, and of that step one save.
 
     ``reports``: each rank's (node, {(step, saving rank): LocalMarker}) of the complete copies on
     its node; ``s3``: what S3 holds, or None when it could not be consulted; ``excluded``:
@@ -115,39 +140,21 @@ def choose_save(reports: list[tuple[str, dict]], s3: S3View | None, *, wanted: i
        S3's saves always are. Of the newest step held in full, S3's save where S3 has it, else
        the one made last.
     """
-    ignored: dict[tuple, str] = {}
-    saves: dict[tuple[int, str], dict] = {}  # (step, save id) -> {"ranks", "world", "first", "last"}
-    seen = {}
+    ignored = stale_copies(reports, s3, excluded)  # rules 1 and 2
+    saves: dict[tuple[int, str], dict] = {}  # (step, save id) -> {"ranks", "world", "last"} of its usable copies
     for node, report in reports:
-        for (step, rank), marker in report.items():
-            seen[(node, step, rank)] = marker
-    for (node, step, rank), m in sorted(seen.items()):
-        save = saves.setdefault((step, m.save_id), {"ranks": set(), "world": set(), "first": m.saved_at,
-                                                     "last": m.saved_at})
-        save["first"], save["last"] = min(save["first"], m.saved_at), max(save["last"], m.saved_at)
-        if (node, step, rank) in excluded:
-            continue
-        if s3 is not None and step in s3.save_ids and m.save_id != s3.save_ids[step]:
-            ignored[(node, step, rank)] = f"another save of step {step} than the one S3 committed"
-        elif s3 is not None and m.in_s3 and step not in s3.steps:
-            ignored[(node, step, rank)] = f"step {step} went to S3 and was deleted there since"
-        else:
-            save["ranks"].add(rank)
-            save["world"].add(m.world_size)
-    for (step, save_id), save in saves.items():
-        later = [other for (s, i), other in saves.items() if s <= step and i != save_id and other["first"] > save["last"]]
-        if later:
-            for (node, s, rank), m in seen.items():
-                if s == step and m.save_id == save_id and (node, s, rank) not in excluded:
-                    ignored.setdefault((node, s, rank), f"step {step} was saved again, or an earlier one, after it")
-            save["ranks"] = set()
+        for (step, rank), m in report.items():
+            if (node, step, rank) not in excluded and (node, step, rank) not in ignored:
+                save = saves.setdefault((step, m.save_id), {"ranks": set(), "world": set(), "last": m.saved_at})
+                save["ranks"].add(rank)
+                save["world"].add(m.world_size)
+                save["last"] = max(save["last"], m.saved_at)
     whole = {}  # step -> (save id, made last)
     for (step, save_id), save in saves.items():
         if len(save["world"]) == 1 and save["ranks"] == set(range(next(iter(save["world"])))):
             if step not in whole or save["last"] > whole[step][1]:
                 whole[step] = (save_id, save["last"])
-    candidates = sorted(set(whole) | (s3.steps if s3 is not None else set()), reverse=True)
-    for step in candidates:
+    for step in sorted(set(whole) | (s3.steps if s3 is not None else set()), reverse=True):
         if wanted is not None and step != wanted:
             continue
         in_s3 = s3 is not None and step in s3.steps

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3dcp import CheckpointManager, S3StorageWriter
-from s3dcp.cli.nodes import stale_copies
+from s3dcp.lifecycle.holdings import stale_copies
 from s3dcp.errors import CheckpointNotFoundError
 from s3dcp.format import integrity
 from s3dcp.format.local import LocalMarker
@@ -269,7 +269,8 @@ def _marker(step, save_id, rank, world, in_s3, saved_at):
 
 @pytest.mark.parametrize("case", ["deleted", "another save", "rolled back", "partial"])
 def test_stale_copies_says_what_choose_save_says(case):
-    """stale_copies names, for every step, what choose_save names for the step it takes."""
+    """The copies a restore leaves out whatever step it takes (what `ls --local-dir` names), and the
+    same ones choose_save names for the step it takes."""
     a = {(2, 0): _marker(2, "a2", 0, 1, True, 10.0), (4, 0): _marker(4, "a4", 0, 1, False, 20.0),
          (6, 0): _marker(6, "a6", 0, 1, True, 30.0)}
     reports, s3 = [("n0", a)], S3View(frozenset({2, 6}), {6: "a6", 2: "a2"})

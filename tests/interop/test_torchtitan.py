@@ -409,13 +409,27 @@ def test_example_is_killed_and_resumes_with_identical_losses(tmp_path):
             "is never reached") in again.stdout, again.stdout
 
 
-def test_example_uses_a_configured_endpoint(s3_server, demo_bucket, tmp_path):
-    """With an endpoint configured and no --folder: s3://demo/torchtitan there (it used to exit 1)."""
+def test_example_uses_a_configured_endpoint_and_the_local_tier(s3_server, demo_bucket, boto3_client, tmp_path):
+    """With an endpoint configured and no --folder: s3://demo/torchtitan there (it used to exit 1). With
+    --local-dir and --s3-every 2 (the example used to ask for incremental saves, which the local tier
+    refuses): step 2 goes to S3, step 4 stays on the node, and the resumed job reads step 4 from there."""
+    node = tmp_path / "node"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(EXAMPLES, "torchtitan_s3.py"), "--steps", "4", "--interval", "2"],
+                           os.path.join(EXAMPLES, "torchtitan_s3.py"), "--steps", "4", "--interval", "2",
+                           "--local-dir", str(node), "--s3-every", "2"],
                           capture_output=True, text=True, env={**_env(), **s3_server.env()}, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
     assert f"# the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under s3://demo/torchtitan" \
         in done.stdout
     assert not (tmp_path / "s3dcp-example-data").exists()  # no embedded server was started
-    _no_warnings(done.stdout + done.stderr)
+    _no_warnings(out)
+    steps = {o["Key"].split("/")[1] for o in boto3_client.list_objects_v2(Bucket="demo", Prefix="torchtitan/")
+             .get("Contents", [])}
+    assert steps == {"step-2"}, steps
+    assert out.count("s3dcp: checkpoint step 2 committed to s3://demo/torchtitan/step-2 (and kept on the node, "
+                     f"{node / 'step-2'})") == 2, out  # a line per rank
+    assert out.count(f"s3dcp: checkpoint step 4 kept on the node ({node / 'step-4'}), not in S3") == 2, out
+    assert "step 4 committed" not in out
+    assert "Loaded step 4 from the local tier in " in out and "'s3': 0}" in out, out
+    assert "# resumed at step 4: " in done.stdout and " tensors identical" in done.stdout, done.stdout

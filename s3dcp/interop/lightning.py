@@ -46,6 +46,7 @@ from ..s3.client import S3Client
 from ..saving.writer import S3StorageWriter, SaveStats
 from ..uri import is_s3_uri, parse_s3_uri
 from . import lightning_fs, lightning_local
+from .lightning_dict import REST, destinations, join, pickled, split
 
 try:
     import torch.distributed.checkpoint as dcp
@@ -57,9 +58,6 @@ except ImportError as e:  # pragma: no cover - depends on the install
 __all__ = ["S3CheckpointIO", "S3ModelCheckpoint"]
 
 log = logging.getLogger("s3dcp")
-
-_REST = "__lightning_rest__"  # the item holding everything that is not a tensor
-_SLOT = "__s3dcp_tensor__"  # marks where a tensor was, in the pickled rest
 
 
 class S3CheckpointIO(CheckpointIO):
@@ -112,8 +110,8 @@ class S3CheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         uri = _s3_path(path)
         self._saves.raise_finished()
-        tensors, rest = _split(checkpoint)
-        tensors[_REST] = _pickled(rest)
+        tensors, rest = split(checkpoint)
+        tensors[REST] = pickled(rest)
         base = self._base_for(uri) if self.incremental else None
         copy = lightning_local.copy_for(self.local_dir, uri)
         writer = S3StorageWriter(uri, config=self.config, client=self.client, overwrite=True,
@@ -184,17 +182,17 @@ class S3CheckpointIO(CheckpointIO):
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         # bytes from storage: plain data only, unless the caller asked for more in so many words
-        rest = torch.load(io.BytesIO(state.pop(_REST).numpy().tobytes()),
+        rest = torch.load(io.BytesIO(state.pop(REST).numpy().tobytes()),
                           weights_only=True if weights_only is None else weights_only)
         if isinstance(map_location, (str, torch.device)):
             state = {k: v.to(map_location) for k, v in state.items()}
-        return _join(rest, state)
+        return join(rest, state)
 
     def _load_with(self, reader: S3StorageReader, uri: str) -> dict[str, Any]:
         try:
-            state = _destinations(reader.read_metadata(), uri)
-            if _REST not in state:
-                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
+            state = destinations(reader.read_metadata(), uri)
+            if REST not in state:
+                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {REST} item)")
             dcp.load(state, storage_reader=reader, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
@@ -326,67 +324,6 @@ def _this_rank_alone() -> dict[str, Any]:
             _alone[1] = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
             _alone[0] = dist.group.WORLD
         return {"process_group": _alone[1], "no_dist": False}
-
-
-# ---------------------------------------------------------------------- the checkpoint dict
-def _split(checkpoint: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """The tensors of ``checkpoint`` by a path-derived name, and ``checkpoint`` with each tensor
-    replaced by ``(_SLOT, name)``."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            name = path or "tensor"
-            if name in tensors or name == _REST:
-                name = f"{name}#{len(tensors)}"
-            tensors[name] = obj.detach()
-            return (_SLOT, name)
-        if type(obj) is dict:
-            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj))
-        return obj  # anything else (tensors inside included) is pickled with the rest
-
-    return tensors, walk(checkpoint, "")
-
-
-def _join(rest: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    def walk(obj: Any) -> Any:
-        if type(obj) is tuple and len(obj) == 2 and obj[0] == _SLOT:
-            return tensors[obj[1]]
-        if type(obj) is dict:
-            return {k: walk(v) for k, v in obj.items()}
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v) for v in obj)
-        return obj
-
-    return walk(rest)
-
-
-def _destinations(metadata: Any, uri: str) -> dict[str, torch.Tensor]:
-    """An empty tensor for each tensor the (untrusted) metadata declares, allocated only once its
-    size agrees with the bytes its items say are stored."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    stored: dict[str, int] = {}
-    for index, location in (metadata.storage_data or {}).items():
-        stored[index.fqn] = stored.get(index.fqn, 0) + location.length
-    state = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
-        if nbytes != stored.get(fqn, 0):
-            raise MetadataFormatError(f"{uri}: item {fqn!r} declares {tuple(md.size)} {md.properties.dtype} ({nbytes} bytes) "
-                              f"but its stored chunks hold {stored.get(fqn, 0)} bytes; refusing to load it")
-        state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-    return state
-
-
-def _pickled(rest: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(rest, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def _s3_path(path: Any) -> str:

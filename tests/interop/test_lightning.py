@@ -99,7 +99,7 @@ def test_a_tensor_whose_declared_size_disagrees_with_its_stored_bytes_is_refused
 
     from s3dcp.errors import MetadataFormatError
     from s3dcp.format.layout import ItemLocation
-    from s3dcp.interop.lightning import _destinations
+    from s3dcp.interop.lightning_dict import destinations
 
     huge = torch.Size([1 << 20, 1 << 20])  # 4 TiB of float32 declared, 16 bytes stored
     md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
@@ -107,7 +107,7 @@ def test_a_tensor_whose_declared_size_disagrees_with_its_stored_bytes_is_refused
         chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=huge)])},
         storage_data={MetadataIndex("w", torch.Size([0, 0])): ItemLocation("__0_0.x.distcp", 0, 16, None)})
     with pytest.raises(MetadataFormatError, match="'w' declares"):
-        _destinations(md, "s3://b/x.ckpt")
+        destinations(md, "s3://b/x.ckpt")
 
 
 def test_async_save_removal_waits_for_the_commit_and_keeps_on_failure(s3_config, uri, s3_server):

@@ -204,6 +204,7 @@ class S3CheckpointIO(CheckpointIO):
         try:
             node = self._tier.reader_for(uri, self.client) if self._tier is not None else None
             state = self._load_node_copy(node, uri, bytes_from) if node is not None else None
+            tier = "local" if state is not None and not bytes_from["s3"] else "s3"
             if state is None:
                 reader = S3StorageReader(uri, config=self.config, client=self.client)
                 state = self._load_with(reader, uri)
@@ -216,7 +217,6 @@ class S3CheckpointIO(CheckpointIO):
         if isinstance(map_location, (str, torch.device)):
             state = {k: v.to(map_location) for k, v in state.items()}
         step = rest.get("global_step") if isinstance(rest, dict) else None
-        tier = "s3" if bytes_from["s3"] else "local"
         seconds = time.perf_counter() - began
         self.last_load_stats = {"path": uri, "step": step, "tier": tier, "local_bytes": bytes_from["local"],
                                 "peer_bytes": 0, "s3_bytes": bytes_from["s3"], "seconds": seconds}

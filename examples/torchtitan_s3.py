@@ -8,7 +8,14 @@ The training pieces are torchtitan's own (``OptimizersContainer``, ``LRScheduler
 ``ParallelAwareDataloader``, FSDP2 on a small model) and so is the checkpoint manager: the one
 line that changes is the checkpoint config, ``S3CheckpointManager.Config(folder="s3://...")``
 instead of ``CheckpointManager.Config(folder=...)``. Its settings are torchtitan's (interval,
-``async_mode``, ``keep_latest_k``, ``last_save_model_only``, ...) plus s3dcp's ``incremental``.
+``async_mode``, ``keep_latest_k``, ``last_save_model_only``, ...) plus s3dcp's ``incremental``
+(on here) or its local tier: ``--local-dir /dev/shm/titan --s3-every 2`` keeps every checkpoint
+on the node too and sends every second one to S3 (the first included), and a resume reads the
+newest step from the node's copies (docs/restart.md; ``--local-replicas 1``, with ranks on two
+or more nodes, also keeps each rank's copy on another node). The local tier saves whole
+checkpoints (a step kept on the node only cannot reference S3's objects): ``incremental`` is
+then off. torchtitan's log says where each step went ("committed to s3://…" or "kept on the
+node …, not in S3") and which tier a resume read.
 
 Without ``--crash-at-step`` the script trains ``--steps`` steps, then builds every component
 afresh (another random init) and loads the newest committed checkpoint into it: the resumed
@@ -106,7 +113,9 @@ def checkpointer(args, folder: str, s3_config: S3Config | None, parts, train_sta
         enable=True, folder=folder, interval=args.interval, async_mode=args.async_mode, keep_latest_k=3,
         last_save_model_only=False,  # the last step too can be resumed from
         initial_load_model_only=False,  # torchtitan's default (True) only matters with an initial_load_path
-        incremental=folder.startswith("s3://"))
+        incremental=folder.startswith("s3://") and not args.local_dir,  # the local tier saves whole steps
+        **(dict(local_dir=args.local_dir, s3_every=args.s3_every or 1, local_replicas=args.local_replicas or 0)
+           if args.local_dir else {}))
     return config.build(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
                         states={"train_state": train_state}, sd_adapter=None, base_folder=os.getcwd(),
                         **({"s3_config": s3_config} if s3_config is not None else {}))
@@ -162,7 +171,18 @@ def main(argv=None) -> int:
     parser.add_argument("--server-dir", default="s3dcp-example-data",
                         help="the embedded server's data, kept between runs (default ./s3dcp-example-data)")
     parser.add_argument("--loss-log", metavar="FILE", help="rank 0 appends {step, loss} JSON lines here")
+    parser.add_argument("--local-dir", metavar="DIR", help="the local tier: every checkpoint also kept in DIR "
+                                                            "on the node (a tmpfs such as /dev/shm/titan); "
+                                                            "incremental saves are then off")
+    parser.add_argument("--s3-every", type=int, metavar="K", help="with --local-dir: every K-th checkpoint (the "
+                                                                 "first included) also goes to S3 (default 1)")
+    parser.add_argument("--local-replicas", type=int, metavar="R", help="with --local-dir: 1 also keeps each "
+                                                                       "rank's copy on a rank of another node")
     args = parser.parse_args(argv)
+    if not args.local_dir and (args.s3_every is not None or args.local_replicas is not None):
+        parser.error("--s3-every and --local-replicas are settings of the local tier: give --local-dir too")
+    if args.local_dir and args.folder and not args.folder.startswith("s3://"):
+        parser.error(f"--local-dir keeps copies of S3 checkpoints: it needs an s3:// --uri, not {args.folder}")
 
     from torchtitan.tools.logging import init_logger
 

@@ -12,6 +12,13 @@ uninterrupted one would (printed with ``float.hex`` to show they are bit for bit
 stays an incomplete checkpoint that resuming ignores (``s3dcp gc`` removes it later). A run
 that finds ``--steps`` already saved says there is nothing left to train.
 
+The local tier (docs/restart.md): ``--local-dir /dev/shm/fsdp2 --s3-every 3`` keeps every
+checkpoint on the node too and sends only every third one to S3 (the first included); a restart
+resumes from the newest step the node's copies (or S3) hold, read from the node
+(``--local-replicas 1``, with ranks on two or more nodes, also keeps each rank's copy on a rank
+of another node). The resumed line says where the bytes came from; the last line says which
+steps S3 holds and whether this run's last save is on the nodes only.
+
 Where the checkpoints go: ``--uri s3://bucket/run`` (default ``s3://demo/fsdp2``) with S3 settings
 from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``, credentials), as for any AWS SDK
 and as ``eval "$(s3dcp server --print-env)"`` leaves them. With no endpoint configured, rank 0
@@ -42,6 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from s3dcp import CheckpointManager, S3Config
+from s3dcp.errors import CheckpointNotFoundError
 
 DEFAULT_BUCKET = "demo"
 
@@ -107,6 +115,29 @@ def checkpoint_target(args, rank: int, stack: ExitStack) -> tuple[str, S3Config]
     return uri, found[0]
 
 
+def _came_from(manager: CheckpointManager) -> str:
+    """Where the local tier's restore read the bytes from (every rank's, added up)."""
+    stats = manager.last_load_stats
+    if stats is None:
+        return ""
+    job = stats["job_bytes"]
+    return (f", read from the {stats['tier']} tier ({job['local']} bytes from the nodes' copies, {job['peer']} "
+            f"from peer nodes, {job['s3']} from S3)")
+
+
+def _where(manager: CheckpointManager, uri: str, local_dir: str) -> str:
+    """Which steps S3 holds, and where this run's last save went (a local-only step is not durable)."""
+    in_s3 = [info.step for info in manager.list() if info.committed]
+    said = f"S3 holds step(s) {', '.join(map(str, in_s3)) or 'none'} of {uri}"
+    writer = manager.last_writer
+    if writer is None:
+        return said + "; this run saved nothing"
+    step = writer.local_copy.step
+    if writer.upload:
+        return said + f"; this run's last save, step {step}, is there (and on the nodes)"
+    return said + f"; this run's last save, step {step}, is on the nodes only ({local_dir}), not in S3"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--uri", help="s3://bucket/run (default: s3://demo/fsdp2 on the configured endpoint, else on "
@@ -118,7 +149,15 @@ def main(argv=None) -> int:
     parser.add_argument("--server-dir", default="s3dcp-example-data",
                         help="the embedded server's data, kept between runs (default ./s3dcp-example-data)")
     parser.add_argument("--loss-log", metavar="FILE", help="rank 0 appends {step, loss} JSON lines here")
+    parser.add_argument("--local-dir", metavar="DIR", help="the local tier: every checkpoint also kept in DIR "
+                                                            "on the node (a tmpfs such as /dev/shm/fsdp2)")
+    parser.add_argument("--s3-every", type=int, metavar="K", help="with --local-dir: every K-th checkpoint (the "
+                                                                 "first included) also goes to S3 (default 1)")
+    parser.add_argument("--local-replicas", type=int, metavar="R", help="with --local-dir: 1 also keeps each "
+                                                                       "rank's copy on a rank of another node")
     args = parser.parse_args(argv)
+    if not args.local_dir and (args.s3_every is not None or args.local_replicas is not None):
+        parser.error("--s3-every and --local-replicas are settings of the local tier: give --local-dir too")
 
     # NCCL wants a GPU of its own per rank; with fewer GPUs than local ranks, train on the CPU.
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -136,20 +175,31 @@ def main(argv=None) -> int:
         # a background thread while training runs its own; on one shared gloo group the two
         # interleave and hang (or abort).
         checkpoint_group = dist.new_group(backend="gloo")
-        manager = CheckpointManager(uri, config=config, keep_last=3, process_group=checkpoint_group)
+        tier = dict(local_dir=args.local_dir, s3_every=args.s3_every or 1,
+                    local_replicas=args.local_replicas or 0) if args.local_dir else {}
+        manager = CheckpointManager(uri, config=config, keep_last=3, process_group=checkpoint_group, **tier)
 
-        start = manager.latest() or 0
-        if start:
-            try:
-                manager.load(state, step=start)
-            except ValueError as e:  # DCP: "Size mismatch between saved ... and current ..."
-                print(f"error: rank {rank}: cannot resume from {manager.uri(start)}: {e}. Checkpoints are kept "
-                      f"between runs and these hold another model (another --width?): pass another --uri "
-                      f"(or --server-dir), or delete them (s3dcp ls {uri}/ lists them; s3dcp rm URI --yes)",
-                      file=sys.stderr)
-                return 2
+        start = 0
+        try:
+            if args.local_dir:  # the newest step the nodes' copies and S3 hold, from the nearest
+                start = manager.load(state)
+            else:
+                start = manager.latest() or 0
+                if start:
+                    manager.load(state, step=start)
+        except CheckpointNotFoundError:
+            start = 0
+        except ValueError as e:  # DCP: "Size mismatch between saved ... and current ..."
+            which = manager.uri(start) if start else f"the newest checkpoint of {uri}"
+            print(f"error: rank {rank}: cannot resume from {which}: {e}. Checkpoints are kept "
+                  f"between runs and these hold another model (another --width?): pass another --uri "
+                  f"(or --server-dir), or delete them (s3dcp ls {uri}/ lists them; s3dcp rm URI --yes)",
+                  file=sys.stderr)
+            return 2
         if rank == 0:
-            print(f"# {world} rank(s) on {device.type}; " + (f"resumed from {manager.uri(start)}" if start
+            resumed = (f"resumed from step {start} of {uri}{_came_from(manager)}" if args.local_dir
+                       else f"resumed from {manager.uri(start)}")  # a step of the local tier may not be in S3
+            print(f"# {world} rank(s) on {device.type}; " + (resumed if start
                                                             else f"no checkpoint under {uri}: starting at step 1"),
                   flush=True)
             if start >= args.steps:
@@ -184,7 +234,9 @@ def main(argv=None) -> int:
                 manager.save(step, state)  # returns once staged; the upload runs behind training
         manager.close()  # the last upload is durable before the job ends
         latest = manager.latest()  # collective: every rank asks
-        if rank == 0:
+        if rank == 0 and args.local_dir:
+            print(f"# done at step {args.steps}; {_where(manager, uri, args.local_dir)}", flush=True)
+        elif rank == 0:
             print(f"# done at step {args.steps}; latest checkpoint {manager.uri(latest)}", flush=True)
         if log:
             log.close()

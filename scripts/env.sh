@@ -27,7 +27,7 @@ s3dcp_env() {
     # the extras installed so far on the second (demo's and test's accumulate, so that running
     # one after the other installs nothing twice).
     stamp=$venv/.s3dcp-installed
-    want="$("$venv/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$root/pyproject.toml") $TORCH_SPEC ${TORCH_INDEX_URL:-}"
+    want="$("$venv/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$root/pyproject.toml") $TORCH_SPEC ${TORCH_INDEX_URL:-} editable=compat"
     local have="" have_extras="" e missing=""
     if [ -f "$stamp" ]; then
         have=$(sed -n 1p "$stamp")
@@ -50,7 +50,10 @@ s3dcp_env() {
             force=(--force-reinstall --no-deps)
         fi
         "$venv/bin/python" -m pip install -q ${force[@]+"${force[@]}"} "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" -e "$root[$extras]"
+        # editable_mode=compat: the clone on sys.path (a .pth), so `import s3dcp` finds this
+        # package also from the folder holding a clone named s3dcp (with setuptools' default
+        # import hook, that clone folder is found first, as an empty namespace package)
+        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" -e "$root[$extras]" --config-settings editable_mode=compat
         printf '%s\n%s\n' "$want" "$extras" >"$stamp"
     fi
     S3DCP_ROOT=$root

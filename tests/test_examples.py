@@ -49,10 +49,12 @@ def _losses(path) -> list[dict]:
 
 
 @pytest.mark.multiproc
-def test_train_fsdp2_is_killed_and_resumes_with_identical_losses(tmp_path):
+def test_train_fsdp2_is_killed_and_resumes_from_the_nodes_copy_with_identical_losses(tmp_path):
+    """With the local tier on: saves at 2 (S3 too), 4 and 6 (the node only: --s3-every 3), killed at 8;
+    the next run resumes from the node's copy of 4 or 6, nothing read from S3."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 os.path.join(EXAMPLES, "train_fsdp2.py"), "--server-dir", str(tmp_path / "data"),
-                "--steps", "8", "--every", "3"]
+                "--steps", "8", "--every", "2", "--local-dir", str(tmp_path / "node"), "--s3-every", "3"]
     crashed = subprocess.run([*torchrun, "--crash-at-step", "8", "--loss-log", str(tmp_path / "first.jsonl")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), timeout=300,
                              cwd=tmp_path)  # one stream, as a terminal shows it
@@ -73,10 +75,20 @@ def test_train_fsdp2_is_killed_and_resumes_with_identical_losses(tmp_path):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     second = _losses(tmp_path / "second.jsonl")
     start = second[0]["resumed_from"]
-    assert start in (3, 6), start  # step 6 may have been uploading when the job was killed
+    assert start in (4, 6), start  # step 6 may have been being written when the job was killed
     assert [r["step"] for r in second] == list(range(start + 1, 9))
     assert {r["step"]: r["loss"] for r in second} == {s: first[s] for s in range(start + 1, 9)}  # bit for bit
-    assert "latest checkpoint s3://demo/fsdp2/step-00000006" in resumed.stdout
+    assert f"resumed from step {start} of s3://demo/fsdp2, read from the local tier (" in resumed.stdout
+    assert " from peer nodes, 0 from S3)" in resumed.stdout, resumed.stdout
+    # the resumed run's first save goes to S3 (6 or 8), its next one stays on the node (8, from step 4);
+    # the node-only steps of the first run (4, and 6 if it was resumed from) never reached S3
+    if start == 6:
+        done = ("S3 holds step(s) 2, 8 of s3://demo/fsdp2; this run's last save, step 8, is there (and on the "
+                "nodes)")
+    else:
+        done = (f"S3 holds step(s) 2, 6 of s3://demo/fsdp2; this run's last save, step 8, is on the nodes only "
+                f"({tmp_path / 'node'}), not in S3")
+    assert f"# done at step 8; {done}" in resumed.stdout, resumed.stdout
     _no_warnings(resumed.stdout + resumed.stderr)
     no_process_mentions(tmp_path, by=server_gone_by)
 

@@ -23,7 +23,7 @@ from s3dcp.errors import ConfigError
 from s3dcp import _seaweed_process
 from s3dcp.testing import SeaweedServer, SeaweedStartError, find_weed
 
-from processes import no_process_mentions
+from processes import interruptible, no_process_mentions
 
 
 def _error_code(excinfo) -> tuple[int, str]:
@@ -348,7 +348,7 @@ def test_missing_weed_says_how_to_install_it(monkeypatch, tmp_path):
 
 def test_command_line_prints_env_and_stops_on_ctrl_c():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "s3dcp.testing", "--bucket", "cli-bucket"],
+        interruptible([sys.executable, "-m", "s3dcp.testing", "--bucket", "cli-bucket"]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,7 +8,11 @@
              ──► S3StorageWriter: staged into s3dcp's host pool (async_save=True) or not, uploaded by
                  the CRT, committed by .metadata written last
     load_checkpoint(path)        .metadata ──► every item read (checksums verified) ──► the dict again
-                                 (the rest unpickled with torch.load(weights_only=...) as Lightning asks)
+                                 (the rest unpickled with torch.load(weights_only=...) as Lightning asks);
+                                 one INFO line and last_load_stats: the tier, bytes and seconds
+    local_dir, s3_every          every checkpoint also kept on the node, every s3_every-th checkpoint
+                                 step sent to S3 too, a load read from the node's copy when it is the
+                                 save S3 would give (lightning_local.py)
     remove_checkpoint(path)      after the saves in flight have committed (kept if one failed):
                                  .metadata first, then the objects no other checkpoint references
 
@@ -33,6 +37,7 @@ import logging
 import os
 import re
 import threading
+import time
 from typing import Any
 
 import torch
@@ -45,7 +50,9 @@ from ..loading.reader import S3StorageReader
 from ..s3.client import S3Client
 from ..saving.writer import S3StorageWriter, SaveStats
 from ..uri import is_s3_uri, parse_s3_uri
-from . import lightning_fs, lightning_local
+from . import lightning_fs
+from .lightning_dict import REST, destinations, join, pickled, split
+from .lightning_local import NodeCopy, NodeTier
 
 try:
     import torch.distributed.checkpoint as dcp
@@ -57,9 +64,6 @@ except ImportError as e:  # pragma: no cover - depends on the install
 __all__ = ["S3CheckpointIO", "S3ModelCheckpoint"]
 
 log = logging.getLogger("s3dcp")
-
-_REST = "__lightning_rest__"  # the item holding everything that is not a tensor
-_SLOT = "__s3dcp_tensor__"  # marks where a tensor was, in the pickled rest
 
 
 class S3CheckpointIO(CheckpointIO):
@@ -76,16 +80,33 @@ class S3CheckpointIO(CheckpointIO):
             same directory is stored as a reference to it, not uploaded again (``last.ckpt`` saved
             right after ``epoch=…-step=….ckpt`` uploads nothing but the rest). Deletion keeps what
             a remaining checkpoint references.
+        local_dir: every checkpoint also kept in this directory of the node, and loaded from
+            there while it is complete, intact and the save S3 would give (docs/trainers.md).
+        s3_every: with ``local_dir``, every K-th checkpoint step this plugin saves (Lightning's
+            ``global_step``; the first included, and every file saved at that step) goes to S3;
+            the others are kept on the node only: a job on this node resumes from them, a job
+            elsewhere from the newest in S3. The count starts again with each plugin (each run).
+
+    :attr:`last_load_stats`: the figures of the last load on this rank (``path``, ``step``,
+    ``tier`` — ``"local"`` or ``"s3"``, ``local_bytes``, ``peer_bytes``, ``s3_bytes``,
+    ``seconds``), as :attr:`s3dcp.CheckpointManager.last_load_stats`.
     """
 
     def __init__(self, *, config: S3Config | None = None, async_save: bool = False, incremental: bool = False,
-                 local_dir: str | os.PathLike | None = None) -> None:
+                 local_dir: str | os.PathLike | None = None, s3_every: int = 1) -> None:
         if local_dir is not None and incremental:
-            raise ConfigError("S3CheckpointIO: local_dir= and incremental=True cannot go together")
+            raise ConfigError("S3CheckpointIO: local_dir= and incremental=True cannot go together: a checkpoint "
+                              "kept on the node only would reference objects in S3")
+        if local_dir is None and s3_every != 1:
+            raise ConfigError(f"S3CheckpointIO: s3_every={s3_every!r} keeps the other checkpoints on the node only: "
+                              "it needs local_dir= (a directory of the node, e.g. /dev/shm/<run>)")
         self.config = config or S3Config()
         self.async_save = async_save
         self.incremental = incremental
         self.local_dir = local_dir  # every checkpoint also kept here, loaded from here when intact
+        self._tier = None if local_dir is None else NodeTier(local_dir, s3_every)
+        self.s3_every = s3_every
+        self.last_load_stats: dict | None = None
         self._client: S3Client | None = None
         self._lock = threading.Lock()  # _committed
         self._saves = InFlight()
@@ -112,19 +133,27 @@ class S3CheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         uri = _s3_path(path)
         self._saves.raise_finished()
-        tensors, rest = _split(checkpoint)
-        tensors[_REST] = _pickled(rest)
+        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        tensors, rest = split(checkpoint)
+        tensors[REST] = pickled(rest)
         base = self._base_for(uri) if self.incremental else None
-        copy = lightning_local.copy_for(self.local_dir, uri)
+        to_s3 = self._tier is None or self._tier.goes_to_s3(step)
+        copy = None if self._tier is None else self._tier.copy_for(uri, in_s3=to_s3)
         writer = S3StorageWriter(uri, config=self.config, client=self.client, overwrite=True,
                                  incremental_from=base, item_checksum="crc64nvme" if self.incremental else None,
-                                 local_copy=copy)
+                                 local_copy=copy, upload=to_s3)
         self.last_writer = writer
+
+        def commit(metadata: Any) -> None:
+            if copy is not None:
+                self._tier.committed(copy, metadata, in_s3=to_s3, step=step)
+            if to_s3:
+                self._committed_at(uri)
+
         try:
             if not self.async_save:
-                metadata = dcp.save(tensors, storage_writer=writer, **_this_rank_alone())
-                lightning_local.commit(copy, metadata)
-                self._committed_at(uri)
+                commit(dcp.save(tensors, storage_writer=writer, **_this_rank_alone()))
                 return
             response = dcp.async_save(tensors, storage_writer=writer, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -137,7 +166,7 @@ class S3CheckpointIO(CheckpointIO):
 
         def committed(f: concurrent.futures.Future) -> None:
             try:
-                lightning_local.commit(copy, f.result())
+                commit(f.result())
             except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
                 error = unwrap_error(e)
                 log.error("checkpoint %s failed: %s: %s", uri, type(error).__name__, error)
@@ -145,7 +174,6 @@ class S3CheckpointIO(CheckpointIO):
                     copy.discard()
                 done.set_exception(error)
                 return
-            self._committed_at(uri)
             done.set_result(None)
 
         self._saves.add(done)
@@ -165,36 +193,66 @@ class S3CheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint at ``path`` (``s3://`` or ``s3dcp://``), as it was saved; a missing or
+        """The checkpoint at ``path`` (``s3://`` or ``s3dcp://``), as it was saved: from this
+        node's copy when there is one S3 agrees with (``local_dir``), else from S3; a missing or
         uncommitted one raises :class:`~s3dcp.errors.CheckpointNotFoundError` (a
-        ``FileNotFoundError``) or :class:`~s3dcp.errors.IncompleteCheckpointError`."""
+        ``FileNotFoundError``) or :class:`~s3dcp.errors.IncompleteCheckpointError`. Sets
+        :attr:`last_load_stats` and logs one INFO line (tier, bytes, seconds)."""
         uri = _s3_path(path)
-        local = lightning_local.reader_for(self.local_dir, uri, self.client)
+        began = time.perf_counter()
+        bytes_from = {"local": 0, "s3": 0}
         try:
-            try:
-                state = self._load_with(local, uri) if local is not None else None
-            except (IntegrityError, MetadataFormatError) as e:  # a corrupt local copy: S3 has the checkpoint
-                log.warning("the local copy of %s is corrupt (%s); loading it from S3", uri, e)
-                state = None
-            finally:
-                if local is not None:
-                    local.client.close()  # its local-read threads
+            node = self._tier.reader_for(uri, self.client) if self._tier is not None else None
+            state = self._load_node_copy(node, uri, bytes_from) if node is not None else None
+            tier = "local" if state is not None and not bytes_from["s3"] else "s3"
             if state is None:
-                state = self._load_with(S3StorageReader(uri, config=self.config, client=self.client), uri)
+                reader = S3StorageReader(uri, config=self.config, client=self.client)
+                state = self._load_with(reader, uri)
+                bytes_from["s3"] += reader.last_read_bytes
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
         # bytes from storage: plain data only, unless the caller asked for more in so many words
-        rest = torch.load(io.BytesIO(state.pop(_REST).numpy().tobytes()),
+        rest = torch.load(io.BytesIO(state.pop(REST).numpy().tobytes()),
                           weights_only=True if weights_only is None else weights_only)
         if isinstance(map_location, (str, torch.device)):
             state = {k: v.to(map_location) for k, v in state.items()}
-        return _join(rest, state)
+        step = rest.get("global_step") if isinstance(rest, dict) else None
+        seconds = time.perf_counter() - began
+        self.last_load_stats = {"path": uri, "step": step, "tier": tier, "local_bytes": bytes_from["local"],
+                                "peer_bytes": 0, "s3_bytes": bytes_from["s3"], "seconds": seconds}
+        log.info("restored %s (step %s) from %s: %d bytes from the node's copy, %d from S3, in %.2f s", uri, step,
+                 "S3" if tier == "s3" else f"the node's copy ({node.dir})", bytes_from["local"], bytes_from["s3"],
+                 seconds)
+        return join(rest, state)
+
+    def _load_node_copy(self, node: NodeCopy, uri: str, bytes_from: dict) -> dict[str, Any] | None:
+        """The state read from this node's copy of ``uri``; None when the copy is corrupt and S3
+        holds the checkpoint (then S3's is loaded). A corrupt copy kept on the node only is
+        another save than S3's (or the only one): S3's earlier save is loaded with a warning
+        that says so, and with none in S3 the corruption is raised."""
+        try:
+            return self._load_with(node.reader, uri)
+        except (IntegrityError, MetadataFormatError) as e:
+            if node.in_s3:
+                log.warning("the local copy of %s (%s) is corrupt (%s); loading it from S3", uri, node.dir, e)
+                return None
+            if node.s3_holds is None:
+                raise IntegrityError(f"the local copy of {uri} ({node.dir}) is corrupt ({e}); it was kept on the node "
+                                     f"only (s3_every={self.s3_every}) and S3 holds no checkpoint {uri}: nothing "
+                                     "intact is left to load. Resume from another checkpoint") from e
+            log.warning("the local copy of %s (%s) is corrupt (%s); it was kept on the node only (s3_every=%d): "
+                        "loading S3's earlier save of that name instead", uri, node.dir, e, self.s3_every)
+            return None
+        finally:
+            node.client.close()  # its local-read threads
+            bytes_from["local"] += node.client.bytes["local"]
+            bytes_from["s3"] += node.client.bytes["s3"]
 
     def _load_with(self, reader: S3StorageReader, uri: str) -> dict[str, Any]:
         try:
-            state = _destinations(reader.read_metadata(), uri)
-            if _REST not in state:
-                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {_REST} item)")
+            state = destinations(reader.read_metadata(), uri)
+            if REST not in state:
+                raise ConfigError(f"{uri} is not a Lightning checkpoint saved by S3CheckpointIO (no {REST} item)")
             dcp.load(state, storage_reader=reader, **_this_rank_alone())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise unwrap_error(e)
@@ -229,7 +287,8 @@ class S3CheckpointIO(CheckpointIO):
     def _delete(self, uri: str) -> None:
         with self._lock:
             self._committed = {p: u for p, u in self._committed.items() if u != uri}
-        lightning_local.remove(self.local_dir, uri)
+        if self._tier is not None:
+            self._tier.removed(uri)
         result = delete_checkpoint(self.client, parse_s3_uri(uri))
         log.info("deleted checkpoint %s (%d bytes)%s", uri, result.deleted_bytes,
                  f"; kept {len(result.kept)} object(s) that other checkpoints reference" if result.kept else "")
@@ -280,6 +339,13 @@ class S3ModelCheckpoint(ModelCheckpoint):
             self._fs.close()  # a later fit or test uses it again: its client takes a native client again
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        plugin = _plugin(trainer)
+        if plugin is not None and plugin.s3_every > 1 and trainer.num_nodes > 1:
+            # global rank 0 saves alone: its node-only checkpoints are not on the other nodes,
+            # whose ranks would resume from S3's older one (the ranks would disagree)
+            raise ConfigError(f"S3CheckpointIO(s3_every={plugin.s3_every}) keeps checkpoints on global rank 0's node "
+                              f"only, and this job runs on {trainer.num_nodes} nodes: the other nodes could not "
+                              "resume from them. Use s3_every=1 (local_dir still serves rank 0's node)")
         dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
         if not is_s3_uri(str(dirpath)):
             return super().setup(trainer, pl_module, stage)
@@ -306,6 +372,14 @@ class S3ModelCheckpoint(ModelCheckpoint):
                 if n.endswith(self.FILE_EXTENSION) and _is_last(os.path.basename(n), last, self.FILE_EXTENSION)}
 
 
+def _plugin(trainer: Any) -> S3CheckpointIO | None:
+    """The trainer's S3CheckpointIO (also inside Lightning's AsyncCheckpointIO), or None."""
+    io_ = getattr(trainer.strategy, "checkpoint_io", None)
+    while io_ is not None and not isinstance(io_, S3CheckpointIO):
+        io_ = getattr(io_, "checkpoint_io", None)
+    return io_
+
+
 # ---------------------------------------------------------------------- DCP on one rank
 _alone_lock = threading.Lock()
 _alone: list = [None, None]  # (the default group it was made under, the group of this rank alone)
@@ -326,67 +400,6 @@ def _this_rank_alone() -> dict[str, Any]:
             _alone[1] = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
             _alone[0] = dist.group.WORLD
         return {"process_group": _alone[1], "no_dist": False}
-
-
-# ---------------------------------------------------------------------- the checkpoint dict
-def _split(checkpoint: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """The tensors of ``checkpoint`` by a path-derived name, and ``checkpoint`` with each tensor
-    replaced by ``(_SLOT, name)``."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            name = path or "tensor"
-            if name in tensors or name == _REST:
-                name = f"{name}#{len(tensors)}"
-            tensors[name] = obj.detach()
-            return (_SLOT, name)
-        if type(obj) is dict:
-            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj))
-        return obj  # anything else (tensors inside included) is pickled with the rest
-
-    return tensors, walk(checkpoint, "")
-
-
-def _join(rest: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    def walk(obj: Any) -> Any:
-        if type(obj) is tuple and len(obj) == 2 and obj[0] == _SLOT:
-            return tensors[obj[1]]
-        if type(obj) is dict:
-            return {k: walk(v) for k, v in obj.items()}
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v) for v in obj)
-        return obj
-
-    return walk(rest)
-
-
-def _destinations(metadata: Any, uri: str) -> dict[str, torch.Tensor]:
-    """An empty tensor for each tensor the (untrusted) metadata declares, allocated only once its
-    size agrees with the bytes its items say are stored."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    stored: dict[str, int] = {}
-    for index, location in (metadata.storage_data or {}).items():
-        stored[index.fqn] = stored.get(index.fqn, 0) + location.length
-    state = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
-        if nbytes != stored.get(fqn, 0):
-            raise MetadataFormatError(f"{uri}: item {fqn!r} declares {tuple(md.size)} {md.properties.dtype} ({nbytes} bytes) "
-                              f"but its stored chunks hold {stored.get(fqn, 0)} bytes; refusing to load it")
-        state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-    return state
-
-
-def _pickled(rest: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(rest, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def _s3_path(path: Any) -> str:

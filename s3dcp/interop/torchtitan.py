@@ -7,7 +7,8 @@
         │                       s3dcp's host pool when async (pinned when CUDA), uploaded by the
         │                       CRT, committed by .metadata written last
         │                   ─► once committed: retention (keep_latest_k, reference-aware), then one
-        │                       line of figures in torchtitan's log
+        │                       line in torchtitan's log: where the step went ("committed to
+        │                       s3://…", or "kept on the node … not in S3" with local_dir) and figures
     torchtitan _load(step) ─► newest *committed* step (collective) or initial_load_path
         │                  ─► dcp_load: S3StorageReader (DCP checkpoints), S3SafetensorsReader
         │                       (initial_load_in_hf from s3://)
@@ -126,6 +127,16 @@ class S3CheckpointManager(CheckpointManager):
                 raise ValueError(f"incremental=True needs an s3:// checkpoint.folder, not {self.folder!r}")
             if self.local_dir and not s3_folder:
                 raise ValueError(f"local_dir needs an s3:// checkpoint.folder, not {self.folder!r}")
+            if self.local_dir and self.incremental:
+                raise ValueError("checkpoint.incremental=True and checkpoint.local_dir cannot go together: a step "
+                                 "kept on the node only would reference objects in S3. Drop incremental to keep "
+                                 "the local tier (or local_dir to save incrementally)")
+            tier = {"s3_every": (self.s3_every, 1), "local_keep_last": (self.local_keep_last, 2),
+                    "local_replicas": (self.local_replicas, 0)}
+            if not self.local_dir and any(value != default for value, default in tier.values()):
+                given = ", ".join(f"{k}={v}" for k, (v, default) in tier.items() if v != default)
+                raise ValueError(f"checkpoint.{given} is a setting of the local tier: it needs checkpoint.local_dir "
+                                 "(a directory of the node, e.g. /dev/shm/<run>)")
             self.last_save_in_hf = self.last_save_in_hf and not hf_out
             self.initial_load_in_hf = self.initial_load_in_hf and not hf_in
             try:
@@ -201,14 +212,20 @@ class S3CheckpointManager(CheckpointManager):
     def _log_committed(self, step: int, writer: S3StorageWriter, *, stall_s: float,
                        future: Future | None = None) -> None:
         if future is not None and future.exception() is not None:
-            titan_log.error("s3dcp: checkpoint step %d to %s failed: %s", step, writer.checkpoint_id,
-                            future.exception())
+            where = writer.checkpoint_id if writer.upload else f"the node ({writer.local_copy.root})"
+            titan_log.error("s3dcp: checkpoint step %d to %s failed: %s", step, where, future.exception())
             return
         s = writer.last_stats
         stall = s.stage_s if self._s3 is not None and self._s3.async_mode else stall_s
+        if not writer.upload:  # the local tier's step between two that go to S3: never read it as durable
+            titan_log.info("s3dcp: checkpoint step %d kept on the node (%s), not in S3: this rank wrote "
+                           "%.1f MB in %d object(s); training stalled %.3f s, write %.2f s", step,
+                           writer.local_copy.root, s.bytes / 1e6, s.objects, stall, s.upload_s)
+            return
         inherited = f", {s.inherited_bytes / 1e6:.1f} MB unchanged (referenced)" if s.inherited_items else ""
-        titan_log.info("s3dcp: checkpoint step %d committed to %s: this rank uploaded %.1f MB in %d object(s)%s; "
-                       "training stalled %.3f s, upload %.2f s (%.2f GB/s)", step, writer.checkpoint_id,
+        kept = f" (and kept on the node, {writer.local_copy.root})" if writer.local_copy is not None else ""
+        titan_log.info("s3dcp: checkpoint step %d committed to %s%s: this rank uploaded %.1f MB in %d object(s)%s; "
+                       "training stalled %.3f s, upload %.2f s (%.2f GB/s)", step, writer.checkpoint_id, kept,
                        s.bytes / 1e6, s.objects, inherited, stall, s.upload_s, s.upload_gbps)
 
     def _save_hf(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:

@@ -20,6 +20,7 @@ from s3dcp.cli.parser import parse_duration
 from s3dcp.config import MiB
 
 from cli_run import run_cli
+from processes import interruptible
 
 BIN = os.path.join(os.path.dirname(sys.executable), "s3dcp")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -428,7 +429,8 @@ def _read_exports(stream, lines=None) -> dict[str, str]:
 
 def test_server_command_runs_until_ctrl_c_and_other_shells_find_it(capsys, monkeypatch, tmp_path):
     env = _cli_env(S3DCP_STATE_DIR=str(tmp_path))
-    proc = subprocess.Popen([*CLI, "server"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(interruptible([*CLI, "server"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     try:
         lines: list[str] = []
         exports = _read_exports(proc.stdout, lines)
@@ -539,8 +541,8 @@ def test_a_second_server_never_orphans_the_first(tmp_path):
         assert first.returncode == 0, first.stderr
         first_exports = _read_exports(first.stdout.splitlines(keepends=True))
         first_pid = int(re.search(r"started: pid (\d+)", first.stderr).group(1))
-        second = subprocess.Popen([*CLI, "server"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env)
+        second = subprocess.Popen(interruptible([*CLI, "server"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env)
         lines: list[str] = []
         second_exports = _read_exports(second.stdout, lines)
         assert second_exports and second_exports != first_exports
@@ -608,8 +610,8 @@ def test_server_with_a_kept_data_dir_starts_again_with_its_buckets(tmp_path):
     env = _cli_env(S3DCP_STATE_DIR=str(tmp_path / "state"))
     data = str(tmp_path / "data")
     for attempt in range(2):
-        proc = subprocess.Popen([*CLI, "server", "--dir", data], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)
+        proc = subprocess.Popen(interruptible([*CLI, "server", "--dir", data]), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
         try:
             exports = _read_exports(proc.stdout)
             assert exports, proc.stderr.read() if proc.poll() is not None else "no exports"

@@ -8,7 +8,9 @@ checkpoints only; and the example runs ``Trainer.fit`` with DDP on 2 CPU process
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ import time
 import pytest
 import torch
 
-from s3dcp.errors import S3DCPError
+from s3dcp.errors import ConfigError, IntegrityError, S3DCPError
 from s3dcp.interop.lightning import S3CheckpointIO, S3ModelCheckpoint
 from s3dcp.interop.lightning_fs import CheckpointFileSystem
 from s3dcp.s3.client import S3Client
@@ -93,13 +95,102 @@ def test_a_local_copy_is_loaded_from_the_node_and_a_corrupt_one_from_s3(s3_confi
     assert not (tmp_path / "local" / "epoch=1-step=40.ckpt").exists()
 
 
+def test_s3_every_keeps_the_steps_between_on_the_node_and_loads_the_save_s3_agrees_with(
+        s3_config, uri, bucket, boto3_client, tmp_path, caplog):
+    """s3_every=2: checkpoint steps 2 and 6 go to S3 (the top-k file and last.ckpt alike), 4 and 8
+    stay on the node, never in S3 nor shown by the view; a load takes the node's copy while it is
+    the save S3 would give, else S3's (another node saved last.ckpt since: the node's copy is
+    stale); the log and last_load_stats say where each save went and where each load came from."""
+    node = tmp_path / "node"
+    io = S3CheckpointIO(config=s3_config, local_dir=node, s3_every=2)
+    saved = {}
+    with caplog.at_level("INFO", logger="s3dcp"):
+        for step in (2, 4, 6, 8):
+            saved[step] = {**lightning_checkpoint(step), "global_step": step}
+            io.save_checkpoint(saved[step], f"{uri}/epoch=0-step={step}.ckpt")
+            io.save_checkpoint(saved[step], f"{uri}/last.ckpt")
+    keys = [o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert {k.split("/")[1] for k in keys} == {"epoch=0-step=2.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"}, keys
+    view = CheckpointFileSystem(s3_config)
+    assert not view.exists(f"{uri}/epoch=0-step=4.ckpt") and view.exists(f"{uri}/epoch=0-step=6.ckpt")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint step")]
+    assert len(lines) == 8, lines
+    saves = [(s, n) for s in (2, 4, 6, 8) for n in (f"epoch=0-step={s}.ckpt", "last.ckpt")]
+    for line, (step, name) in zip(lines, saves):
+        if step in (2, 6):
+            assert line.startswith(f"checkpoint step {step} committed to {uri}/{name} (and kept on the node, "
+                                   f"{node / name / 'rank-0'})"), line
+        else:
+            assert line.startswith(f"checkpoint step {step} kept on the node ({node / name / 'rank-0'}), not in S3 "
+                                   "(s3_every=2)") and "committed" not in line, line
+    assert lines[7].endswith(f"; S3's {uri}/last.ckpt is an earlier save"), lines[7]
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="s3dcp"):
+        _assert_tree_equal(io.load_checkpoint(f"{uri}/last.ckpt"), saved[8])  # the node's, newer than S3's
+    stats = io.last_load_stats
+    assert (stats["step"], stats["tier"], stats["s3_bytes"]) == (8, "local", 0) and stats["local_bytes"] > 0, stats
+    assert any(r.getMessage().startswith(f"restored {uri}/last.ckpt (step 8) from the node's copy (") and
+               " bytes from the node's copy, 0 from S3, in " in r.getMessage() for r in caplog.records), caplog.text
+    _assert_tree_equal(io.load_checkpoint(f"{uri}/epoch=0-step=4.ckpt"), saved[4])
+    assert io.last_load_stats["tier"] == "local"
+    # S3 out of reach (nothing listens there): the node's copy, with a warning that S3 was not asked
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    cut_off = S3CheckpointIO(config=dataclasses.replace(s3_config, endpoint_url=f"http://127.0.0.1:{port}",
+                                                        max_retries=0, connect_timeout_s=1.0),
+                             local_dir=node, s3_every=2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="s3dcp"):
+        _assert_tree_equal(cut_off.load_checkpoint(f"{uri}/last.ckpt"), saved[8])
+    assert any("could not ask S3 which save of" in r.getMessage() for r in caplog.records), caplog.text
+    assert cut_off.last_load_stats["tier"] == "local"
+    cut_off.teardown()
+
+    # a node-only copy found corrupt: S3's earlier save of that name, said so; with none in S3, an error
+    damaged = next((node / "last.ckpt" / "rank-0").glob("*.distcp"))
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="s3dcp"):
+        _assert_tree_equal(io.load_checkpoint(f"{uri}/last.ckpt"), saved[6])
+    assert any("kept on the node only (s3_every=2): loading S3's earlier save" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert io.last_load_stats["tier"] == "s3" and io.last_load_stats["step"] == 6
+    raw[len(raw) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    only = next((node / "epoch=0-step=4.ckpt" / "rank-0").glob("*.distcp"))
+    only.write_bytes(b"\0" * only.stat().st_size)
+    with pytest.raises(IntegrityError, match=r"kept on the node only \(s3_every=2\) and S3 holds no checkpoint"):
+        io.load_checkpoint(f"{uri}/epoch=0-step=4.ckpt")
+    io.remove_checkpoint(f"{uri}/epoch=0-step=4.ckpt")
+    assert not (node / "epoch=0-step=4.ckpt").exists()
+
+    # another node sends a newer last.ckpt to S3: this node's copy (made beside step 6's) is stale
+    elsewhere = S3CheckpointIO(config=s3_config, local_dir=tmp_path / "other-node")
+    io.last_load_stats = None
+    saved[10] = {**lightning_checkpoint(10), "global_step": 10}
+    elsewhere.save_checkpoint(saved[10], f"{uri}/last.ckpt")
+    _assert_tree_equal(io.load_checkpoint(f"{uri}/last.ckpt"), saved[10])  # it used to load step 8's copy
+    assert io.last_load_stats["tier"] == "s3" and io.last_load_stats["step"] == 10
+
+
+def test_s3_every_and_local_dir_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"s3_every=3 keeps the other checkpoints on the node only: it needs "
+                                          r"local_dir="):
+        S3CheckpointIO(s3_every=3)
+    with pytest.raises(ConfigError, match=r"s3_every=0 must be an int >= 1: 1 sends every checkpoint to S3"):
+        S3CheckpointIO(local_dir="/dev/shm/x", s3_every=0)
+
+
 def test_a_tensor_whose_declared_size_disagrees_with_its_stored_bytes_is_refused_before_allocating():
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        TensorProperties, TensorStorageMetadata)
 
     from s3dcp.errors import MetadataFormatError
     from s3dcp.format.layout import ItemLocation
-    from s3dcp.interop.lightning import _destinations
+    from s3dcp.interop.lightning_dict import destinations
 
     huge = torch.Size([1 << 20, 1 << 20])  # 4 TiB of float32 declared, 16 bytes stored
     md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
@@ -107,7 +198,7 @@ def test_a_tensor_whose_declared_size_disagrees_with_its_stored_bytes_is_refused
         chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=huge)])},
         storage_data={MetadataIndex("w", torch.Size([0, 0])): ItemLocation("__0_0.x.distcp", 0, 16, None)})
     with pytest.raises(MetadataFormatError, match="'w' declares"):
-        _destinations(md, "s3://b/x.ckpt")
+        destinations(md, "s3://b/x.ckpt")
 
 
 def test_async_save_removal_waits_for_the_commit_and_keeps_on_failure(s3_config, uri, s3_server):
@@ -236,6 +327,48 @@ def test_the_plugin_the_callback_and_the_view_close_the_clients_they_made(s3_con
     assert fs.isfile(f"{uri}/last.ckpt")
     fs.close()
     assert fs.client._use.native is None
+
+
+def test_fit_with_s3_every_resumes_last_from_the_nodes_copy_bitwise(s3_config, uri, tmp_path):
+    """Epoch-end checkpoints with s3_every=2: step 4 goes to S3, step 8 stays on the node (S3's
+    last.ckpt is step 4's). ckpt_path="last" on the node resumes from step 8 and ends where an
+    uninterrupted fit ends, bit for bit; the view never shows step 8."""
+    import pytorch_lightning as pl
+
+    def fit(max_epochs: int, io=None, ckpt_path=None, seed: int = 0):
+        torch.manual_seed(seed)
+        model = _Regressor()
+        callbacks = [] if io is None else [S3ModelCheckpoint(config=s3_config, save_top_k=-1, save_last=True,
+                                                             every_n_epochs=1)]
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
+                             plugins=[io or S3CheckpointIO(config=s3_config)], default_root_dir=uri,
+                             callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model.state_dict()
+
+    whole = fit(3)
+    node = tmp_path / "node"
+    fit(2, S3CheckpointIO(config=s3_config, async_save=True, local_dir=node, s3_every=2))
+    view = CheckpointFileSystem(s3_config)
+    names = sorted(os.path.basename(e["name"]) for e in view.ls(f"{uri}/checkpoints"))
+    assert names == ["epoch=0-step=4.ckpt", "last.ckpt"], names
+    resumed_io = S3CheckpointIO(config=s3_config, async_save=True, local_dir=node, s3_every=2)
+    _assert_tree_equal(fit(3, resumed_io, ckpt_path="last", seed=7), whole)  # another init: the checkpoint decides
+    stats = resumed_io.last_load_stats
+    assert (stats["step"], stats["tier"], stats["s3_bytes"]) == (8, "local", 0), stats
+
+
+def test_s3_every_is_refused_on_several_nodes():
+    """Rank 0's node-only checkpoints are not on the other nodes: they would resume from S3's older one."""
+    import pytorch_lightning as pl
+
+    io = S3CheckpointIO(config=None, local_dir="/dev/shm/unused", s3_every=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", plugins=[io], logger=False,
+                         default_root_dir="s3://b/run")
+    with pytest.raises(ConfigError, match=r"keeps checkpoints on global rank 0's node only, and this job runs on 2 "
+                                          r"nodes"):
+        S3ModelCheckpoint(save_last=True).setup(trainer, None, "fit")
 
 
 def test_fit_resumed_from_an_s3_path_ends_bitwise_where_an_uninterrupted_fit_ends(s3_config, uri):

@@ -9,6 +9,7 @@ same losses bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -152,6 +153,26 @@ def _committed(cfg, folder: str) -> list[int]:
     return [i.step for i in CheckpointManager(folder, config=cfg, name_format="step-{step}").list() if i.committed]
 
 
+@contextlib.contextmanager
+def _titan_lines():
+    """The s3dcp lines of torchtitan's log (its root logger, at INFO) while the block runs."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        lines[:] = [line for line in lines if line.startswith("s3dcp: checkpoint step")]
+
+
 def _worker(rank: int, world: int, bucket: str, cfg) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load as load_safetensors
@@ -265,9 +286,11 @@ def _worker(rank: int, world: int, bucket: str, cfg) -> dict:
     steps8 = _Steps()
     eighth = _components(rank, world, seed=6)
     m8 = _manager(tiered, cfg, eighth, steps8, interval=2, async_mode="async", local_dir=local, s3_every=2)
-    _train(eighth, iter(eighth[3]), steps8, m8, 4)
-    m8.maybe_wait_for_saving()
-    m8.close()
+    with _titan_lines() as lines:  # where torchtitan's log says each step went
+        _train(eighth, iter(eighth[3]), steps8, m8, 4)
+        m8.maybe_wait_for_saving()
+        m8.close()
+    out["tiered_log"] = lines
     at_four = _snapshot(eighth, steps8)
     dist.barrier()
     out["tiered_in_s3"] = _committed(cfg, tiered)
@@ -332,6 +355,24 @@ def test_the_local_tier_from_torchtitans_config_resumes_from_the_nodes_copy(tita
         assert r["tiered_in_s3"] == [2]  # s3_every=2: step 4 stayed on the node
         stats = r["tiered_stats"]
         assert stats["step"] == 4 and stats["tier"] == "local" and stats["job_bytes"]["s3"] == 0, stats
+        # the log says where each step is: step 4 was logged "committed to s3://…/step-4" too
+        two, four = r["tiered_log"]
+        assert two.startswith("s3dcp: checkpoint step 2 committed to s3://") and "/tiered/step-2 (and kept on the " \
+            "node, " in two, two
+        assert four.startswith("s3dcp: checkpoint step 4 kept on the node (") and "step-4), not in S3: this rank " \
+            "wrote " in four and "s3://" not in four, four
+
+
+def test_config_refuses_incremental_with_local_dir_and_local_settings_without_it():
+    from s3dcp.interop.torchtitan import S3CheckpointManager
+
+    with pytest.raises(ValueError, match=r"checkpoint.incremental=True and checkpoint.local_dir cannot go together"):
+        S3CheckpointManager.Config(enable=True, folder="s3://b/run", incremental=True, local_dir="/dev/shm/run")
+    # these did nothing without local_dir (every step went to S3)
+    with pytest.raises(ValueError, match=r"checkpoint.s3_every=3, local_replicas=1 is a setting of the local tier: "
+                                         r"it needs checkpoint.local_dir"):
+        S3CheckpointManager.Config(enable=True, folder="s3://b/run", s3_every=3, local_replicas=1)
+    S3CheckpointManager.Config(enable=True, folder="s3://b/run", local_dir="/dev/shm/run", s3_every=3)
 
 
 def test_hf_export_at_the_end_has_the_adapters_names(titan_job):
@@ -368,13 +409,27 @@ def test_example_is_killed_and_resumes_with_identical_losses(tmp_path):
             "is never reached") in again.stdout, again.stdout
 
 
-def test_example_uses_a_configured_endpoint(s3_server, demo_bucket, tmp_path):
-    """With an endpoint configured and no --folder: s3://demo/torchtitan there (it used to exit 1)."""
+def test_example_uses_a_configured_endpoint_and_the_local_tier(s3_server, demo_bucket, boto3_client, tmp_path):
+    """With an endpoint configured and no --folder: s3://demo/torchtitan there (it used to exit 1). With
+    --local-dir and --s3-every 2 (the example used to ask for incremental saves, which the local tier
+    refuses): step 2 goes to S3, step 4 stays on the node, and the resumed job reads step 4 from there."""
+    node = tmp_path / "node"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(EXAMPLES, "torchtitan_s3.py"), "--steps", "4", "--interval", "2"],
+                           os.path.join(EXAMPLES, "torchtitan_s3.py"), "--steps", "4", "--interval", "2",
+                           "--local-dir", str(node), "--s3-every", "2"],
                           capture_output=True, text=True, env={**_env(), **s3_server.env()}, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
     assert f"# the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under s3://demo/torchtitan" \
         in done.stdout
     assert not (tmp_path / "s3dcp-example-data").exists()  # no embedded server was started
-    _no_warnings(done.stdout + done.stderr)
+    _no_warnings(out)
+    steps = {o["Key"].split("/")[1] for o in boto3_client.list_objects_v2(Bucket="demo", Prefix="torchtitan/")
+             .get("Contents", [])}
+    assert steps == {"step-2"}, steps
+    assert out.count("s3dcp: checkpoint step 2 committed to s3://demo/torchtitan/step-2 (and kept on the node, "
+                     f"{node / 'step-2'})") == 2, out  # a line per rank
+    assert out.count(f"s3dcp: checkpoint step 4 kept on the node ({node / 'step-4'}), not in S3") == 2, out
+    assert "step 4 committed" not in out
+    assert "Loaded step 4 from the local tier in " in out and "'s3': 0}" in out, out
+    assert "# resumed at step 4: " in done.stdout and " tensors identical" in done.stdout, done.stdout

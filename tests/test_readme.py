@@ -41,9 +41,11 @@ def test_the_quick_start_is_the_two_scripts_and_by_hand_the_same_steps():
         demo = f.read()
     with open(os.path.join(ROOT, "scripts", "test"), encoding="utf-8") as f:
         test = f.read()
-    assert "s3dcp_env bench" in demo and "pip install -e '.[bench]'" in steps
+    compat = "--config-settings editable_mode=compat"  # the clone on sys.path (tests/test_clone_folder.py)
+    assert f'-e "$root[$extras]" {compat}' in env_sh
+    assert "s3dcp_env bench" in demo and f"pip install -e '.[bench]' {compat}" in steps
     assert "benchmarks/train_loop.py" in demo and "python benchmarks/train_loop.py" in steps
-    assert "s3dcp_env test" in test and "-m pytest" in test and "pip install -e '.[test]' && pytest" in steps
+    assert "s3dcp_env test" in test and "-m pytest" in test and f"pip install -e '.[test]' {compat} && pytest" in steps
     quick = _section("Quick start")
     assert re.search(r"The whole suite takes \d+–\d+ minutes on a 2-core machine", quick), quick  # how long to wait
     assert "leaves nothing in `.pytest-tmp/` when it passes" in quick  # tests/test_suite_cleanup.py

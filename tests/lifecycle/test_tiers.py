@@ -9,7 +9,7 @@ tests/multinode.py), bitwise, in one job whose phases are restarts (tests/lifecy
     rollback_s3  back to 10, then 15 to S3 and 20 ("y2") on the nodes only, without replicas, the
                other save's replicas left on the nodes: 20 "y2" resumed (before: 15), no rank waits
                (issue 38, rows 1 and 2), the stale copies named
-    rollback   back to 10 again, 20 saved again ("y", to S3): S3's save is the step's truth
+    rollback   back to 10 again, 20 saved again ("y", to S3), with replicas: S3's save is read
     rm         step 20 deleted from S3: the nodes' copies of it are not loaded; 15 is resumed
     swap       the node order changes between runs: each node finds the other's copies
     outage     S3 unreachable: the restore comes from the nodes; an S3 step fails, saying why, the
@@ -74,7 +74,7 @@ def test_restart_from_the_nearest_copy_through_rollbacks_node_changes_and_an_out
         _loaded(rollback["load"], 20, "y2")  # before: 15, or every rank waiting for the group's timeout
         assert rollback["load"]["s"] < 30, rollback["load"]
 
-        _loaded(r["rollback"]["load"], 20, "y")
+        _loaded(r["rollback"]["load"], 20, "y", "local")  # own copies and replicas of "y" on both nodes
         assert [s["stored_in"] for s in r["rollback"]["saves"]] == [["s3", "local"]]
 
         rm = r["rm"]

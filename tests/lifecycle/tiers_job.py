@@ -199,10 +199,10 @@ def phase_rollback_s3(c: Ctx) -> dict:
 
 
 def phase_rollback(c: Ctx) -> dict:
-    """Issue 38, row 1: back to 10 again, step 20 saved again ("y", to S3) without replicas; the
-    other node's copies of "y2" put back: S3's save is the step's truth."""
+    """Issue 38, row 1: back to 10 again, step 20 saved again ("y", to S3), replicated this time:
+    the save's copies and replicas replace "y2"'s on both nodes; S3's save is the step's truth."""
     c.by_one(lambda: _stash(c))
-    m = c.manager(replicas=0)
+    m = c.manager(replicas=1)
     out = {"back": c.load(m, step=10), "saves": c.save(m, (20,), "y")}
     m.close()
     c.by_one(lambda: _unstash_others(c))

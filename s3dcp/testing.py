@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# SeaweedFS S3 on {server.endpoint_url} (pid {server.pid}), data in "
               f"{server.data_dir}; paste into a shell:")
         for key, value in server.env().items():
-            print(f"export {key}={value}")
+            print(f"export {key}={shlex.quote(value)}")
         for name in args.bucket:
             print(f"# bucket: s3://{name}")
         print("# Ctrl-C to stop.", flush=True)

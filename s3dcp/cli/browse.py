@@ -20,7 +20,7 @@ from ..format.layout import (
 )
 from ..uri import parse_s3_uri
 from .common import plain_metadata, s3_client
-from .output import format_age, format_size, print_json, print_table
+from .output import format_age, format_size, print_json, print_table, shown
 
 __all__ = ["cmd_ls", "cmd_inspect"]
 
@@ -91,15 +91,15 @@ def cmd_ls(args) -> int:
         if headed:  # one table per run (the checkpoints' parent prefix)
             committed = [r for r in group if r["state"] == "committed" and r["step"] is not None]
             latest = f", latest committed step {max(r['step'] for r in committed)}" if committed else ""
-            print(f"{'' if i == 0 else chr(10)}{run}/  ({len(group)} checkpoint(s), "
-                  f"{format_size(sum(r['bytes'] for r in group))}{latest})")
+            print(("" if i == 0 else "\n") + shown(f"{run}/  ({len(group)} checkpoint(s), "
+                                                    f"{format_size(sum(r['bytes'] for r in group))}{latest})"))
         cut = len(run) - len(str(base)) if run != str(base) else 0  # "a/" of "a/step-1"
         print_table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], format_size(r["bytes"]),
                               r["objects"], _ls_state(r, run), format_age(r["age_s"])]
                              for r in group],
                     indent=2 if headed else 0)
         for note in _ls_notes(group, run, cut):
-            print(f"{'  ' if headed else ''}# {note}")
+            print(f"{'  ' if headed else ''}# {shown(note)}")
     return 0
 
 
@@ -222,7 +222,8 @@ def cmd_inspect(args) -> int:
         return 1 if invalid else 0
     extra = "".join(f", {label} {value}" for label, value in (("DCP", md.dcp_version), ("save", report["save_id"]))
                     if value)
-    print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
+    print(shown(uri))
+    print(shown(f"  format {FORMAT_NAME} v{format_version}{extra}"))
     print(f"\ntensors: {len(tensors)}, {format_size(sum(t['bytes'] for t in tensors))}")
     print_table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
                 [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]

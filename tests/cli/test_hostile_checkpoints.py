@@ -1,8 +1,11 @@
-"""Checkpoints crafted by whoever can write the bucket, read by the ``s3dcp`` command: a
-``.metadata`` whose planner paths declare a huge list is refused before a download builds it."""
+"""Checkpoints crafted by whoever can write the bucket, read by the ``s3dcp`` command: names that
+would drive the terminal are shown escaped, and a ``.metadata`` whose planner paths declare a
+huge list is refused before a download builds it."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +16,55 @@ import torch
 import s3dcp
 from s3dcp.format.metadata import decode_metadata, encode_metadata
 
+from cli_run import run_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A C1 control (CSI on 8-bit terminals), a right-to-left override and a line break: characters
+# S3's XML listings carry, so they can be in a key; an FQN (stored in the metadata) holds ESC too.
+RUN = "run\u009b2J\u202eevil\nOK: fake"
+FQN, NOTE = "w\x1b[2J\x1b[31mred\nfake", "n\x1b]0;title\x07"
+
+
+def _printable(text: str) -> bool:
+    return all(line.isprintable() for line in text.splitlines())
+
+
+def test_names_from_storage_reach_the_terminal_escaped(capsys, bucket, s3_config, boto3_client):
+    """Before: ls printed the run's name raw (its line break made a line of its own), inspect
+    and verify the FQNs (ESC [2J clears the screen), gc the keys."""
+    uri = f"s3://{bucket}/{RUN}/step-1"
+    s3dcp.save({FQN: torch.arange(1000, dtype=torch.float32), NOTE: io.BytesIO(b"x" * 100)}, uri, config=s3_config)
+    data_key = next(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket)["Contents"]
+                    if o["Key"].endswith(".distcp"))
+    orphan = f"{RUN}/step-2/__0_0.aaaaaaaaaaaa.distcp"  # an unreferenced object gc reports
+    boto3_client.put_object(Bucket=bucket, Key=orphan, Body=b"left over")
+
+    code, out, err = run_cli(capsys, "ls", f"s3://{bucket}/")
+    assert code == 0 and _printable(out) and _printable(err), out
+    assert f"s3://{bucket}/run\\x9b2J\\u202eevil\\nOK: fake/  (2 checkpoint(s)" in out
+
+    code, out, _ = run_cli(capsys, "inspect", uri)
+    assert code == 0 and _printable(out), out
+    assert "w\\x1b[2J\\x1b[31mred\\nfake  float32" in out and "n\\x1b]0;title\\x07" in out
+
+    raw = bytearray(boto3_client.get_object(Bucket=bucket, Key=data_key)["Body"].read())
+    raw[0] ^= 0xFF  # the first item's first byte
+    boto3_client.put_object(Bucket=bucket, Key=data_key, Body=bytes(raw))
+    code, out, err = run_cli(capsys, "verify", uri)
+    assert code == 1 and _printable(out) and _printable(err), out
+    (bad,) = [line for line in out.splitlines() if line.startswith("BAD ")]
+    assert bad.startswith(("BAD w\\x1b[2J\\x1b[31mred\\nfake in ", "BAD n\\x1b]0;title\\x07 in ")), bad
+
+    code, out, _ = run_cli(capsys, "gc", f"s3://{bucket}/", "--older-than", "1h")
+    assert code == 0 and _printable(out), out
+    assert f"skipped: s3://{bucket}/run\\x9b2J\\u202eevil\\nOK: fake/step-2/ (1 object(s))" in out
+    time.sleep(1.1)  # S3 times have one-second resolution
+    code, out, _ = run_cli(capsys, "gc", f"s3://{bucket}/", "--older-than", "0s", "--dry-run")
+    assert code == 0 and _printable(out), out
+    assert f"would delete: s3://{bucket}/run\\x9b2J\\u202eevil\\nOK: fake/step-2/__0_0.aaaaaaaaaaaa.distcp" in out
+
+    code, out, _ = run_cli(capsys, "ls", "--json", f"s3://{bucket}/")  # JSON escapes them itself
+    assert code == 0 and out.isascii() and json.loads(out)[0]["name"] == f"{RUN}/step-1"
 
 
 # A download in a process of its own under this cap on its address space: what a regression

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from .._partial_file import PartialFile
 from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
 from ..format.context import At, quoted
@@ -205,13 +206,10 @@ def cmd_download(args) -> int:
         if isinstance(root_error(e), UnsafePickleError):
             raise UnsafePickleError(f"{root_error(e)} (here: --allow-pickle)") from e
         raise
-    partial = f"{out}.partial"
-    try:
-        torch.save(state_dict, partial)
-        os.replace(partial, out)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    with PartialFile(out) as partial:  # a fresh name of its own, never a fixed one someone could prepare
+        with open(partial.fd, "wb", closefd=False) as f:
+            torch.save(state_dict, f)
+        partial.finish()
     nbytes = os.path.getsize(out)
     if args.json:
         print_json({"uri": str(uri), "file": os.path.abspath(out), "bytes": nbytes,

@@ -72,6 +72,9 @@ def test_the_background_servers_secret_is_on_no_command_line_and_its_log_is_priv
             weed_env = f.read().split(b"\0")
         assert f"AWS_SECRET_ACCESS_KEY={secret}".encode() in weed_env  # once: taken out of the server's own
         assert not any(v.startswith(b"S3DCP_SERVER_SECRET_KEY=") for v in weed_env)
+        listed = subprocess.run([*CLI, "server", "--list", "--json"], capture_output=True, text=True, env=env,
+                                timeout=60)
+        assert listed.returncode == 0 and secret not in listed.stdout + listed.stderr
         assert oct((state_dir / "server.log").stat().st_mode & 0o777) == "0o600"
         assert oct(state_dir.stat().st_mode & 0o777) == "0o700"
     finally:

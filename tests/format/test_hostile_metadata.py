@@ -390,9 +390,11 @@ def test_json_nested_past_the_parsers_depth_is_a_clear_error(reader):
 
 # ---------------------------------------------------------------- planner_data paths (issue 42, row 6)
 def _with_planner_data(planner_data: dict, version: int) -> bytes:
-    md = decode_metadata(scalar_checkpoint())
-    md.planner_data = planner_data
-    return encode_metadata(md, version=version)
+    """A checkpoint whose stored items are the keys of ``planner_data`` (bytes items, 8 bytes each)."""
+    keys = [k for k in planner_data if isinstance(k, str)]
+    sd = {MetadataIndex(k): ItemLocation("__0_0.t.distcp", 8 * i, 8, "crc32c:0badf00d") for i, k in enumerate(keys)}
+    return encode_metadata(Metadata({k: BytesStorageMetadata() for k in keys}, planner_data=planner_data,
+                                    storage_data=sd), version=version)
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])
@@ -400,22 +402,27 @@ def test_a_list_index_past_the_entries_that_use_the_list_is_refused(version):
     """One planner_data path holding the list index 10^11 made a load into an empty state dict
     (s3dcp download) append None until the list was that long: MemoryError after 11.5 s under a
     2 GB cap, unbounded without one. DCP writes a list's items at 0..n-1, an entry (at least)
-    each; a path past that, a negative index, or a list some path names otherwise is refused."""
+    each: a stored item's path past that, or negative, is refused; a path of another kind (a
+    torch.Size) pays for the list items it would make out of the decode's budget."""
     honest = {f"opt.groups.{i}.lr": ("opt", "groups", i, "lr") for i in range(3)}
     honest |= {"opt.groups.0.wd": ("opt", "groups", 0, "wd"), "opt.state.0.0": ("opt", "state", 0, 0),
-               "step": ("step",), "odd": ["a", 1]}
+               "step": ("step",), "odd": ["a", 1], "size": torch.Size([2, 3]), "mixed": ("opt", "groups", "x")}
     assert decode_metadata(_with_planner_data(honest, version)).planner_data == honest
-    for path, words in [
-        (("opt", "groups", 10**11, "lr"), "list index 100000000000 at ('opt', 'groups') is past the 4 entries"),
-        (("opt", "groups", -1, "lr"), "list index -1 at ('opt', 'groups') is negative"),
-        (("opt", "groups", 1e11, "lr"), "takes 100000000000.0 of ('opt', 'groups'), a list"),
-        (("opt", "groups", "name", "lr"), "takes 'name' of ('opt', 'groups'), a list"),
-        (("opt", "state", 0, 10**11), "list index 100000000000 at ('opt', 'state', 0) is past the 1 entries"),
+    for key, path, words in [
+        ("opt.groups.2.lr", ("opt", "groups", 10**11, "lr"), "list index 100000000000 at ('opt', 'groups') is past "
+                                                             "the 5 entries that use that list"),
+        ("opt.groups.2.lr", ("opt", "groups", -1, "lr"), "list index -1 at ('opt', 'groups') is negative"),
+        ("opt.groups.2.lr", ("opt", "groups", 1e11, "lr"), "list index 100000000000.0 at ('opt', 'groups') is past"),
+        ("opt.state.0.0", ("opt", "state", 0, 10**11), "list index 100000000000 at ('opt', 'state', 0) is past the 1"),
+        ("size", torch.Size([0, 10**11]), "declares 100000000001 list items a load would build"),
     ]:
-        crafted = _with_planner_data({**honest, "opt.groups.2.lr": path} if path[1] == "groups"
-                                     else {**honest, "opt.state.0.0": path}, version)
+        crafted = _with_planner_data({**honest, key: path}, version)
         assert len(crafted) < 4_000
         plain, light, load = _decode_everything(crafted)
         assert light == "ok" or words in light  # rm and gc need the object names alone
         for refusal in (plain, load):
-            assert refusal.startswith("s3://b/ck/.metadata: metadata.planner_data[") and words in refusal, refusal
+            assert refusal.startswith(f"s3://b/ck/.metadata: metadata.planner_data[{key!r}]") and words in refusal, \
+                refusal
+    # the paths of what is not stored are another planner's data, kept as written
+    assert decode_metadata(_with_planner_data({**honest, 7: ("opt", "groups", 10**11)}, version)).planner_data[7] \
+        == ("opt", "groups", 10**11)

@@ -41,7 +41,8 @@ def decode_either(data: bytes) -> PlainMetadata:
         plain = _decode_binary(data)
     else:
         plain = plain_v1.decode(data)
-    check_paths(plain.planner_data)  # what a load into an empty state dict builds from them, bounded
+    # what a load into an empty state dict builds from the paths of the stored items, bounded
+    check_paths(plain.planner_data, plain.state_dict, DecodeBudget(len(data)))
     return plain
 
 

@@ -2,77 +2,92 @@
 that list.
 
 DCP's planners store, for every flat key, its path in the nested state dict (``planner_data``,
-see :mod:`s3dcp.format.metadata.planner`); loading into an empty state dict (``s3dcp
-download``, ``dcp_to_torch_save``) rebuilds the nesting from those paths, and a list index makes
-it append ``None`` until the list is that long. One entry of a 2.8 KB object with the index
-10^11 ran a download out of memory. DCP writes a list's items at indices ``0..n-1``, one entry
-(at least) per item, so an honest list index is never larger than the number of entries whose
-paths go through that list: :func:`check_paths` refuses a larger one, a negative one, and a
-list that some path indexes with anything but an int (its loader would compare that with the
-list's length: a float of 10^11 makes the same list). It walks every path once, sharing
-prefixes, so it costs one dict operation per path element.
+see :mod:`s3dcp.format.metadata.planner`). A load into an empty state dict (``s3dcp
+download``, ``dcp_to_torch_save``) rebuilds the nesting from the paths of the stored items:
+every element after the first that is not a string makes a list, and a number there makes it
+append ``None`` until the list is that long. One entry of a 2.8 KB object with the index 10^11
+ran a download out of memory. So, for the items a load uses (the keys of
+``state_dict_metadata``), :func:`check_paths` checks:
+
+- a path that is a tuple or list (what DCP writes): every list index is no larger than the
+  number of those paths that take an item of that list (DCP writes a list's items at
+  ``0..n-1``, one entry or more each), and not negative;
+- any other sequence the loader would walk as a path (a torch.Size, bytes: never DCP's, kept
+  as written): the list items its numbers would make are charged to the decode's budget
+  (:mod:`s3dcp.format.metadata.budget`), like every object a decode builds.
+
+Entries of other keys are data of whichever planner wrote them and are left as written. One
+walk over every path, sharing prefixes: one dict operation per path element.
 
     planner_data = {"opt.groups.0.lr": ("opt", "groups", 0, "lr"),
-                    "opt.groups.1.lr": ("opt", "groups", 1, "lr")}   # ("opt", "groups"): 2 entries, top index 1
+                    "opt.groups.1.lr": ("opt", "groups", 1, "lr")}   # ("opt", "groups"): 2 paths, top index 1
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Iterable
 
 from ...errors import MetadataFormatError
 from ..context import quoted, shown
+from .budget import DecodeBudget
 
 __all__ = ["check_paths"]
 
+_NUMBERS = (int, float)  # bool is an int
 
-def check_paths(planner_data: Any) -> None:
-    """Raise MetadataFormatError naming the entry if a path of ``planner_data`` (a dict of key ->
-    tuple or list of path elements) indexes a list past the entries that use it (see the module
-    docstring). Anything that is not such a path is left alone: it builds no list."""
+
+def check_paths(planner_data: Any, stored: Iterable[str], budget: DecodeBudget) -> None:
+    """Raise MetadataFormatError naming the entry if a path of ``planner_data`` that a load of
+    the items ``stored`` uses would build a list past what the paths declare (see the module
+    docstring)."""
     if type(planner_data) is not dict:
         return
     children: dict[tuple[int, Any], int] = {}  # (container, element) -> the container it leads to
-    uses = [0]  # per container (0: the root dict): the paths that take an element of it
-    top = [-1]  # per container: its largest int element, -1 when none
-    top_at: list[tuple[Any, int] | None] = [None]  # per container: (the entry's key, depth) of that index
-    named: list[Any] = [None]  # per container: a first element that is not an int (a name), or None
-    for key, path in planner_data.items():
-        if type(path) is not tuple and type(path) is not list:
-            continue
-        node = 0
-        for depth, element in enumerate(path):
-            if depth:  # the root is the state dict itself, never a list
-                uses[node] += 1
-                if type(element) is int:
-                    if element < 0:
-                        raise MetadataFormatError(f"metadata.planner_data[{quoted(key)}]: list index {element} at "
-                                                  f"{shown(tuple(path[:depth]))} is negative")
-                    if element > top[node]:
-                        top[node], top_at[node] = element, (key, depth)
-                elif named[node] is None:
-                    named[node] = (element, key, depth)
-            try:
-                child = children.setdefault((node, element), len(uses))
-            except TypeError:  # an unhashable element: DCP's loader fails on it, building nothing
-                break
-            if child == len(uses):
-                uses.append(0)
-                top.append(-1)
-                top_at.append(None)
-                named.append(None)
-            node = child
-    for node, index in enumerate(top):
-        if index < 0:
-            continue
-        key, depth = top_at[node]
-        prefix = shown(tuple(planner_data[key][:depth]))
-        if named[node] is not None:
-            element, other, _ = named[node]
+    uses = [0]  # per container (0: the root dict): the paths that take an item of it
+    top: list[tuple[Any, Any, int] | None] = [None]  # per container: (largest index, its entry's key, depth)
+    for key in stored:
+        path = planner_data.get(key) if isinstance(key, str) else None
+        if type(path) is tuple or type(path) is list:
+            _walk(key, path, children, uses, top)
+        elif isinstance(path, (tuple, list, bytes)):
+            items = sum(_slots(e, key) for e in path[1:])
+            budget.objects(f"metadata.planner_data[{quoted(key)}]", items, "list items a load would build", 1)
+    for node, found in enumerate(top):
+        if found is not None and found[0] > uses[node]:
+            index, key, depth = found
             raise MetadataFormatError(
-                f"metadata.planner_data[{quoted(other)}]: takes {shown(element)} of {prefix}, a list (entry "
-                f"{quoted(key)} takes its item {index}); the object is damaged or crafted")
-        if index > uses[node]:
-            raise MetadataFormatError(
-                f"metadata.planner_data[{quoted(key)}]: list index {index} at {prefix} is past the {uses[node]} "
-                "entries that use that list (a load would build a list that long); the object is damaged or crafted")
+                f"metadata.planner_data[{quoted(key)}]: list index {shown(index)} at "
+                f"{shown(tuple(planner_data[key][:depth]))} is past the {uses[node]} entries that use that list "
+                "(a load would build a list that long); the object is damaged or crafted")
+
+
+def _walk(key: str, path: tuple | list, children: dict, uses: list[int], top: list) -> None:
+    """Count ``path`` as a use of each container it goes through; note each container's largest index."""
+    node = 0
+    for depth, element in enumerate(path):
+        if depth:  # the root is the state dict itself, never a list
+            uses[node] += 1
+            if isinstance(element, _NUMBERS) and element == element:  # NaN makes no items
+                if element < 0:
+                    raise MetadataFormatError(f"metadata.planner_data[{quoted(key)}]: list index {shown(element)} "
+                                              f"at {shown(tuple(path[:depth]))} is negative")
+                if top[node] is None or element > top[node][0]:
+                    top[node] = (element, key, depth)
+        try:
+            child = children.setdefault((node, element), len(uses))
+        except TypeError:  # an unhashable element: the loader fails on it, building nothing
+            return
+        if child == len(uses):
+            uses.append(0)
+            top.append(None)
+        node = child
+
+
+def _slots(element: Any, key: str) -> int:
+    """The list items a number makes the loader append (0 for anything else)."""
+    if not isinstance(element, _NUMBERS) or element != element or element < 0:
+        return 0
+    if math.isinf(element):
+        raise MetadataFormatError(f"metadata.planner_data[{quoted(key)}]: an infinite list index")
+    return int(element) + 1

@@ -86,9 +86,9 @@ def _download(uri: str, out: str) -> subprocess.CompletedProcess:
 def test_download_refuses_a_planner_path_into_a_list_past_its_entries(bucket, s3_config, boto3_client, tmp_path):
     """Issue 42, row 6: the checkpoint's own .metadata, one planner_data path changed to hold
     the list index 10^11 (a 2.8 KB object). Before: DCP's empty-state-dict planner appended None
-    until the list was that long: MemoryError after 11.5 s under a 2 GB cap, unbounded without
-    one. Now the decode refuses it, naming the entry; the honest checkpoint downloads under the
-    same cap."""
+    until the list was that long: MemoryError after 3 min under this 4 GiB cap (11.5 s under
+    2 GB in the issue), unbounded without one. Now the decode refuses it, naming the entry; the
+    honest checkpoint downloads under the same cap."""
     uri = f"s3://{bucket}/run/step-1"
     state = {"model": {"w": torch.ones(4)}, "groups": [{"lr": torch.tensor(0.1)}, {"lr": torch.tensor(0.2)}]}
     s3dcp.save(state, uri, config=s3_config)
@@ -107,6 +107,7 @@ def test_download_refuses_a_planner_path_into_a_list_past_its_entries(bucket, s3
     started = time.monotonic()
     done = _download(uri, str(tmp_path / "crafted.pt"))
     assert done.returncode == 1, done.stderr
-    assert "metadata.planner_data['groups.1.lr']: list index 100000000000 at ('groups',) is past the 2 entries " \
-           "that use that list" in done.stderr, done.stderr
+    assert "metadata.planner_data['groups.1.lr']: declares 99999999999 list items (index 100000000000 at " \
+           "('groups',), past the 2 entries that use that list), more than a metadata object of" in done.stderr, \
+        done.stderr
     assert time.monotonic() - started < 120 and not (tmp_path / "crafted.pt").exists()

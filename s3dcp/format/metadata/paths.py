@@ -1,23 +1,22 @@
-"""``planner_data`` paths bounded by what they declare: no list index past the entries that use
-that list.
+"""``planner_data`` paths bounded by what the object declares: the list items a load would
+build past the entries that use each list are charged to the decode's budget.
 
 DCP's planners store, for every flat key, its path in the nested state dict (``planner_data``,
 see :mod:`s3dcp.format.metadata.planner`). A load into an empty state dict (``s3dcp
 download``, ``dcp_to_torch_save``) rebuilds the nesting from the paths of the stored items:
 every element after the first that is not a string makes a list, and a number there makes it
 append ``None`` until the list is that long. One entry of a 2.8 KB object with the index 10^11
-ran a download out of memory. So, for the items a load uses (the keys of
-``state_dict_metadata``), :func:`check_paths` checks:
+ran a download out of memory.
 
-- a path that is a tuple or list (what DCP writes): every list index is no larger than the
-  number of those paths that take an item of that list (DCP writes a list's items at
-  ``0..n-1``, one entry or more each), and not negative;
-- any other sequence the loader would walk as a path (a torch.Size, bytes: never DCP's, kept
-  as written): the list items its numbers would make are charged to the decode's budget
-  (:mod:`s3dcp.format.metadata.budget`), like every object a decode builds.
-
-Entries of other keys are data of whichever planner wrote them and are left as written. One
-walk over every path, sharing prefixes: one dict operation per path element.
+DCP writes a list's items at ``0..n-1``, one entry or more each, so an index no larger than the
+number of paths that use that list costs nothing more. Past that is what a list of empty dicts
+before a tensor gives (``[{}, {}, t]`` flattens to the one path ``("l", 2)``), so it is not
+refused outright: :func:`check_paths` charges the items past those entries, and every number in
+a path of another kind the loader would walk (a torch.Size, bytes: never DCP's), to the
+decode's :class:`~s3dcp.format.metadata.budget.DecodeBudget`, like every object a decode
+builds; a negative index is refused. Only the paths of stored items (the keys of
+``state_dict_metadata``) are checked: other entries are data of whichever planner wrote them,
+kept as written. One walk over the paths, sharing prefixes: one dict operation per element.
 
     planner_data = {"opt.groups.0.lr": ("opt", "groups", 0, "lr"),
                     "opt.groups.1.lr": ("opt", "groups", 1, "lr")}   # ("opt", "groups"): 2 paths, top index 1
@@ -38,9 +37,9 @@ _NUMBERS = (int, float)  # bool is an int
 
 
 def check_paths(planner_data: Any, stored: Iterable[str], budget: DecodeBudget) -> None:
-    """Raise MetadataFormatError naming the entry if a path of ``planner_data`` that a load of
-    the items ``stored`` uses would build a list past what the paths declare (see the module
-    docstring)."""
+    """Raise MetadataFormatError naming the entry if the paths of ``planner_data`` that a load
+    of the items ``stored`` uses would build more list items than ``budget`` allows, or hold a
+    negative list index (see the module docstring)."""
     if type(planner_data) is not dict:
         return
     children: dict[tuple[int, Any], int] = {}  # (container, element) -> the container it leads to
@@ -54,12 +53,14 @@ def check_paths(planner_data: Any, stored: Iterable[str], budget: DecodeBudget) 
             items = sum(_slots(e, key) for e in path[1:])
             budget.objects(f"metadata.planner_data[{quoted(key)}]", items, "list items a load would build", 1)
     for node, found in enumerate(top):
-        if found is not None and found[0] > uses[node]:
-            index, key, depth = found
-            raise MetadataFormatError(
-                f"metadata.planner_data[{quoted(key)}]: list index {shown(index)} at "
-                f"{shown(tuple(planner_data[key][:depth]))} is past the {uses[node]} entries that use that list "
-                "(a load would build a list that long); the object is damaged or crafted")
+        if found is None:
+            continue
+        index, key, depth = found
+        past = _slots(index, key) - uses[node]
+        if past > 0:
+            budget.objects(f"metadata.planner_data[{quoted(key)}]", past,
+                           f"list items (index {shown(index)} at {shown(tuple(planner_data[key][:depth]))}, past the "
+                           f"{uses[node]} entries that use that list)", 1)
 
 
 def _walk(key: str, path: tuple | list, children: dict, uses: list[int], top: list) -> None:

@@ -14,6 +14,7 @@ import time
 import torch
 
 import s3dcp
+from s3dcp import S3StorageReader
 from s3dcp.format.metadata import decode_metadata, encode_metadata
 
 from cli_run import run_cli
@@ -111,3 +112,15 @@ def test_download_refuses_a_planner_path_into_a_list_past_its_entries(bucket, s3
            "('groups',), past the 2 entries that use that list), more than a metadata object of" in done.stderr, \
         done.stderr
     assert time.monotonic() - started < 120 and not (tmp_path / "crafted.pt").exists()
+
+
+def test_a_list_index_past_its_entries_that_dcp_writes_still_decodes(capsys, bucket, s3_config):
+    """DCP flattens {"l": [{}, {}, t]} to the one path ("l", 2): an index past the one entry
+    that uses the list. It costs list items, not a refusal: s3dcp reads the metadata it wrote.
+    (DCP itself cannot load this shape back, torch 2.13: "Missing key in checkpoint state_dict:
+    l.0", with or without s3dcp.)"""
+    uri = f"s3://{bucket}/run/step-2"
+    s3dcp.save({"l": [{}, {}, torch.arange(3)]}, uri, config=s3_config)
+    code, out, err = run_cli(capsys, "inspect", uri)
+    assert code == 0 and "l.2" in out, err
+    assert S3StorageReader(uri, config=s3_config).read_metadata().planner_data == {"l.2": ("l", 2)}

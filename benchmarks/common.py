@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import threading
@@ -501,24 +502,46 @@ def print_table(rows: Sequence[dict], columns: Sequence[str | tuple], *, title: 
     return text
 
 
+HIDDEN = "<hidden>"
+# Keys whose values are credentials wherever they appear (an env dict: AWS_SECRET_ACCESS_KEY).
+_SECRET_KEY = re.compile(r"secret|session_token|password|credential", re.IGNORECASE)
+
+
+def _shown_fields(obj: Any) -> dict:
+    """A dataclass as the fields its repr shows: one hidden from repr (S3Config's keys and
+    token) is hidden from the results too, at any depth."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.repr}
+
+
+def _scrubbed(obj: Any) -> Any:
+    """``obj`` with every value under a credential-like key replaced by :data:`HIDDEN` (the
+    encoder's ``default`` never sees dicts)."""
+    if isinstance(obj, dict):
+        return {k: HIDDEN if isinstance(k, str) and _SECRET_KEY.search(k) else _scrubbed(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_scrubbed(v) for v in obj]
+    return obj
+
+
 def _json_default(obj: Any):
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        if hasattr(obj, "to_dict"):
-            return obj.to_dict()
-        return dataclasses.asdict(obj)
+        return _scrubbed(obj.to_dict() if hasattr(obj, "to_dict") else _shown_fields(obj))
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)
     if hasattr(obj, "item"):  # numpy / torch scalars
         return obj.item()
-    return str(obj)
+    return str(obj)  # reprs hide keys too (S3Config, SeaweedServer)
 
 
 def write_json(path: str, obj: Any) -> str:
-    """Write ``obj`` as indented JSON (creating directories); returns the path."""
+    """Write ``obj`` as indented JSON (creating directories); returns the path. No credential is
+    ever written: fields hidden from a dataclass's repr are left out, and values under
+    credential-like keys (``secret``, ``session_token``, ``password``, ``credential``) are
+    :data:`HIDDEN`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=_json_default, allow_nan=False)
+        json.dump(_scrubbed(obj), f, indent=2, default=_json_default, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
     return path

@@ -184,7 +184,7 @@ class WeedProcess:
         learn weed's pid. Set :attr:`owned_dir` and :attr:`sockets` first: the reaper removes
         them."""
         reaper = reaper_command(_STOP_GRACE_S, self.owned_dir, self.sockets)
-        with open(log_path, "ab") as log:
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             self.proc = subprocess.Popen(
                 _die_with_this_thread() + reaper + command,
                 cwd=cwd,
@@ -193,6 +193,7 @@ class WeedProcess:
                 stdout=subprocess.PIPE,  # the reaper prints weed's pid, then closes it
                 stderr=log,
                 start_new_session=True,  # Ctrl-C in a terminal must not kill it before cleanup
+                umask=0o077,  # what weed makes (data, sockets, logs) is its user's alone
             )
         with self.proc.stdout as out:
             line = out.readline().strip()

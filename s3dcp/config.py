@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ SSE_MODES = (None, "AES256", "aws:kms")
 COMPAT_MODES = ("s3", "gcs", "basic")
 TRANSPORTS = ("sockets", "crt")  # see s3dcp.s3.sockets and s3dcp.s3.socket_reads
 _GCS_HOSTS = ("storage.googleapis.com",)
+log = logging.getLogger("s3dcp")
+_UNVERIFIED: set[str] = set()  # https endpoints already warned of (verify_tls=False): once each per process
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class S3Config:
 
     # Addressing and transport.
     addressing_style: str | None = None  # "auto" | "path" | "virtual"; None: from profile, else auto
-    verify_tls: bool = True
+    verify_tls: bool = True  # True or False only; False logs a warning naming the endpoint
     ca_bundle: str | None = None
 
     # Server-side encryption and ownership checks, passed through as headers.
@@ -130,6 +133,10 @@ class S3Config:
             or f"https://s3.{region}.amazonaws.com"
         )
         endpoint = normalize_endpoint(endpoint)
+        if self.verify_tls is False and endpoint.startswith("https://") and endpoint not in _UNVERIFIED:
+            _UNVERIFIED.add(endpoint)
+            log.warning("verify_tls=False: TLS certificates of %s are not checked; anyone on the way can read and "
+                        "change what s3dcp sends and gets (ca_bundle trusts a private CA instead)", endpoint)
         style = self.addressing_style or s3_section.get("addressing_style") or "auto"
         return dataclasses.replace(
             self, region=region, endpoint_url=endpoint, profile=profile, addressing_style=style,
@@ -360,6 +367,8 @@ def _validate(c: S3Config) -> list[str]:
     )
     need(c.sse in SSE_MODES, f"sse={c.sse!r} must be one of {SSE_MODES}")
     need(isinstance(c.requester_pays, bool), f"requester_pays={c.requester_pays!r} must be True or False")
+    need(type(c.verify_tls) is bool,  # None, 0 or "" used to turn the checks off without a word
+         f"verify_tls={c.verify_tls!r} must be True or False (leave it out for the default, True)")
     need(
         c.sse_kms_key_id is None or c.sse == "aws:kms",
         "sse_kms_key_id is set but sse is not 'aws:kms'",

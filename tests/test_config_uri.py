@@ -1,8 +1,10 @@
 """Pure parts: URI parsing and config validation/resolution (no server)."""
 
+import logging
+
 import pytest
 
-from s3dcp import S3Config
+from s3dcp import S3Config, config
 from s3dcp.config import MiB
 from s3dcp.errors import ConfigError
 from s3dcp.uri import S3Uri, parse_s3_uri
@@ -66,12 +68,27 @@ def test_key_building():
         ("key_prefix_spread", 300, "key_prefix_spread=300 must be an int in [1, 256]"),
         ("crt_memory_limit_bytes", 100 * MiB, "crt_memory_limit_bytes=104857600 must be None (sized from the part size), 0"),
         ("requester_pays", "yes", "requester_pays='yes' must be True or False"),
+        # before, each of these turned certificate checks off, silently (None means "the default" elsewhere)
+        ("verify_tls", None, "verify_tls=None must be True or False (leave it out for the default, True)"),
+        ("verify_tls", 0, "verify_tls=0 must be True or False"),
+        ("verify_tls", "", "verify_tls='' must be True or False"),
+        ("verify_tls", "false", "verify_tls='false' must be True or False"),
     ],
 )
 def test_invalid_config_values_are_named(field, value, words):
     with pytest.raises(ConfigError) as e:
         S3Config(**{field: value})
     assert words in str(e.value)
+
+
+def test_verify_tls_false_is_said_once_per_https_endpoint(caplog, monkeypatch):
+    monkeypatch.setattr(config, "_UNVERIFIED", set())  # once per process: this test's process
+    caplog.set_level(logging.WARNING, logger="s3dcp")
+    for endpoint in ("https://s3.example.test:9443", "https://s3.example.test:9443", "http://127.0.0.1:9000"):
+        S3Config(endpoint_url=endpoint, verify_tls=False).resolved({})
+    S3Config(endpoint_url="https://s3.other.test", verify_tls=True).resolved({})
+    said = [r.getMessage() for r in caplog.records if "verify_tls=False" in r.getMessage()]
+    assert len(said) == 1 and "https://s3.example.test:9443 are not checked" in said[0], said  # plain HTTP has none
 
 
 def test_keys_must_come_in_pairs():

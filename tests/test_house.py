@@ -13,12 +13,13 @@ MAX_LINES = 450
 # Stages, lowest first: a module may import its own stage or a lower one, never a higher one,
 # and never a peer stage at the same height (s3/ and format/ do not know each other).
 STAGES = [
-    ("base", 0, ("s3dcp.errors", "s3dcp._version", "s3dcp._dcp_warning")),
+    ("base", 0, ("s3dcp.errors", "s3dcp._version", "s3dcp._dcp_warning", "s3dcp._private_dir",
+                "s3dcp._partial_file")),
     ("settings", 1, ("s3dcp.config", "s3dcp.uri")),
     ("s3", 2, ("s3dcp.s3",)),
     ("format", 2, ("s3dcp.format",)),
     ("memory", 2, ("s3dcp.memory",)),
-    ("tools", 2, ("s3dcp.testing", "s3dcp.localserver", "s3dcp._seaweed_process")),
+    ("tools", 2, ("s3dcp.testing", "s3dcp.localserver", "s3dcp._seaweed_process", "s3dcp._seaweed_security")),
     ("loading", 3, ("s3dcp.loading",)),
     ("saving", 4, ("s3dcp.saving",)),
     ("lifecycle", 5, ("s3dcp.lifecycle",)),

@@ -22,7 +22,7 @@ from ..uri import parse_s3_uri
 from .common import plain_metadata, s3_client
 from .copies import copy_metadata
 from .nodes import node, ranks_text, runs_on_node, survey
-from .output import format_age, format_size, print_json, print_table
+from .output import format_age, format_size, print_json, print_table, shown
 
 __all__ = ["cmd_ls", "cmd_inspect"]
 
@@ -98,16 +98,16 @@ def cmd_ls(args) -> int:
         if headed:  # one table per run (the checkpoints' parent prefix)
             committed = [r for r in group if r["state"] == "committed" and r["step"] is not None]
             latest = f", latest in S3: step {max(r['step'] for r in committed)}" if committed else ""
-            print(f"{'' if i == 0 else chr(10)}{run}/  ("
-                  + (f"{len(group)} checkpoint(s), {format_size(sum(r['bytes'] for r in group))}{latest})"
-                     if group else "no checkpoint in S3)"))
+            print(("" if i == 0 else "\n") + shown(
+                f"{run}/  (" + (f"{len(group)} checkpoint(s), {format_size(sum(r['bytes'] for r in group))}{latest})"
+                                 if group else "no checkpoint in S3)")))
         cut = len(run) - len(str(base)) if run != str(base) else 0  # "a/" of "a/step-1"
         print_table(header, [[r["name"][cut:], "-" if r["step"] is None else r["step"], format_size(r["bytes"]),
                               r["objects"], _ls_state(r, run), format_age(r["age_s"])]
                              for r in group],
                     indent=2 if headed else 0)
         for note in _ls_notes(group, run, cut):
-            print(f"{'  ' if headed else ''}# {note}")
+            print(f"{'  ' if headed else ''}# {shown(note)}")
         if local and run in local:
             _print_on_node(found, local[run], indent=2 if headed else 0)
     _unusable(found)
@@ -126,24 +126,24 @@ def _local_json(found, local: dict) -> dict[str, Any]:
 def _print_on_node(found, on, indent: int) -> None:
     """One run's copies on this node under its S3 table: a row per save, why, and the restart."""
     pad = " " * indent
-    print(f"{pad}on this node ({node()}, {found.local_dir}):")
+    print(shown(f"{pad}on this node ({node()}, {found.local_dir}):"))
     print_table(["NAME", "STEP", "SAVE", "RANKS", "SIZE", "S3", "STATE"],
                 [[r.name, r.step, r.save_id, ranks_text(r.ranks, r.world_size), format_size(r.nbytes), r.s3, r.state]
                  for r in on.rows], indent=indent)
     for r in on.rows:
         if r.state == "stale":
-            print(f"{pad}# {r.name} (save {r.save_id}): {r.why}: a restore does not use it (retention on the "
-                  "node removes it)")
+            print(shown(f"{pad}# {r.name} (save {r.save_id}): {r.why}: a restore does not use it (retention on "
+                        "the node removes it)"))
         elif r.state == "not used":
-            print(f"{pad}# {r.paths[0]}: {r.why}")
+            print(shown(f"{pad}# {r.paths[0]}: {r.why}"))
     for note in on.notes:
-        print(f"{pad}# {note}")
-    print(f"{pad}{on.line}")
+        print(shown(f"{pad}# {note}"))
+    print(shown(f"{pad}{on.line}"))
 
 
 def _unusable(found) -> None:
     for path, why in [] if found is None else found.unusable:
-        print(f"# {path}: {why}")
+        print(shown(f"# {path}: {why}"))
 
 
 def _ls_state(row: dict[str, Any], run: str) -> str:
@@ -272,9 +272,10 @@ def cmd_inspect(args) -> int:
         return 1 if invalid else 0
     extra = "".join(f", {label} {value}" for label, value in (("DCP", md.dcp_version), ("save", report["save_id"]))
                     if value)
-    print(f"{uri}\n  format {FORMAT_NAME} v{format_version}{extra}")
+    print(shown(uri))
+    print(shown(f"  format {FORMAT_NAME} v{format_version}{extra}"))
     if source:
-        print(f"  metadata from this node's copy {source}: S3 holds none of it")
+        print(shown(f"  metadata from this node's copy {source}: S3 holds none of it"))
     print(f"\ntensors: {len(tensors)}, {format_size(sum(t['bytes'] for t in tensors))}")
     print_table(["FQN", "DTYPE", "SHAPE", "CHUNKS", "BYTES"],
                 [[t["fqn"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["chunks"], t["bytes"]]

@@ -11,7 +11,7 @@ from ..errors import CheckpointNotFoundError
 from ..format.layout import METADATA_NAME, is_data_object
 from ..uri import S3Uri, parse_s3_uri
 from .common import UsageError, s3_client
-from .output import format_age, format_size, print_json, progress_bar
+from .output import format_age, format_size, print_json, progress_bar, shown
 
 __all__ = ["cmd_rm", "cmd_materialize", "cmd_gc"]
 
@@ -49,10 +49,10 @@ def cmd_rm(args) -> int:
         elif result.kept:
             left += (f"; kept {len(result.kept)} object(s) ({format_size(result.kept_bytes)}) that other checkpoints "
                      "reference (deleted with the last of them)")
-        print(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
-              f"{count} object(s), {format_size(nbytes)}{left}")
+        print(shown(f"deleted {'committed' if committed else 'INCOMPLETE'} checkpoint {uri}: "
+                    f"{count} object(s), {format_size(nbytes)}{left}"))
         for key in result.kept_recent:
-            print(f"kept: s3://{uri.bucket}/{key}: {_kept_recent()}")
+            print(shown(f"kept: s3://{uri.bucket}/{key}: {_kept_recent()}"))
     return 0
 
 
@@ -100,15 +100,16 @@ def cmd_gc(args) -> int:
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     for key in report.deleted:
-        print(f"{verb}: s3://{uri.bucket}/{key}")
+        print(shown(f"{verb}: s3://{uri.bucket}/{key}"))
     for key in report.stale_markers:
-        print(f"{verb}: s3://{uri.bucket}/{key} (pending references of an incremental save that never committed)")
+        print(shown(f"{verb}: s3://{uri.bucket}/{key} (pending references of an incremental save that never "
+                    "committed)"))
     for key, upload_id in report.aborted_uploads:
-        print(f"{'would abort' if args.dry_run else 'aborted'} upload: s3://{uri.bucket}/{key} ({upload_id})")
+        print(shown(f"{'would abort' if args.dry_run else 'aborted'} upload: s3://{uri.bucket}/{key} ({upload_id})"))
     for s in skipped:
         what = f"upload {s['upload_id']}" if "upload_id" in s else f"{s['objects']} object(s)" \
             if s["objects"] is not None else "metadata"
-        print(f"skipped: {s['prefix']} ({what}): {s['reason']}")
+        print(shown(f"skipped: {s['prefix']} ({what}): {s['reason']}"))
     # the summary counts what the lines above list
     recent = f"skipped {len(report.kept_recent)} object(s) and {len(report.kept_recent_uploads)} upload(s) of " \
              f"saves active in the last {format_age(args.older_than)}"

@@ -25,7 +25,7 @@ from ..lifecycle.holdings import S3View, check_copy, stale_copies
 from ..uri import parse_s3_uri
 from .common import plain_metadata, s3_client
 from .nodes import MAX_LOCAL_METADATA_BYTES, Copy, Survey, node, read_private, report, survey
-from .output import format_size, print_json, print_table
+from .output import format_size, print_json, print_table, shown
 
 __all__ = ["cmd_verify_copies", "copy_metadata"]
 
@@ -57,22 +57,21 @@ def cmd_verify_copies(args) -> int:
                     "ok": ok, "copies": results})
     else:
         in_s3 = f"committed in S3 (save {s3_save or '?'})" if s3_md is not None else "not committed in S3"
-        print(f"copies of {uri} in {found.local_dir} on {here}: {in_s3}")
+        print(shown(f"copies of {uri} in {found.local_dir} on {here}: {in_s3}"))
         print_table(["RANK", "SAVE", "SIZE", "ITEMS", "CHECKED AGAINST", "RESULT"],
                     [[f"{r['rank']} of {r['world_size']}", r["save_id"], format_size(r["bytes"]), r["items"],
                       {"s3": "S3's .metadata", "copy": "its own .metadata", None: "-"}[r["against"]],
                       "OK" if r["result"] == "ok" else f"{r['result']}: {r['why']}"] for r in results], indent=2)
         for r in results:
             if r["stale"]:
-                print(f"  # rank {r['rank']} (save {r['save_id']}): {r['stale']}: a restore does not use it")
+                print(shown(f"  # rank {r['rank']} (save {r['save_id']}): {r['stale']}: a restore does not use it"))
         if ok:
-            print(f"OK: {len(results)} copie(s) of {uri} on this node verified")
+            print(shown(f"OK: {len(results)} copie(s) of {uri} on this node verified"))
     if not ok:
         bad = ", ".join(f"rank {r['rank']}: {r['result']}" for r in results if r["result"] != "ok")
-        print(f"s3dcp: error: not every copy of {uri} in {found.local_dir} is intact ({bad}); a restore does not use "
-              "those "
-              "(it reads those objects from another node's copy or from S3); delete them, or let the next "
-              "save's retention remove them", file=sys.stderr)
+        print(shown(f"s3dcp: error: not every copy of {uri} in {found.local_dir} is intact ({bad}); a restore does "
+                    "not use those (it reads those objects from another node's copy or from S3); delete them, or let "
+                    "the next save's retention remove them"), file=sys.stderr)
         return 1
     return 0
 

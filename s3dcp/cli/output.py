@@ -1,5 +1,13 @@
 """How ``s3dcp`` commands print: JSON on stdout, aligned tables, human sizes and ages, and a progress
-bar on stderr (tqdm, only on a terminal)."""
+bar on stderr (tqdm, only on a terminal).
+
+Names read from storage (checkpoint and object names, FQNs) are anyone's who could write the
+bucket, so no text line shows them raw: :func:`shown` writes every character that is not
+printable (ESC and every other control character, line breaks, bidirectional overrides) as its
+Python escape, ``\x1b``, as error messages do with ``repr``. :func:`print_table` does so for
+every cell; the commands pass each line that holds such a name through it. JSON escapes them
+itself.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["print_json", "print_table", "format_size", "format_age", "progress_bar"]
+__all__ = ["print_json", "print_table", "shown", "format_size", "format_age", "progress_bar"]
 
 
 def print_json(value: Any) -> None:
@@ -17,12 +25,22 @@ def print_json(value: Any) -> None:
     sys.stdout.flush()
 
 
+def shown(value: Any) -> str:
+    """``str(value)`` with every character that is not printable written as its Python escape
+    (``"\x1b[2J"`` -> ``"\\x1b[2J"``): a name from storage cannot move the cursor, clear the
+    screen or start a new line."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def print_table(header: list[str], rows: list[list[Any]], indent: int = 0) -> None:
-    """``rows`` under ``header`` in left-aligned columns, or ``(none)``."""
+    """``rows`` under ``header`` in left-aligned columns (every cell through :func:`shown`), or ``(none)``."""
     if not rows:
         print(" " * indent + "(none)")
         return
-    cells = [header] + [[str(c) for c in row] for row in rows]
+    cells = [header] + [[shown(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     for row in cells:
         print(" " * indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

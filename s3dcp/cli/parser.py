@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", metavar="D", help="data directory to use and keep (default: temporary)")
     p.add_argument("--port", type=int, metavar="P", help="S3 port (default: a free one)")
     p.add_argument("--access-key", default="s3dcp-local", help="the one access key (default: s3dcp-local)")
-    p.add_argument("--secret-key", help="its secret (default: a random one)")
+    p.add_argument("--secret-key", help="its secret (default: $S3DCP_SERVER_SECRET_KEY, else a random one; "
+                   "the variable keeps it off the command line, which every local user can read)")
     return parser
 
 

@@ -3,6 +3,7 @@ try things out, :mod:`s3dcp.localserver`) and ``s3dcp mb`` (create a bucket, thr
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,8 +34,11 @@ def cmd_server(args) -> int:
         if args.all and args.pid is not None:
             raise UsageError("--stop takes --pid or --all, not both")
         return localserver.stop(pid=args.pid, all_servers=args.all)
+    # the environment keeps the secret off command lines (the background server gets it so too);
+    # taken out of it here, so weed's environment does not hold it twice
+    secret_key = os.environ.pop(localserver.SECRET_KEY_ENV, None)
     options = dict(buckets=buckets, data_dir=args.dir, port=args.port, access_key=args.access_key,
-                   secret_key=args.secret_key)
+                   secret_key=args.secret_key if args.secret_key is not None else secret_key)
     if args.print_env:
         return localserver.print_env(**options, pid=args.pid)
     return localserver.run(**options)

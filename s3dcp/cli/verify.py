@@ -8,13 +8,14 @@ import os
 import sys
 from typing import Any, Sequence
 
+from .._partial_file import PartialFile
 from ..errors import MetadataFormatError, S3DCPError, UnsafePickleError, root_error
 from ..format import integrity, layout
 from ..format.context import At, quoted
 from ..uri import S3Uri, object_key, parse_s3_uri
 from .common import UsageError, plain_metadata, s3_client
 from .copies import cmd_verify_copies
-from .output import format_size, print_json, progress_bar
+from .output import format_size, print_json, progress_bar, shown
 
 __all__ = ["cmd_verify", "cmd_download"]
 
@@ -116,26 +117,26 @@ def cmd_verify(args) -> int:
             where = f" (bad blocks {b['bad_blocks']})" if b["bad_blocks"] else ""
             if b["object"] is None:  # declared, not stored as declared
                 chunk = "" if b["offset"] is None else f" (chunk at {tuple(b['offset'])})"
-                print(f"BAD {b['fqn'] or 'metadata'}{chunk}: {b['reason']}")
+                print(shown(f"BAD {b['fqn'] or 'metadata'}{chunk}: {b['reason']}"))
             elif b["reason"]:
-                print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']}: {b['reason']}")
+                print(shown(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']}: {b['reason']}"))
             else:
-                print(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
-                      f"expected {b['expected']}, got {b['got']}{where}")
+                print(shown(f"BAD {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                            f"expected {b['expected']}, got {b['got']}{where}"))
         for b in skipped:
-            print(f"NOT CHECKED {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
-                  f"{b['reason']}")
+            print(shown(f"NOT CHECKED {b['fqn']}{_chunk(b['offset'])} in {b['object']} bytes {b['start']}-{b['end']}: "
+                        f"{b['reason']}"))
         if ok:
-            print(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
-                  f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified; "
-                  "every chunk and item the metadata declares is among them")
+            print(shown(f"OK: {len(verified)} item(s), {nbytes} bytes ({format_size(nbytes)}) in "
+                        f"{len({c.item.location.object_name for c in verified})} object(s) of {uri} verified; "
+                        "every chunk and item the metadata declares is among them"))
     if not ok:
         parts = [f"{len(bad)} bad item(s)"] if bad else []
         if skipped:
             parts.append(f"{len(skipped)} item(s) without a checksum, not checked")
-        print(f"s3dcp: error: {', '.join(parts) or 'not every item was verified'} in {uri}: "
-              f"{len(verified)} of {len(storage)} item(s), {nbytes} of {declared_bytes} bytes verified"
-              + ("; restore from another checkpoint" if bad else ""), file=sys.stderr)
+        print(shown(f"s3dcp: error: {', '.join(parts) or 'not every item was verified'} in {uri}: "
+                    f"{len(verified)} of {len(storage)} item(s), {nbytes} of {declared_bytes} bytes verified"
+                    + ("; restore from another checkpoint" if bad else "")), file=sys.stderr)
         return 1
     return 0
 
@@ -208,13 +209,10 @@ def cmd_download(args) -> int:
         if isinstance(root_error(e), UnsafePickleError):
             raise UnsafePickleError(f"{root_error(e)} (here: --allow-pickle)") from e
         raise
-    partial = f"{out}.partial"
-    try:
-        torch.save(state_dict, partial)
-        os.replace(partial, out)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    with PartialFile(out) as partial:  # a fresh name of its own, never a fixed one someone could prepare
+        with open(partial.fd, "wb", closefd=False) as f:
+            torch.save(state_dict, f)
+        partial.finish()
     nbytes = os.path.getsize(out)
     if args.json:
         print_json({"uri": str(uri), "file": os.path.abspath(out), "bytes": nbytes,

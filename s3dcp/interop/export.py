@@ -36,13 +36,13 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from .._partial_file import PartialFile
 from ..config import S3Config
 from ..errors import CheckpointExistsError, ConfigError, IncompleteCheckpointError, IntegrityError, MetadataFormatError
 from ..format import integrity, layout
@@ -155,10 +155,10 @@ def export_safetensors(
         target.clear_previous()
         for name, group in zip(names, groups):
             shard = [tensors[i] for i in group]
-            path = target.local_path(name)
-            _write_shard(path, shard, src, client, arena, report, progress)
-            size = os.path.getsize(path)
-            target.finish_file(name, path)
+            partial = target.begin_file(name)
+            _write_shard(partial, shard, src, client, arena, report, progress)
+            size = os.fstat(partial.fd).st_size
+            target.finish_file(name, partial)
             report.files.append({"name": name, "bytes": size, "tensors": len(shard)})
             weight_map.update({t.name: name for t in shard})
         report.tensors = len(tensors)
@@ -218,7 +218,7 @@ def _select(md, src: S3Uri, only: Sequence[str], strip_prefix: str | None, repor
 
 
 # ---------------------------------------------------------------------- one shard file
-def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, arena: "RingArena",
+def _write_shard(partial: PartialFile, shard: list[_Tensor], src: S3Uri, client: S3Client, arena: "RingArena",
                  report: ExportReport, on_progress) -> None:
     from safetensors.torch import save_file
 
@@ -235,15 +235,16 @@ def _write_shard(path: str, shard: list[_Tensor], src: S3Uri, client: S3Client, 
                 continue
             placeholders[t.name] = base[at:at + t.nbytes].view(t.dtype).view(t.shape)
             at += _align(t.nbytes)  # every placeholder starts aligned for its dtype
-        save_file(placeholders, path, metadata={"format": "pt"})
+        save_file(placeholders, partial.path, metadata={"format": "pt"})
         del placeholders, base
     finally:
         zeros.close()
+    partial.reopen()  # save_file renames a file of its own onto the path: the data goes into that one
 
-    with open(path, "r+b") as f:
+    with open(partial.fd, "r+b", closefd=False) as f:
         first = f.read(8)
         header_len = int.from_bytes(first, "little")
-        header = parse_header(first + f.read(header_len), source=path, file_size=os.path.getsize(path))
+        header = parse_header(first + f.read(header_len), source=partial.path, file_size=os.fstat(f.fileno()).st_size)
         where = {e.name: e for e in header.tensors}
         ordered = sorted(shard, key=lambda t: where[t.name].start)  # file order: sequential writes
         pending: deque = deque()  # (tensor, its arena span, its GETs) in file order
@@ -322,25 +323,18 @@ def _finish_tensor(t: _Tensor, buf: torch.Tensor, jobs: list, src: S3Uri, report
 
 
 # ---------------------------------------------------------------------- destinations
-def _umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
-    with suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
-        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    return 0o022  # no /proc (macOS): the usual default
-
-
 class _Destination:
     """A local directory, or an S3 prefix with a local spool directory for the shard files.
 
     Call order: ``clear_previous()`` (refuses, or with ``overwrite`` removes, an earlier
-    export: its index first), then per file ``local_path`` → ``finish_file``, then
+    export: its index first), then per file ``begin_file`` → ``finish_file``, then
     ``write_small(INDEX_NAME, ...)``; on any failure ``discard(error)``; always ``close()``.
     Every finished file is recorded, so a failed export removes what it wrote and nothing
     partial that a reader could mistake for a model stays behind."""
 
     def __init__(self, dest: str, client: S3Client, overwrite: bool, temp_dir: str | None) -> None:
         self.client, self.overwrite = client, overwrite
-        self._partials: list[str] = []
+        self._partials: dict[str, PartialFile] = {}  # by path: files begun, not finished
         self._written: list[str] = []  # names finished (or, for the index on S3, attempted) at dest
         if is_s3_uri(dest):
             self.uri: S3Uri | None = parse_s3_uri(dest)
@@ -379,33 +373,33 @@ class _Destination:
             for name in clash:
                 os.unlink(os.path.join(self.dir, name))
 
-    def local_path(self, name: str) -> str:
-        path = os.path.join(self.dir, name + (".partial" if self.uri is None else ""))
-        self._partials.append(path)
-        return path
+    def begin_file(self, name: str) -> PartialFile:
+        """File ``name``, begun: made exclusively under a fresh name (never a fixed one that
+        someone who may write the directory could have prepared)."""
+        partial = PartialFile(os.path.join(self.dir, name))
+        self._partials[partial.path] = partial
+        return partial
 
-    def finish_file(self, name: str, path: str) -> None:
+    def finish_file(self, name: str, partial: PartialFile) -> None:
         if self.uri is None:
-            # safetensors creates its file 0600; an export gets the mode of any file the user
-            # creates (0644 under umask 022), as its index does.
-            os.chmod(path, 0o666 & ~_umask())
-            os.replace(path, os.path.join(self.dir, name))
+            # the file gets the mode of any file the user creates (0644 under umask 022)
+            partial.finish()
             self._written.append(name)
-            return
-        with open(path, "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # page cache, not process memory
-        self._written.append(name)  # a PUT that failed may still have landed: removed on failure too
-        self.client.put(self.uri.bucket, self.uri.key(name), memoryview(data)).result()
-        # The mapping is unmapped when the last view of it (the request's stream may keep one) is gone.
-        del data
-        os.unlink(path)
+        else:
+            data = mmap.mmap(partial.fd, 0, access=mmap.ACCESS_READ)  # page cache, not process memory
+            self._written.append(name)  # a PUT that failed may still have landed: removed on failure too
+            self.client.put(self.uri.bucket, self.uri.key(name), memoryview(data)).result()
+            # The mapping is unmapped when the last view of it (the request's stream may keep one) is gone.
+            del data
+            partial.discard()
+        del self._partials[partial.path]  # on failure, close() discards it
 
     def write_small(self, name: str, data: bytes) -> None:
         if self.uri is None:
-            partial = self.local_path(name)
-            with open(partial, "wb") as f:
+            partial = self.begin_file(name)
+            with open(partial.fd, "wb", closefd=False) as f:
                 f.write(data)
-            os.replace(partial, os.path.join(self.dir, name))
+            self.finish_file(name, partial)
         else:
             self._written.append(name)
             self.client.put(self.uri.bucket, self.uri.key(name), data, single_request=True,
@@ -442,9 +436,8 @@ class _Destination:
                 "(no index); delete them, or export again replacing them (overwrite=True; s3dcp export --force)") from error
 
     def close(self) -> None:
+        for partial in self._partials.values():  # only what this export started and did not finish
+            partial.discard()
+        self._partials = {}
         if self.uri is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
-        else:  # only what this export started and did not finish
-            for path in self._partials:
-                if os.path.exists(path):
-                    os.unlink(path)

@@ -386,3 +386,47 @@ def test_json_nested_past_the_parsers_depth_is_a_clear_error(reader):
             "local_marker": lambda: LocalMarker.decode(raw, "x")}[reader]
     with pytest.raises(MetadataFormatError):
         call()
+
+
+# ---------------------------------------------------------------- planner_data paths (issue 42, row 6)
+def _with_planner_data(planner_data: dict, version: int) -> bytes:
+    """A checkpoint whose stored items are the keys of ``planner_data`` (bytes items, 8 bytes each)."""
+    keys = [k for k in planner_data if isinstance(k, str)]
+    sd = {MetadataIndex(k): ItemLocation("__0_0.t.distcp", 8 * i, 8, "crc32c:0badf00d") for i, k in enumerate(keys)}
+    return encode_metadata(Metadata({k: BytesStorageMetadata() for k in keys}, planner_data=planner_data,
+                                    storage_data=sd), version=version)
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_list_items_past_the_entries_that_use_a_list_are_charged_to_the_budget(version):
+    """One planner_data path holding the list index 10^11 made a load into an empty state dict
+    (s3dcp download) append None until the list was that long: MemoryError after 11.5 s under a
+    2 GB cap, unbounded without one. An index within the entries that use its list costs
+    nothing; past them (a list of empty dicts before a tensor gives that) each item is charged to
+    the decode's budget; a negative index is refused."""
+    honest = {f"opt.groups.{i}.lr": ("opt", "groups", i, "lr") for i in range(3)}
+    honest |= {"opt.groups.0.wd": ("opt", "groups", 0, "wd"), "opt.state.0.0": ("opt", "state", 0, 0),
+               "step": ("step",), "odd": ["a", 1], "size": torch.Size([2, 3]), "mixed": ("opt", "groups", "x"),
+               "l.2": ("l", 2)}  # what DCP writes for {"l": [{}, {}, tensor]}: 3 items, 1 entry
+    assert decode_metadata(_with_planner_data(honest, version)).planner_data == honest
+    for key, path, words in [
+        ("opt.groups.2.lr", ("opt", "groups", 10**11, "lr"),
+         "declares 99999999996 list items (index 100000000000 at ('opt', 'groups'), past the 5 entries that use "
+         "that list), more than a metadata object of"),
+        ("opt.groups.2.lr", ("opt", "groups", 1e11, "lr"), "list items (index 100000000000.0 at ('opt', 'groups')"),
+        ("opt.state.0.0", ("opt", "state", 0, 10**11), "list items (index 100000000000 at ('opt', 'state', 0), past "
+                                                       "the 1 entries"),
+        ("l.2", ("l", 2**40), "declares 1099511627776 list items (index 1099511627776 at ('l',)"),
+        ("size", torch.Size([0, 10**11]), "declares 100000000001 list items a load would build"),
+        ("opt.groups.2.lr", ("opt", "groups", -1, "lr"), "list index -1 at ('opt', 'groups') is negative"),
+    ]:
+        crafted = _with_planner_data({**honest, key: path}, version)
+        assert len(crafted) < 4_000
+        plain, light, load = _decode_everything(crafted)
+        assert light == "ok" or words in light  # rm and gc need the object names alone
+        for refusal in (plain, load):
+            assert refusal.startswith(f"s3://b/ck/.metadata: metadata.planner_data[{key!r}]") and words in refusal, \
+                refusal
+    # the paths of what is not stored are another planner's data, kept as written
+    assert decode_metadata(_with_planner_data({**honest, 7: ("opt", "groups", 10**11)}, version)).planner_data[7] \
+        == ("opt", "groups", 10**11)

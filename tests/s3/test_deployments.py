@@ -8,6 +8,7 @@ checked on its own."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -225,6 +226,28 @@ def test_aws_ca_bundle_is_the_bundle_both_transports_trust(s3_server, bucket, tl
             stranger.get_range_into(bucket, "trusted", 0, bytearray(2 * PART)).result(timeout=180)
     finally:
         stranger.close()
+
+
+# ------------------------------------------------------------------------------ verify_tls
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_only_verify_tls_false_turns_certificate_checks_off_and_it_says_so(s3_server, bucket, tls_front, transport,
+                                                                           caplog):
+    """Before: verify_tls=None (or 0, or "") turned the checks off on both transports without a
+    word, and a transfer with the self-signed front went through. Now only False does, saying so
+    once for the endpoint however many clients use it."""
+    front, _ = tls_front
+    for value in (None, 0, ""):
+        with pytest.raises(ConfigError, match="must be True or False"):
+            _client(s3_server, front.url, transport, verify_tls=value)
+    caplog.set_level(logging.WARNING, logger="s3dcp")
+    clients = [_client(s3_server, front.url, transport, verify_tls=False) for _ in range(2)]
+    try:
+        _roundtrip(clients[0], bucket, "unverified")
+        said = [r.getMessage() for r in caplog.records if "verify_tls=False" in r.getMessage()]
+        assert len(said) == 1 and f"certificates of {front.url} are not checked" in said[0], said
+    finally:
+        for client in clients:
+            client.close()
 
 
 # ------------------------------------------------------------------------------ dotted and directory buckets

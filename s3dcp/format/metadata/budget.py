@@ -18,7 +18,9 @@ every declared count is charged to a :class:`DecodeBudget` whose size follows th
   objects), 4 per chunk of a layout, 16 more per distinct chunk box and per storage row with a
   key or shape of its own (a torch.Size, tuple or ChunkStorageMetadata), at most
   ``max(2^22, the object's bytes)``. 1,024 x 900 needs ~1 M. Names (fqns, object names, dtype
-  names) are charged by length, a unit per 8 characters, and an object each.
+  names) are charged by length, a unit per 8 characters, and an object each; the list items a
+  load into an empty state dict would build from ``planner_data`` paths past the entries that
+  use each list, a unit each (:mod:`s3dcp.format.metadata.paths`).
 
 So an object of at most 10 MB holds at most ~80 MB of columns and builds ~80 MB of objects,
 whatever it declares (measured in ``tests/format/test_hostile_metadata.py``). Real checkpoints

@@ -18,6 +18,7 @@ from ...errors import MetadataFormatError
 from . import planner, plain_v1, plain_v2, v3
 from .budget import DecodeBudget
 from .fields import _get
+from .paths import check_paths
 from .plain import PlainMetadata
 from .tree import decode_tree
 
@@ -35,10 +36,14 @@ def decode_plain(data: bytes, *, source: str = "<metadata>") -> PlainMetadata:
 def decode_either(data: bytes) -> PlainMetadata:
     """The decode itself, without the guard (callers hold :func:`decoding`)."""
     if data[:1] == b"\x89":
-        if data.startswith(plain_v2.MAGIC):
-            return _decode_binary(data)
-        raise MetadataFormatError("not s3dcp metadata: starts with byte 0x89 but not with the s3dcp magic")
-    return plain_v1.decode(data)
+        if not data.startswith(plain_v2.MAGIC):
+            raise MetadataFormatError("not s3dcp metadata: starts with byte 0x89 but not with the s3dcp magic")
+        plain = _decode_binary(data)
+    else:
+        plain = plain_v1.decode(data)
+    # what a load into an empty state dict builds from the paths of the stored items, bounded
+    check_paths(plain.planner_data, plain.state_dict, DecodeBudget(len(data)))
+    return plain
 
 
 def _decode_binary(data: bytes) -> PlainMetadata:

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._private_dir import private_dir
 from ..errors import (CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, MetadataFormatError,
                       S3ConnectionError)
 from ..format.layout import METADATA_NAME
 from ..format.local import LOCAL_METADATA_NAME
 from ..lifecycle.holdings import scan
-from ..lifecycle.local_dir import open_local_dir
 from ..loading.fetch import fetch_metadata_bytes
 from ..loading.reader import S3StorageReader
 from ..loading.tiered import TieredClient
@@ -73,7 +73,7 @@ class NodeTier:
         if not isinstance(s3_every, int) or isinstance(s3_every, bool) or s3_every < 1:
             raise ConfigError(f"s3_every={s3_every!r} must be an int >= 1: 1 sends every checkpoint to S3, K every "
                               "K-th checkpoint step (the first included); the others stay on the node only")
-        self.dir = open_local_dir(local_dir)  # private to this user, or refused (lifecycle/local_dir.py)
+        self.dir = Path(private_dir(local_dir, what="local_dir", tighten=True))  # private to this user, or refused
         self.s3_every = s3_every
         self._lock = threading.Lock()
         self._last_step: Any = object()  # global_step of the last save (nothing equals it at first)

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .._private_dir import private_dir
 from ..errors import ConfigError, LocalCopyError, LocalRoomError
 from ..format.local import parse_rank_dir, rank_dir_name
 from ..saving.local_copy import LocalCopy, make_private_dirs, remove_copy
 from ..uri import S3Uri
 from .holdings import entries, scan
-from .local_dir import open_local_dir
 
 if TYPE_CHECKING:
     from .tier_sync import TierSync
@@ -79,7 +79,10 @@ class LocalTier:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool)
                                          or budget_bytes <= 0):
             raise ConfigError(f"local_budget_bytes={budget_bytes!r} must be a positive int or None")
-        self.dir = open_local_dir(local_dir)
+        if not isinstance(local_dir, (str, os.PathLike)) or not str(local_dir):
+            raise ConfigError(f"local_dir={local_dir!r} must be a path (a directory of this run, e.g. /dev/shm/run7)")
+        # private to the job: a copy another user could plant, a restore would load
+        self.dir = Path(private_dir(local_dir, what="local_dir", tighten=True))
         self.base, self.name, self.step_of = base, name, step_of
         self.s3_every, self.keep_last, self.budget_bytes = s3_every, keep_last, budget_bytes
         self.replicas_wanted = replicas

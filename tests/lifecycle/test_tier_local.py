@@ -23,7 +23,7 @@ from s3dcp import CheckpointManager
 from s3dcp.errors import ConfigError, LocalCopyError
 from s3dcp.format import integrity
 from s3dcp.format.metadata import decode_metadata, encode_metadata
-from s3dcp.lifecycle.local_dir import open_local_dir
+from s3dcp._private_dir import private_dir
 from s3dcp.saving import local_copy
 
 MiB = 1 << 20
@@ -64,6 +64,10 @@ def _as_nobody(call) -> str:
     return said
 
 
+def open_local_dir(path):
+    return Path(private_dir(path, what="local_dir", tighten=True))  # what the manager makes of it
+
+
 def test_a_new_local_dir_is_private_and_an_open_one_is_made_private(tmp_path, caplog):
     made = open_local_dir(tmp_path / "a" / "run")
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
@@ -75,22 +79,33 @@ def test_a_new_local_dir_is_private_and_an_open_one_is_made_private(tmp_path, ca
     assert stat.S_IMODE(readable.stat().st_mode) == 0o700 and "made private" in caplog.text
 
 
-@pytest.mark.parametrize("mode, says", [(0o777, "writable by its group and every user"),
-                                        (0o770, "writable by its group"), (0o702, "writable by every user")])
+@pytest.mark.parametrize("mode, says", [(0o777, "others"), (0o770, "its group"), (0o702, "others")])
 def test_a_local_dir_others_may_write_is_refused(tmp_path, mode, says):
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, mode)
-    with pytest.raises(ConfigError, match=f"local_dir=.*{says}.*chmod 700"):
-        open_local_dir(d)
+    with pytest.raises(ConfigError, match=f"local_dir .* may be written by {says} .*chmod go-w"):
+        _manager_of(d)
 
 
 def test_a_local_dir_that_is_a_file_or_under_one_says_so(tmp_path):
+    """Issue 39, row 3: before, a raw FileExistsError or NotADirectoryError at the first save,
+    which did not name local_dir."""
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ConfigError, match="local_dir=.*is a file"):
-        open_local_dir(tmp_path / "f")
-    with pytest.raises(ConfigError, match="local_dir=.*a part of its path is a file"):
-        open_local_dir(tmp_path / "f" / "run")
+    with pytest.raises(ConfigError, match="local_dir .* is not a directory .* remove it or choose another"):
+        _manager_of(tmp_path / "f")
+    with pytest.raises(ConfigError, match="local_dir .* a part of its path is a file"):
+        _manager_of(tmp_path / "f" / "run")
+
+
+def _manager_of(local_dir):
+    return CheckpointManager("s3://bkt/run", local_dir=local_dir, client=_NoS3())
+
+
+class _NoS3:
+    """A client never used: making a manager asks nothing of S3."""
+
+    config = None
 
 
 @as_root
@@ -98,15 +113,15 @@ def test_a_local_dir_of_another_user_or_their_link_is_refused(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, NOBODY, NOBODY)
-    with pytest.raises(ConfigError, match=f"belongs to user {NOBODY}"):
-        open_local_dir(theirs)
+    with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}"):
+        _manager_of(theirs)
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
     link = tmp_path / "link"
     link.symlink_to(mine)
     os.lchown(link, NOBODY, NOBODY)
-    with pytest.raises(ConfigError, match=f"symbolic link of user {NOBODY}"):
-        open_local_dir(link)
+    with pytest.raises(ConfigError, match=f"symbolic link of uid {NOBODY}"):
+        _manager_of(link)
 
 
 @pytest.fixture
@@ -125,7 +140,7 @@ def test_another_user_can_neither_plant_nor_read_a_copy(s3_config, bucket, shm):
     tmp_path = shm
     planted = tmp_path / "planted"
     assert _as_nobody(lambda: (planted.mkdir(), os.chmod(planted, 0o777))) == "ok"
-    with pytest.raises(ConfigError, match="belongs to user"):
+    with pytest.raises(ConfigError, match="belongs to uid"):
         _manager(s3_config, bucket, planted)
 
     local_dir = tmp_path / "local"

@@ -16,14 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3dcp import CheckpointManager, S3StorageWriter
-from s3dcp.lifecycle.holdings import stale_copies
 from s3dcp.errors import CheckpointNotFoundError
-from s3dcp.format import integrity
 from s3dcp.format.local import LocalMarker
-from s3dcp.format.metadata import decode_metadata, encode_metadata
-from s3dcp.lifecycle.holdings import S3View, choose_save
+from s3dcp.lifecycle.holdings import S3View, choose_save, stale_copies
 
 from cli_run import run_cli
+from forged_copy import forge
 
 
 def _state(seed: int) -> dict:
@@ -159,20 +157,7 @@ def test_a_copy_of_another_save_than_s3_s_is_stale(capsys, tier_run, s3_config):
 
 
 def _forge(copy: Path, seed: int) -> None:
-    """Another state's bytes in a copy's object, its own .metadata's checksums made to match."""
-    path = copy / ".metadata"
-    metadata = decode_metadata(path.read_bytes())
-    metadata.storage_data = dict(metadata.storage_data.items())
-    raw = memoryview(_state(seed)["w"].numpy().tobytes())
-    for index, loc in list(metadata.storage_data.items()):
-        if index.fqn == "w":
-            data = bytearray((copy / loc.object_name).read_bytes())
-            data[loc.offset:loc.offset + loc.length] = raw
-            (copy / loc.object_name).write_bytes(bytes(data))
-            sums = integrity.compute(integrity.algorithm_of(loc.checksum), raw)
-            metadata.storage_data[index] = dataclasses.replace(loc, checksum=sums.whole,
-                                                               block_checksums=tuple(sums.blocks))
-    path.write_bytes(encode_metadata(metadata))
+    forge(copy, "w", _state(seed)["w"])
 
 
 def test_verify_names_corrupt_and_incomplete_copies(capsys, tier_run):

@@ -14,19 +14,16 @@
 
 from __future__ import annotations
 
-import datetime
 import errno
 import os
-import pickle
 import shutil
-import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from test_multiprocess import Job, _context, _free_port, run_jobs
+from killed_rank import KilledJob, joined, killed, report, stay
+from test_multiprocess import Job, run_jobs
 from tiers_job import Ctx
 
 pytestmark = pytest.mark.multiproc
@@ -40,12 +37,6 @@ def _ctx(rank, world, uri, root, cfg, per_node=2) -> Ctx:
     return Ctx(uri, root, rank, world, rank // per_node, rank % per_node, config=cfg)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------
 # a rank killed mid-transfer
 
@@ -55,27 +46,15 @@ def _setup(rank, world, uri, root, cfg):
     return c.save(c.manager(replicas=0), (10, 20), "x")
 
 
-def _killed_mid_transfer(rank, world, port, uri, root, cfg, outdir):
+def _killed_mid_transfer(rank, world, port, outdir, uri, root, cfg):
     """Ranks 2 and 3 need rank 0's object (its non-tensor item: no replicas), sent by ranks 0
     and 1; rank 0 dies as it posts its send."""
-    log = open(Path(outdir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    joined(rank, world, port, outdir, GROUP_TIMEOUT_S)
     c = _ctx(rank, world, uri, root, cfg)
     if rank == 0:
-        real = dist.isend
-
-        def isend_then_die(*args, **kwargs):
-            _write_atomically(Path(outdir, "killed"), str(time.time()).encode())
-            os.kill(os.getpid(), signal.SIGKILL)
-            return real(*args, **kwargs)
-
-        dist.isend = isend_then_die
-    outcome = c.load(c.manager(replicas=0))
-    _write_atomically(Path(outdir, f"rank{rank}.pkl"), pickle.dumps((outcome, time.time())))
-    time.sleep(GROUP_TIMEOUT_S)  # stay alive: an exit would close the connections a hang waits on
+        dist.isend = lambda *args, **kwargs: killed(outdir)
+    report(outdir, rank, c.load(c.manager(replicas=0)))
+    stay()
 
 
 def test_a_rank_killed_mid_transfer_ends_every_rank_s_restore_within_seconds(s3_config, bucket, tmp_path):
@@ -83,35 +62,13 @@ def test_a_rank_killed_mid_transfer_ends_every_rank_s_restore_within_seconds(s3_
     setup = Job("setup", _setup, 4, (uri, root, s3_config))
     run_jobs(tmp_path / "setup", setup)
     assert all([s["stored_in"] for s in r] == [["s3", "local"], ["local"]] for r in setup.results), setup.results
-    ctx, port, outdir = _context(), _free_port(), tmp_path / "killed"
-    outdir.mkdir()
-    procs = [ctx.Process(target=_killed_mid_transfer, args=(r, 4, port, uri, root, s3_config, str(outdir)))
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        deadline = time.monotonic() + 150
-        while not (outdir / "killed").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (outdir / "killed").exists(), "rank 0 never reached its send"
-        killed_at = float((outdir / "killed").read_text())
-        while len(results) < 3 and time.time() < killed_at + BOUND_S + 5:
-            for r in (1, 2, 3):
-                if r not in results and (outdir / f"rank{r}.pkl").exists():
-                    results[r] = pickle.loads((outdir / f"rank{r}.pkl").read_bytes())
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    logs = {r: (outdir / f"rank{r}.log").read_text(errors="replace")[-1500:] for r in range(4)}
+    with KilledJob(_killed_mid_transfer, 4, tmp_path / "killed", (uri, root, s3_config)) as job:
+        results, logs = job.survivors([1, 2, 3], BOUND_S)
     assert sorted(results) == [1, 2, 3], f"survivors still waiting {BOUND_S} s after the kill\n{logs}"
-    for r, (outcome, at) in results.items():
+    for r, (outcome, after) in results.items():
         assert "error" in outcome, (r, outcome)
-        assert at - killed_at < BOUND_S, f"rank {r} failed {at - killed_at:.1f} s after the kill: {outcome}"
-        print(f"rank {r}: {outcome['error']} {at - killed_at:.1f} s after the kill: {outcome['message'][:120]!r}")
+        assert after < BOUND_S, f"rank {r} failed {after:.1f} s after the kill: {outcome}"
+        print(f"rank {r}: {outcome['error']} {after:.1f} s after the kill: {outcome['message'][:120]!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,12 +117,8 @@ def test_a_local_commit_failing_on_one_rank_is_the_same_outcome_on_every_rank(s3
 # a rank killed while writing its copy; the job back on another world size
 
 
-def _killed_writing(rank, world, port, uri, root, cfg, outdir):
-    log = open(Path(outdir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+def _killed_writing(rank, world, port, outdir, uri, root, cfg):
+    joined(rank, world, port, outdir, 20)
     c = _ctx(rank, world, uri, root, cfg)
     m = c.manager(replicas=0)
     c.save(m, (10, 20), "x")
@@ -176,13 +129,11 @@ def _killed_writing(rank, world, port, uri, root, cfg, outdir):
 
         def write_then_die(self, name, buffers):
             real(self, name, buffers)
-            _write_atomically(Path(outdir, "killed"), b"")
-            os.kill(os.getpid(), signal.SIGKILL)
+            killed(outdir)
 
         local_copy.LocalCopy.write = write_then_die
-    outcome = c.save(m, (30,), "x")
-    _write_atomically(Path(outdir, f"rank{rank}.pkl"), pickle.dumps(outcome))
-    time.sleep(GROUP_TIMEOUT_S)
+    report(outdir, rank, c.save(m, (30,), "x"))
+    stay()
 
 
 def _restart(rank, world, uri, root, cfg):
@@ -205,22 +156,8 @@ def _back_on_two(rank, world, uri, root, cfg):
 
 def test_a_rank_killed_writing_its_copy_and_a_job_back_on_another_world_size(s3_config, bucket, tmp_path):
     uri, root = f"s3://{bucket}/run", str(tmp_path / "local")
-    ctx, port, outdir = _context(), _free_port(), tmp_path / "crash"
-    outdir.mkdir()
-    procs = [ctx.Process(target=_killed_writing, args=(r, 4, port, uri, root, s3_config, str(outdir)))
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + 150
-        while len(list(outdir.glob("rank*.pkl"))) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    assert (outdir / "killed").exists()
+    with KilledJob(_killed_writing, 4, tmp_path / "crash", (uri, root, s3_config)) as job:
+        job.survivors([0, 1, 2], bound_s=60)  # their save of 30 fails (DCP's collectives: the group's timeout)
 
     after = Job("after-crash", _restart, 4, (uri, root, s3_config))
     back = Job("back-on-two", _back_on_two, 2, (uri, root, s3_config))

@@ -7,7 +7,6 @@ Another local user is played by ``nobody``: a forked child of this process that 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -21,10 +20,10 @@ import torch
 
 from s3dcp import CheckpointManager
 from s3dcp.errors import ConfigError, LocalCopyError
-from s3dcp.format import integrity
-from s3dcp.format.metadata import decode_metadata, encode_metadata
 from s3dcp._private_dir import private_dir
 from s3dcp.saving import local_copy
+
+from forged_copy import forge
 
 MiB = 1 << 20
 NOBODY = 65534
@@ -159,22 +158,7 @@ def test_another_user_can_neither_plant_nor_read_a_copy(s3_config, bucket, shm):
 
 
 def _forge(copy: Path, seed: int) -> None:
-    """Another state's bytes in a copy's objects, its .metadata's checksums made to match: a copy
-    consistent in itself, as a forger with s3dcp in hand would make it."""
-    path = copy / ".metadata"
-    metadata = decode_metadata(path.read_bytes())
-    metadata.storage_data = dict(metadata.storage_data.items())
-    forged = _state(seed)["w"]
-    raw = memoryview(forged.numpy().tobytes())
-    for index, loc in list(metadata.storage_data.items()):
-        if index.fqn == "w":
-            data = bytearray((copy / loc.object_name).read_bytes())
-            data[loc.offset:loc.offset + loc.length] = raw
-            (copy / loc.object_name).write_bytes(bytes(data))
-            sums = integrity.compute(integrity.algorithm_of(loc.checksum), raw)
-            metadata.storage_data[index] = dataclasses.replace(loc, checksum=sums.whole,
-                                                               block_checksums=tuple(sums.blocks))
-    path.write_bytes(encode_metadata(metadata))
+    forge(copy, "w", _state(seed)["w"])
 
 
 def test_a_forged_copy_of_a_step_in_s3_is_caught_by_s3_s_own_metadata(s3_config, bucket, tmp_path):

@@ -26,6 +26,7 @@ and error (``__cause__``).
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -40,7 +41,7 @@ from ..config import MiB, S3Config
 from ..errors import ConfigError
 from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
-from .torch_checkpointing_dirs import Dirs, State, not_found, wait
+from .torch_checkpointing_dirs import DirectoryNotFoundError, Dirs, State, not_found, wait
 from .torch_checkpointing_paths import COMMIT_MARKER, MARKERS, PathMap
 from .torch_checkpointing_rename import rename
 from .torch_checkpointing_streams import MemoryStream, ReadStream, WriteStream, tensor_owners
@@ -136,16 +137,9 @@ class S3Storage(Storage):
         return MemoryStream(data)
 
     def read(self, path: Path, read_args: ReadArgs | None = None) -> bytes:
-        """The whole file. Without a known size (``metadata.pkl``, JSON items): one GET, whose
-        answer brings the size; with one, or when asked to stream, ranged GETs in parallel."""
-        args = read_args or ReadArgs()
-        if args.known_size_bytes is None and args.pre_read_full_file:
-            where = self._paths.where(path, file=True)
-            visible = self._dirs.require_visible(where)
-            whole = self.client.get(where.bucket, where.key)
-            visible()
-            return wait(whole)
-        with self.stream_read(path, replace(args, pre_read_full_file=False)) as stream:
+        """The whole file: its size (a HEAD, unless known), then ranged GETs in parallel into one
+        buffer, returned as ``bytes`` (one copy: ``bytes`` cannot be filled in place)."""
+        with self.stream_read(path, replace(read_args or ReadArgs(), pre_read_full_file=False)) as stream:
             return stream.readall()
 
     def getsize(self, path: Path) -> int:
@@ -288,11 +282,18 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ internals
     def _writable(self, path: Path):
-        """Where a file may be written: not under an uncommitted checkpoint's final name, and
+        """Where a file may be written: in a directory that exists (made by mkdir, or holding
+        files; the root always does), not under an uncommitted checkpoint's final name, and
         through a staging view only while its save is in progress (a directory committed
         meanwhile, by another save of the same name, is not written into)."""
         where = self._paths.where(path, file=True)
+        parent = where.key.rpartition("/")[0]
+        under = self._dirs.first_objects(where.bucket, f"{parent}/", 1) if parent in where.guards else None
         self._dirs.require_visible(where)()
+        if under is not None and not wait(under)[0]:
+            raise DirectoryNotFoundError(errno.ENOENT, f"{where.shown} ({where.url}): its directory "
+                                         f"s3://{where.bucket}/{parent} does not exist (mkdir it first, as "
+                                         "torch-checkpointing's writer does)")
         return where
 
     def _is_file(self, where) -> bool:

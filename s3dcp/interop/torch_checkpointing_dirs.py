@@ -39,7 +39,7 @@ from ..errors import NoSuchKeyError, PreconditionFailedError, S3DCPError
 from ..s3.client import S3Client
 from .torch_checkpointing_paths import COMMIT_MARKER, DIR_MARKER, MARKERS, STAGING_MARKER, Where
 
-__all__ = ["State", "Dirs", "as_os_error", "wait"]
+__all__ = ["State", "Dirs", "DirectoryNotFoundError", "as_os_error", "wait"]
 
 log = logging.getLogger("s3dcp")
 
@@ -80,6 +80,11 @@ def occupied(src: str, dst: str, why: str, error_number: int = errno.ENOTEMPTY) 
 
 def not_found(where: Where, why: str) -> FileNotFoundError:
     return FileNotFoundError(errno.ENOENT, f"{where.shown} ({where.url}): {why}")
+
+
+class DirectoryNotFoundError(FileNotFoundError, RuntimeError):
+    """A write into a directory nobody made: ``FileNotFoundError`` as on a file system, and the
+    ``RuntimeError`` torch-checkpointing's local backend raises there, so callers of either match."""
 
 
 class Dirs:

@@ -100,7 +100,8 @@ class ReadStream(io.RawIOBase):
             if not step:
                 break
             got += step
-        return bytes(out[:got])
+        with view[:got] as whole:
+            return bytes(whole)
 
     def close(self) -> None:
         self._block = bytearray()

@@ -78,6 +78,9 @@ def test_files_and_directories(storage):
         storage.getsize(Path("nope"))
     with pytest.raises(FileNotFoundError):
         storage.mkdir(Path("c/d"), recursive=False)
+    with pytest.raises(FileNotFoundError, match="mkdir it first") as no_dir:  # as on a file system
+        storage.write(Path("c/d/x.bin"), b"x")
+    assert isinstance(no_dir.value, RuntimeError)  # what torch-checkpointing's local backend raises there
     with pytest.raises(NotADirectoryError):
         storage.ls(Path("a/b/tmp_buffer_0.pt"))
     storage.rmdir(Path("a"))
@@ -132,6 +135,7 @@ def test_every_row_of_the_rename_table(storage):
     def tree(root: str, files: dict) -> None:
         storage.mkdir(Path(root))
         for name, data in files.items():
+            storage.mkdir(Path(f"{root}/{name}").parent)
             storage.write(Path(f"{root}/{name}"), data)
 
     tree("d1", {"x": b"1", "sub/y": b"2"})

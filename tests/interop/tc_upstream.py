@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from torch_checkpointing.storage.filesystem import LocalFileSystemStorage, LocalFileSystemStorageConfig
 
 from s3dcp.interop.torch_checkpointing import S3StorageConfig
 
@@ -59,18 +60,12 @@ class S3AsLocalStorageConfig(S3StorageConfig):
     use_direct_io: bool = True
 
 
-def _buffered_local_config():
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorage, LocalFileSystemStorageConfig
+@dataclass
+class BufferedLocalStorageConfig(LocalFileSystemStorageConfig):
+    """The local file system without O_DIRECT, whatever the test asks: the baseline."""
 
-    @dataclass
-    class BufferedLocalStorageConfig(LocalFileSystemStorageConfig):
-        """The local file system without O_DIRECT (whatever the test asks): the baseline."""
-
-        def create_storage(self) -> LocalFileSystemStorage:
-            return LocalFileSystemStorage(config=LocalFileSystemStorageConfig(use_direct_io=False))
-
-    BufferedLocalStorageConfig.__qualname__ = BufferedLocalStorageConfig.__name__ = "BufferedLocalStorageConfig"
-    return BufferedLocalStorageConfig
+    def create_storage(self) -> LocalFileSystemStorage:
+        return LocalFileSystemStorage(config=LocalFileSystemStorageConfig(use_direct_io=False))
 
 
 # ---------------------------------------------------------------------- the pytest plugin
@@ -82,7 +77,7 @@ def pytest_configure(config):
     from s3dcp.testing import SeaweedServer
 
     if os.environ.get(MODE_ENV) == "local":
-        replacement = globals()["BufferedLocalStorageConfig"] = _buffered_local_config()
+        replacement = BufferedLocalStorageConfig
     else:
         server = SeaweedServer().start()
         server.create_bucket(BUCKET)
@@ -139,7 +134,8 @@ def _run(tests: Path, junit: Path, extra: list[str], *, mode: str, used: Path) -
     cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", "-W", "ignore",
            "--continue-on-collection-errors", "--timeout", "300", f"--junitxml={junit}", "-p", "tc_upstream",
            *extra]
-    subprocess.run(cmd, cwd=tests.parent, env=env, check=False)
+    with open(junit.with_suffix(".log"), "w") as log:  # pytest's own report, beside the XML
+        subprocess.run(cmd, cwd=tests.parent, env=env, check=False, stdout=log, stderr=subprocess.STDOUT)
 
 
 def outcomes(junit: Path) -> dict[str, tuple[str, str, str]]:

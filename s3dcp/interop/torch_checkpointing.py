@@ -246,11 +246,13 @@ class S3Storage(Storage):
     def rmdir(self, path: Path) -> None:
         """Delete a directory and everything in it (a committed checkpoint is hidden first)."""
         where = self._paths.where(path, file=False)
+        if not where.key:
+            raise OSError(errno.EPERM, f"{where.shown}: refusing to delete everything in bucket {where.bucket}")
         self._dirs.require_visible(where.parents())()
         if where.is_staging_view:
             state = State.STAGED  # require_visible found it staged and uncommitted
         else:
-            state = self._dirs.state(where.bucket, where.key) if where.key else State.PLAIN
+            state = self._dirs.state(where.bucket, where.key)
             if state is State.STAGED:  # hidden under this name: its staging view's to remove
                 state = State.ABSENT
         if state is State.ABSENT:

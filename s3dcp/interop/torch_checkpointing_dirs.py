@@ -119,8 +119,9 @@ class Dirs:
         """The state of directory ``key`` (three requests in parallel)."""
         staging = self.has(bucket, f"{key}/{STAGING_MARKER}")
         commit = self.has(bucket, f"{key}/{COMMIT_MARKER}")
-        objects = self.first_objects(bucket, f"{key}/" if key else "")
-        names = {o.key.rpartition("/")[2] for o in wait(objects)[0]}
+        prefix = f"{key}/" if key else ""
+        objects = self.first_objects(bucket, prefix)
+        names = {o.key[len(prefix):] for o in wait(objects)[0]}  # a marker counts only directly in it
         if wait(commit):
             return State.COMMITTED
         if wait(staging):

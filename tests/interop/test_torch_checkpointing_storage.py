@@ -110,6 +110,9 @@ def test_a_staged_directory_is_hidden_until_its_rename_commits_it_without_a_copy
     with pytest.raises(FileExistsError, match="holds a committed checkpoint"):
         storage.mkdir(Path("tmp_step_1"))
     assert set(keys(storage)) == written | {"run/step_1/.s3dcp-commit"}
+    storage.mkdir(Path("plain/empty_sub"))  # not staged, and not empty: its subdirectory's marker is no marker of it
+    with pytest.raises(FileExistsError, match="not written as a staged checkpoint"):
+        storage.mkdir(Path("tmp_plain"))
 
 
 def test_a_second_commit_onto_a_committed_name_raises_and_changes_nothing(storage):

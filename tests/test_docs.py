@@ -70,7 +70,7 @@ RUN_BY = {
     "docs/troubleshooting.md": [],
     "docs/errors.md": [],
     "docs/benchmarks.md": [],
-    "docs/trainers.md": ["", "python", "python"],                # the trainers' tests
+    "docs/trainers.md": ["", "python", "python", "python"],      # the trainers' tests
     "docs/compatibility.md": ["python"],                          # test_the_compat_settings
     "docs/restore.md": ["python", "text", "text"],                # test_the_cooperative_snippet; a diagram, a table
     "docs/restart.md": ["python"],                                # test_the_restart_snippet
@@ -231,10 +231,11 @@ def test_the_export_commands(aws_env, s3_server, tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------ docs/trainers.md
 def test_the_trainer_extras_exist():
     lang, install = all_blocks("docs/trainers.md")[0]
-    named = re.findall(r"pip install 's3dcp\[(\w+)\]'", install)
+    named = re.findall(r"pip install 's3dcp\[([\w-]+)\]'", install)
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
-    assert lang == "" and named == ["torchtitan", "lightning"] and all(extras[name] for name in named)
+    assert lang == "" and named == ["torchtitan", "lightning", "torch-checkpointing"]
+    assert all(extras[name] for name in named)
 
 
 def test_the_torchtitan_config(aws_env, s3_server):
@@ -260,6 +261,19 @@ def test_the_lightning_snippet_saves_every_100_steps_and_resumes_from_last(aws_e
     exec(in_bucket(snippet, bucket), again)  # noqa: S102 - resumes from last.ckpt (step 100, an epoch's end)
     assert again["trainer"].global_step == 150
     assert torch.equal(again["model"].net.weight, first["model"].net.weight)
+
+
+def test_the_torch_checkpointing_snippet_saves_async_keeps_the_last_and_loads(aws_env, s3_server):
+    (snippet,) = blocks("torch-checkpointing", "python", "docs/trainers.md")
+    bucket = fresh_bucket(s3_server)
+    model = torch.nn.Linear(8, 4)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    scope: dict = {"model": model}
+    exec(in_bucket(snippet, bucket), scope)  # noqa: S102 - the page's own code
+    assert scope["loaded"]["step"] == 1000 and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    storage = scope["storage_config"].create_storage()
+    assert storage.committed("/") == ["step_1000"] and storage.ls("/") == ["step_1000"]
+    assert storage.remap_path("step_1000") == f"s3://{bucket}/run/step_1000"
 
 
 # ------------------------------------------------------------------ docs/compatibility.md

@@ -47,6 +47,7 @@ from .clock import parse_http_date, with_measured_skew
 from .copies import copy_object
 from .deletes import delete_objects
 from .listing import ObjectInfo, UploadInfo, UploadParts
+from .responses import etag_of_answer, object_size_check
 from .native import _acquire_native, _NativeClient, _NativeUse
 from .request import _Call
 from .sender import refuse_proxy
@@ -130,7 +131,7 @@ class S3Client:
         stream = BufferStream(buffers)
         single_request = single_request or if_none_match
         headers = [*self._put_headers(bucket, stream.size, content_type), *create_only]
-        etag, on_headers = _etag_of_answer()
+        etag, on_headers = etag_of_answer()
         size = stream.size
         # Above the threshold the upload goes in parts; at the threshold itself the CRT's choice
         # depends on its comparison, so it counts as a single PUT here (the safe side, see
@@ -184,7 +185,7 @@ class S3Client:
 
         request = HttpRequest("PUT", self._at.path(bucket, key),
                               HttpHeaders(self._put_headers(bucket, nbytes, content_type)))
-        etag, on_headers = _etag_of_answer()
+        etag, on_headers = etag_of_answer()
         held = [keep]
         return self._submit(
             "PutObject", bucket, key,
@@ -197,19 +198,24 @@ class S3Client:
             clean_abort=nbytes > self.config.effective_multipart_threshold_bytes,
         )
 
-    def get_range_into(self, bucket: str, key: str, offset: int, dest) -> "Future[int]":
+    def get_range_into(self, bucket: str, key: str, offset: int, dest, *,
+                       object_size_bytes: int | None = None) -> "Future[int]":
         """Read ``len(dest)`` bytes of ``key`` starting at ``offset`` into the writable buffer
         ``dest`` (bytearray, memoryview, tensor memory). Large ranges are split into parts
-        fetched in parallel. Fails with :class:`IntegrityError` if the object is shorter."""
+        fetched in parallel. Fails with :class:`IntegrityError` if the object is shorter (or not
+        ``object_size_bytes`` long, see :meth:`get_scatter`)."""
         view = memoryview(dest).cast("B")
-        return self.get_scatter(bucket, key, offset, offset + view.nbytes, [(offset, view)])
+        return self.get_scatter(bucket, key, offset, offset + view.nbytes, [(offset, view)],
+                                object_size_bytes=object_size_bytes)
 
     def get_scatter(self, bucket: str, key: str, start: int, end: int,
-                    sinks: Sequence[tuple[int, memoryview]]) -> "Future[int]":
+                    sinks: Sequence[tuple[int, memoryview]], *,
+                    object_size_bytes: int | None = None) -> "Future[int]":
         """One ranged GET of bytes ``[start, end)`` of ``key``, each arriving byte copied into
         every sink ``(object_offset, writable view)`` that covers it; bytes no sink covers (the
         small holes between coalesced reads) are dropped. Resolves to the bytes received;
-        a short object fails with :class:`IntegrityError`."""
+        a short object fails with :class:`IntegrityError`, and so does an object that does not
+        hold the ``object_size_bytes`` the caller was told, before a byte reaches a sink."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
 
@@ -258,7 +264,8 @@ class S3Client:
 
         if self.config.transport == "sockets":  # straight from the socket into the sinks
             read = SocketRead(bucket, key, self._at.host_for(bucket), self._at.path(bucket, key), start, end, sinks,
-                              part_size=self.config.download_part_size_bytes, headers=self._at.bucket_headers())
+                              part_size=self.config.download_part_size_bytes, headers=self._at.bucket_headers(),
+                              object_size=object_size_bytes)
             return self._submit("GetObject", bucket, key, read.start, result=lambda: result(read.received),
                                 releases=[sinks.clear, reach.clear], clean_abort=True)
         headers = [("Host", self._at.host_for(bucket)), ("Range", f"bytes={start}-{end - 1}"),
@@ -268,6 +275,7 @@ class S3Client:
             "GetObject", bucket, key,
             lambda native, on_done: native.crt.make_request(
                 type=S3RequestType.GET_OBJECT, request=request, on_body=on_body, on_done=on_done,
+                on_headers=None if object_size_bytes is None else object_size_check(bucket, key, object_size_bytes),
                 part_size=self.config.download_part_size_bytes, signing_config=native.signing_for(bucket)),
             result=lambda: result(received[0]),
             releases=[sinks.clear, reach.clear],
@@ -312,10 +320,11 @@ class S3Client:
                              extra_headers=self._at.bucket_headers())
 
     def list(self, bucket: str, prefix: str = "", *, delimiter: str | None = None,
-             page_size: int = 1000) -> "Future[tuple[list[ObjectInfo], list[str]]]":
-        """All objects under ``prefix`` (every page), and the common prefixes when a
-        ``delimiter`` is given."""
-        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._at.bucket_headers())
+             page_size: int = 1000, first_page_only: bool = False) -> "Future[tuple[list[ObjectInfo], list[str]]]":
+        """All objects under ``prefix`` (every page; ``first_page_only``: one request, at most
+        ``page_size`` entries), and the common prefixes when a ``delimiter`` is given."""
+        return listing.list_objects(self._default, bucket, prefix, delimiter, page_size, self._at.bucket_headers(),
+                                    first_page_only=first_page_only)
 
     def delete(self, bucket: str, keys: Iterable[str]) -> "Future[None]":
         """Delete ``keys`` in batches of 1,000 (DeleteObjects). Missing keys are not errors."""
@@ -435,15 +444,3 @@ class S3Client:
             result=value,
         )
 
-
-def _etag_of_answer() -> tuple[list, Callable]:
-    """An ``on_headers`` callback for the CRT that keeps the answer's ETag, and the list it
-    keeps it in (``[None]`` until an answer names one)."""
-    etag: list[str | None] = [None]
-
-    def on_headers(status_code, headers, **_):
-        for name, value in headers:
-            if name.lower() == "etag":
-                etag[0] = value
-
-    return etag, on_headers

@@ -43,8 +43,10 @@ class UploadInfo:
 
 
 def list_objects(send: Callable[..., Future], bucket: str, prefix: str, delimiter: str | None, page_size: int,
-                 headers: Sequence[tuple[str, str]]) -> "Future[tuple[list[ObjectInfo], list[str]]]":
-    """All objects under ``prefix`` and the common prefixes (with a ``delimiter``), every page."""
+                 headers: Sequence[tuple[str, str]], *,
+                 first_page_only: bool = False) -> "Future[tuple[list[ObjectInfo], list[str]]]":
+    """All objects under ``prefix`` and the common prefixes (with a ``delimiter``), every page
+    (or only the first: ``first_page_only``)."""
     objects: list[ObjectInfo] = []
     prefixes: list[str] = []
     outer: Future = Future()
@@ -66,7 +68,7 @@ def list_objects(send: Callable[..., Future], bucket: str, prefix: str, delimite
         for p in children(root, "CommonPrefixes"):
             prefixes.append(text(p, "Prefix"))
         token = text(root, "NextContinuationToken")
-        if text(root, "IsTruncated") == "true" and token:
+        if text(root, "IsTruncated") == "true" and token and not first_page_only:
             _once(seen, token, "ListObjectsV2", bucket, prefix, "continuation token")
             page(token)
         else:

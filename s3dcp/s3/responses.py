@@ -1,4 +1,5 @@
-"""Reading S3's answers: errors translated into the s3dcp hierarchy, and XML bodies.
+"""Reading S3's answers: errors translated into the s3dcp hierarchy, XML bodies, and what the
+CRT's ``on_headers`` takes from an answer (its ETag; the object size a ranged read must find).
 
 Errors are classified here, once, by HTTP status and S3 error code — never by message text —
 and keep the CRT's exception as ``__cause__``. Those a setting causes say which to change: a
@@ -9,6 +10,7 @@ a refused request time says by how much the clock is off (:mod:`s3dcp.s3.clock`)
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from typing import Callable
 
 from ..errors import (
     AccessDeniedError,
@@ -25,7 +27,8 @@ from ..errors import (
 
 from .clock import ALLOWED_SKEW_S, clock_skew_error, parse_http_date, parse_iso, skew_from_answer
 
-__all__ = ["translate_error", "xml_result", "children", "text", "parse_iso", "parse_http_date"]
+__all__ = ["translate_error", "xml_result", "children", "text", "parse_iso", "parse_http_date", "etag_of_answer",
+           "object_size_check", "size_mismatch"]
 
 _THROTTLE_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
@@ -194,3 +197,38 @@ def text(node, name: str) -> str:
         if _local(c.tag) == name:
             return c.text or ""
     return ""
+
+
+def size_mismatch(bucket: str, key: str, total: int | None, expected: int) -> IntegrityError:
+    """A read told the object holds ``expected`` bytes found ``total``."""
+    return IntegrityError(f"s3://{bucket}/{key} holds {total} bytes, not the {expected} the reader was told "
+                          "(replaced or truncated since its size was taken)")
+
+
+def object_size_check(bucket: str, key: str, expected: int) -> Callable:
+    """An ``on_headers`` callback for a ranged GET of an object believed to hold ``expected``
+    bytes. The CRT answers with the first part's headers, whose ``Content-Range`` names the whole
+    object's size (``bytes 0-99/1000``); raising here stops the request before any body."""
+    def on_headers(status_code, headers, **_):
+        total = None
+        for name, value in headers:
+            if name.lower() == "content-range":
+                tail = value.rpartition("/")[2].strip()
+                total = int(tail) if tail.isdigit() else None
+        if total != expected:
+            raise size_mismatch(bucket, key, total, expected)
+
+    return on_headers
+
+
+def etag_of_answer() -> tuple[list, Callable]:
+    """An ``on_headers`` callback for the CRT that keeps the answer's ETag, and the list it
+    keeps it in (``[None]`` until an answer names one)."""
+    etag: list[str | None] = [None]
+
+    def on_headers(status_code, headers, **_):
+        for name, value in headers:
+            if name.lower() == "etag":
+                etag[0] = value
+
+    return etag, on_headers

@@ -26,6 +26,7 @@ import re
 from typing import Sequence
 
 from ..errors import IntegrityError, S3Error
+from .responses import size_mismatch
 from .sender import Cancelled, Flow
 from .streams import copy_into
 
@@ -43,7 +44,8 @@ class SocketRead(Flow):
     operation = "GetObject"
 
     def __init__(self, bucket: str, key: str, host: str, path: str, start: int, end: int,
-                 sinks: Sequence[tuple[int, memoryview]], *, part_size: int, headers: Sequence[tuple[str, str]]):
+                 sinks: Sequence[tuple[int, memoryview]], *, part_size: int, headers: Sequence[tuple[str, str]],
+                 object_size: int | None = None):
         super().__init__(bucket, key)
         self._host, self._path, self._headers = host, path, list(headers)
         self._sinks = list(sinks)
@@ -51,6 +53,7 @@ class SocketRead(Flow):
         self._parts = [(offset, min(part_size, end - offset)) for offset in range(start, end, part_size)]
         self._pending = len(self._parts)
         self._etag: str | None = None
+        self._object_size = object_size  # what every answer must say the whole object holds, when given
         self.received = 0
 
     def _begin(self) -> None:
@@ -101,6 +104,12 @@ class SocketRead(Flow):
         elif offset != 0 or size > length:  # a 200 is the whole object: only right if that is the range
             raise S3Error(f"GetObject s3://{self.bucket}/{self.key}: asked for bytes {offset}-{offset + length - 1}, "
                           f"the server answered with the whole object ({size} bytes)")
+        if response.status == 206:
+            total = int(match[3]) if match[3].isdigit() else None
+        else:
+            total = size
+        if self._object_size is not None and total != self._object_size:  # checked before a byte is copied
+            raise size_mismatch(self.bucket, self.key, total, self._object_size)
         self._fill(response, offset, offset + size)
         return size
 

@@ -1,6 +1,6 @@
-"""examples/torchsnapshot.py and examples/hf_finetune_start.py run as a user runs them: with no
-endpoint configured, with one configured (its s3://demo, as "Try it locally" leaves it), and
-without a warning."""
+"""examples/torchsnapshot.py, examples/hf_finetune_start.py and examples/torch_checkpointing_s3.py run
+as a user runs them: with no endpoint configured, with one configured (its s3://demo, as "Try it
+locally" leaves it, or an --uri), and without a warning."""
 
 from __future__ import annotations
 
@@ -65,3 +65,16 @@ def test_hf_finetune_start_example_starts_its_own_server_or_uses_the_configured_
     assert f"the configured S3 endpoint {s3_server.endpoint_url}; the model at s3://demo/models/tiny-lm" in configured
     assert "published a stand-in pretrained model at s3://demo/models/tiny-lm" in configured
     assert "equal to the published weights" in configured
+
+
+def test_torch_checkpointing_example_saves_async_loads_bit_for_bit_and_resumes(s3_server, bucket):
+    env = clean_env(**s3_server.env())
+    uri = f"s3://{bucket}/run"
+    first = run_example("torch_checkpointing_s3.py", "--uri", uri, "--steps", "10", env=env).stdout
+    assert f"the configured S3 endpoint {s3_server.endpoint_url}; checkpoints under {uri}" in first
+    assert f"saving {uri}/step_10" in first and f"committed {uri}/step_10" in first
+    assert f"loaded {uri}/step_10 into a fresh model and optimizer: identical, bit for bit (step 10)" in first
+    again = run_example("torch_checkpointing_s3.py", "--uri", uri, "--steps", "20", env=env).stdout
+    assert f"resumed from {uri}/step_10 (step 10)" in again
+    assert "kept ['step_20', 'step_30']; deleted ['step_10']" in again
+    assert f"loaded {uri}/step_30 into a fresh model and optimizer: identical, bit for bit (step 30)" in again

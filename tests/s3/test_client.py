@@ -246,3 +246,32 @@ def test_upload_and_load_of_writable_buffers_go_through_the_memmove_path_byte_ex
     client.get_scatter(bucket, "tensors", 0, whole.numel(), [(0, byte_view(head)),
                                                             (whole.numel() - MiB, byte_view(tail))]).result()
     assert torch.equal(head, whole[:PART]) and torch.equal(tail, whole[-MiB:])
+
+
+@pytest.mark.parametrize("transport", ["crt", "sockets"])
+def test_a_read_told_the_object_size_refuses_another_size_before_copying_a_byte(s3_server, bucket, transport):
+    client = S3Client(s3_server.s3_config(part_size_bytes=PART, download_part_size_bytes=PART, transport=transport))
+    data = os.urandom(2 * PART + 10)
+    client.put(bucket, "sized", data).result()
+    out = bytearray(len(data))
+    assert client.get_range_into(bucket, "sized", 0, out, object_size_bytes=len(data)).result() == len(data)
+    assert out == data
+    part = bytearray(PART)
+    client.get_range_into(bucket, "sized", PART, part, object_size_bytes=len(data)).result()
+    assert part == data[PART:2 * PART]
+    for told in (len(data) - 1, len(data) + 1, 0):  # replaced, grown, or a size from elsewhere
+        into = bytearray(b"\xee" * len(data))
+        with pytest.raises(IntegrityError, match=f"holds {len(data)} bytes, not the {told}"):
+            client.get_range_into(bucket, "sized", 0, memoryview(into)[:PART], object_size_bytes=told).result()
+        assert into == b"\xee" * len(data)  # nothing copied
+
+
+def test_a_first_page_only_listing_is_one_request_of_at_most_page_size(client, bucket):
+    for i in range(5):
+        client.put(bucket, f"few/{i}", b"x").result()
+    objects, _ = client.list(bucket, "few/", page_size=2, first_page_only=True).result()
+    assert [o.key for o in objects] == ["few/0", "few/1"]
+    objects, prefixes = client.list(bucket, "", delimiter="/", page_size=1, first_page_only=True).result()
+    assert (objects, prefixes) == ([], ["few/"])
+    assert client.list(bucket, "none/", page_size=1, first_page_only=True).result() == ([], [])
+    assert len(client.list(bucket, "few/", page_size=2).result()[0]) == 5  # every page without it

@@ -326,7 +326,7 @@ class CheckpointManager:
         stats = writer.last_stats
         if copy is not None:  # the local copy is complete; then replicated, older ones retained
             outcome = self._tiers.committed(step, copy, metadata=metadata, in_s3=to_s3)
-            stats = dataclasses.replace(stats, stored_in=outcome.stored_in, local_error=outcome.local_error)
+            stats = dataclasses.replace(stats, **dataclasses.asdict(outcome))
             if self._is_coordinator():
                 self._tiers.tell(step, self.uri(step), outcome)
         with self._lock:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .._private_dir import private_dir
 from ..errors import ConfigError, LocalCopyError, LocalRoomError
 from ..format.local import parse_rank_dir, rank_dir_name
-from ..saving.local_copy import LocalCopy, make_private_dirs, remove_copy
+from ..saving.local_copy import LocalCopy, make_private_dirs, not_committed, remove_copy
 from ..uri import S3Uri
 from .holdings import entries, scan
 
@@ -54,11 +54,13 @@ log = logging.getLogger("s3dcp")
 @dataclass(frozen=True)
 class SaveOutcome:
     """Where a committed save is held (every rank says the same): ``stored_in`` is ``("s3",
-    "local")``, ``("local",)`` or ``("s3",)`` (the node copies failed); ``local_error`` says why
-    a copy failed, on which rank."""
+    "local")``, ``("local",)`` (kept on the nodes only, as planned or because S3 could not take
+    it: ``s3_error``) or ``("s3",)`` (the node copies failed: ``local_error`` says on which rank
+    and why)."""
 
     stored_in: tuple
     local_error: str | None = None
+    s3_error: str | None = None  # why a step meant for S3 was kept on the nodes only (an outage)
 
 
 class LocalTier:
@@ -152,10 +154,11 @@ class LocalTier:
         if copy.rank is None:  # written by DCP's process executor's child: this rank's, as DCP numbers it
             copy.rank = _rank(self.process_group)
         save_id = metadata.storage_meta.save_id
+        s3_error = not_committed(metadata) if in_s3 else None  # the same on every rank: DCP's metadata says it
         try:
             marker = copy.prepare(encode_metadata(metadata), metadata.storage_data.values(), save_id=save_id,
-                                  world_size=_world(self.process_group) if _dist_on() else 1, in_s3=in_s3,
-                                  saved_at=time.time())
+                                  world_size=_world(self.process_group) if _dist_on() else 1,
+                                  in_s3=in_s3 and s3_error is None, saved_at=time.time())
         except LocalCopyError as e:  # a required copy: every rank must hear of it, not raise alone
             marker = None
             copy.failure = e
@@ -171,9 +174,12 @@ class LocalTier:
                 copy.seal(marker)
                 if self.replicas is not None:
                     self.replicas.submit(copy.root, copy.rank, save_id)
+                if s3_error is not None:  # an S3 outage: the nodes keep the step, and the next one tries S3
+                    self._force_s3 = True
+                    return SaveOutcome(("local",), s3_error=s3_error)
                 return SaveOutcome(("s3", "local") if in_s3 else ("local",))
             why = "; ".join(failures[:3]) + (f" (and {len(failures) - 3} more)" if len(failures) > 3 else "")
-            if in_s3:  # S3 holds the step: the copies that are whole still serve their ranks
+            if in_s3 and s3_error is None:  # S3 holds the step: the copies that are whole still serve their ranks
                 if marker is not None:
                     copy.seal(marker)
                 log.warning("checkpoint step %d is committed to S3, but its local copy failed on %d rank(s) (%s): "
@@ -182,9 +188,10 @@ class LocalTier:
             with self._lock:
                 copy.discard()
             self._force_s3 = True
-            raise LocalCopyError(f"checkpoint step {step} was kept only on the nodes, and its local copy failed on "
-                                 f"{len(failures)} rank(s): {why}. Nothing holds the step: every rank dropped it, "
-                                 "and the next checkpoint goes to S3")
+            raise LocalCopyError(f"checkpoint step {step} was kept only on the nodes"
+                                 f"{f' (S3 could not take it: {s3_error})' if s3_error else ''}, and its local copy "
+                                 f"failed on {len(failures)} rank(s): {why}. Nothing holds the step: every rank "
+                                 "dropped it, and the next checkpoint goes to S3")
         finally:
             with self._lock:
                 self._writing.discard(step)
@@ -193,7 +200,10 @@ class LocalTier:
     def tell(self, step: int, uri: str, outcome: SaveOutcome) -> None:
         """The one INFO line of a committed save: where the step is held (never "committed to
         S3" for a step kept on the nodes only)."""
-        if "local" not in outcome.stored_in:
+        if outcome.s3_error is not None:
+            log.error("checkpoint step %d could not be committed to %s (%s): kept on the nodes only (%s); the next "
+                      "checkpoint tries S3 again", step, uri, outcome.s3_error, self.dir)
+        elif "local" not in outcome.stored_in:
             log.info("checkpoint step %d committed to %s; not kept on the nodes (its local copy failed)", step, uri)
         elif "s3" in outcome.stored_in:
             log.info("checkpoint step %d committed to %s and kept on the nodes (%s)", step, uri, self.dir)

@@ -32,15 +32,16 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import LocalCopyError
+from ..errors import UNREACHABLE, IncompleteCheckpointError, LocalCopyError
 from ..format.layout import object_sizes, parse_object_name
 from ..format.local import LOCAL_METADATA_NAME, MARKER_NAME, LocalMarker, rank_dir_name
 
-__all__ = ["LocalCopy", "make_private_dirs", "write_private", "remove_copy"]
+__all__ = ["LocalCopy", "kept_on_nodes", "make_private_dirs", "not_committed", "remove_copy", "write_private"]
 
 log = logging.getLogger("s3dcp")
 
 _WRITE_SLICE = 64 << 20
+_NOT_COMMITTED = "s3dcp_not_committed"  # set on DCP's Metadata by the writer's finish: why S3 holds no commit
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -199,3 +200,25 @@ class LocalCopy:
         if self.failure is None:
             self.failure = failure
             log.warning("%s; the step still goes to S3", failure)
+
+
+def kept_on_nodes(copy: LocalCopy | None, metadata, error: BaseException, uri) -> bool:
+    """Whether a commit to ``uri`` that failed with ``error`` leaves the checkpoint to the nodes'
+    copies: there are some, and S3 could not be reached (or a rank's upload could not, so its
+    objects are missing). Then it is marked on DCP's ``metadata`` (:func:`not_committed`), not
+    raised: the manager's tier seals the copies as a step not in S3, and says so."""
+    if copy is None or not isinstance(error, (*UNREACHABLE, IncompleteCheckpointError)):
+        return False
+    if isinstance(error, IncompleteCheckpointError):  # another rank's upload failed, as its own log says
+        why = "IncompleteCheckpointError: a rank's objects did not all reach S3 (that rank's log says why)"
+    else:
+        why = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    setattr(metadata, _NOT_COMMITTED, why)
+    log.debug("checkpoint %s was not committed to S3 (%s); the nodes' local copies keep it", uri, why)
+    return True
+
+
+def not_committed(metadata) -> str | None:
+    """Why a save with local copies returned without committing to S3, or None. DCP hands every
+    rank the coordinator's metadata, this included (the process executor's parent too)."""
+    return getattr(metadata, _NOT_COMMITTED, None)

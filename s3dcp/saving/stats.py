@@ -26,9 +26,10 @@ class SaveStats:
     inherited_items: int = 0
     copied_bytes: int = 0  # bytes write_data copied into shared memory to upload them (see saving/uploads.py)
     # where the checkpoint is held (a CheckpointManager with local_dir): ("s3",), ("s3", "local") or
-    # ("local",); local_error: why the node copies failed (on which rank), the same on every rank
+    # ("local",); local_error: why the node copies failed (on which rank); the same on every rank
     stored_in: tuple = ("s3",)
     local_error: str | None = None
+    s3_error: str | None = None  # why a step meant for S3 is kept on the nodes only (an S3 outage)
 
     @property
     def upload_gbps(self) -> float:

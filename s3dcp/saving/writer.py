@@ -31,6 +31,7 @@ from torch.futures import Future as TorchFuture
 
 from ..config import S3Config
 from ..errors import (
+    UNREACHABLE,
     CheckpointExistsError,
     ConfigError,
     IncompleteCheckpointError,
@@ -51,7 +52,7 @@ from ..s3.request import abort_all
 from ..uri import parent_prefix, parse_s3_uri
 from .base import BaseIndex
 from .commit_check import check_objects
-from .local_copy import LocalCopy
+from .local_copy import LocalCopy, kept_on_nodes
 from .referenced import references
 from .staging import StagingMixin
 from .stats import SaveStats
@@ -221,7 +222,17 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             uploads.add(ready)
             if deferred:
                 self._stage_rounds(deferred, lease, uploads.add, uploads.drain)
-            results = uploads.wait()
+            try:
+                results = uploads.wait()
+            except UNREACHABLE as e:  # S3 out of reach: with the node's whole copy, the save goes on
+                if self.local_copy is None or self.local_copy.failure is not None:
+                    raise
+                uploads.discard(e)
+                results = uploads.results
+                self._upload_error = e  # what finish() says, on the coordinator
+                log.error("rank %d could not upload its objects to %s (%s: %s); they are kept in the node's local "
+                          "copy, and the checkpoint will not be committed to S3", rank, self._uri, type(e).__name__,
+                          " ".join(str(e).split())[:300])
             elapsed = time.perf_counter() - start
             self.last_stats = SaveStats(stage_s=self._stage_s if lease is not None else 0.0, upload_s=elapsed,
                                         bytes=uploads.bytes, objects=uploads.objects,
@@ -272,14 +283,21 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             self._check_not_abandoned()
             replaced = self._replaced_objects() if self.overwrite else set()
             body = encode_metadata(metadata)
-        except BaseException:
+        except BaseException as e:
             # Nothing was committed: this save's objects are garbage now, delete them.
             self._delete_own(_own_names(metadata.storage_data.values()) | ({PENDING_NAME} if marker else set()))
+            if kept_on_nodes(self.local_copy, metadata, getattr(self, "_upload_error", None) or e, uri):
+                return
             raise
         key = uri.key(METADATA_NAME)
         try:
-            self.client.put(uri.bucket, key, body, if_none_match=not self.overwrite,
-                            content_type="application/json").result()
+            try:
+                self.client.put(uri.bucket, key, body, if_none_match=not self.overwrite,
+                                content_type="application/json").result()
+            except UNREACHABLE as e:  # maybe stored, its answer lost: the objects stay (gc judges them)
+                if kept_on_nodes(self.local_copy, metadata, e, uri):
+                    return
+                raise
         except PreconditionFailedError as e:
             # A commit whose answer was lost (connection reset after the server stored it) is
             # retried by the CRT and then fails its own If-None-Match: it is ours if the stored
@@ -327,6 +345,10 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             return True
         except NoSuchKeyError:
             return False
+        except UNREACHABLE:
+            if self.local_copy is None:
+                raise
+            return False  # S3 out of reach: the nodes' copies go on; the commit, create-only, decides
 
     def _stored_metadata_is(self, key: str, body: bytes) -> bool:
         try:

@@ -107,7 +107,7 @@ def test_a_local_commit_failing_on_one_rank_is_the_same_outcome_on_every_rank(s3
         ten, twenty, thirty = r["saves"]
         assert ten["stored_in"] == ["s3"] and "rank 1" in ten["local_error"] and "No space" in ten["local_error"], ten
         assert twenty["error"] == "LocalCopyError" and "rank 1" in twenty["message"], twenty
-        assert thirty == {"step": 30, "stored_in": ["s3", "local"], "local_error": None}, thirty
+        assert thirty == {"step": 30, "stored_in": ["s3", "local"], "local_error": None, "s3_error": None}, thirty
         assert r["held20"] == [], r["held20"]  # dropped on every node: nobody counts it
         assert r["load"]["step"] == 30 and r["load"]["equal"], r["load"]
         assert r["s"] < 60, r["s"]

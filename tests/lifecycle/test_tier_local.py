@@ -251,3 +251,36 @@ def test_settings_say_what_is_possible(s3_config, bucket, tmp_path, caplog):
                                         r"of step\(s\) 1"):
         m.load(_state(0), step=999)
     m.close()
+
+
+@pytest.mark.parametrize("fails", ["the data upload", "the commit"])
+def test_a_step_s3_cannot_take_is_kept_on_the_node_and_said_so(s3_server, s3_config, bucket, tmp_path, fails,
+                                                              caplog):
+    """Issue 39, row 1: S3 answers 503 SlowDown to every PUT of the objects (or of the commit),
+    past the retries: the step meant for S3 is kept on the node, its stats and log say why it is
+    not in S3, and the next checkpoint tries S3 again (before: the save failed, and its local copy
+    went with it)."""
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port, seed=1) as proxy:
+        cfg = s3_config.replace(endpoint_url=proxy.endpoint_url, max_retries=1, retry_backoff_base_ms=10)
+        m = _manager(cfg, bucket, tmp_path / "local", s3_every=3)
+        path = r"\.distcp" if fails == "the data upload" else r"/\.metadata$"
+        proxy.add_rule(Rule("error", method="PUT", path_regex=path))
+        with caplog.at_level(logging.INFO, logger="s3dcp"):
+            m.save(10, _state(10))
+        assert "checkpoint step 10 could not be committed to s3://" in caplog.text
+        stats = m.last_save_stats
+        assert stats.stored_in == ("local",) and stats.s3_error.startswith("ThrottlingError: "), stats
+        proxy.clear_rules()
+        m.save(20, _state(20))  # S3 again at once (s3_every=3 would keep it on the node)
+        assert m.last_save_stats.stored_in == ("s3", "local")
+        m.close()
+    out = {k: torch.zeros_like(v) for k, v in _state(10).items()}
+    m = _manager(s3_config, bucket, tmp_path / "local")
+    assert [i.step for i in m.list() if i.committed] == [20]
+    assert m.load(out, step=10) == 10 and all(torch.equal(out[k], v) for k, v in _state(10).items())
+    assert m.last_load_stats["tier"] == "local"

@@ -97,7 +97,8 @@ class Ctx:
                 manager.save(step, state(self.rank, step, variant))
                 manager.wait()
                 stats = manager.last_save_stats
-                out.append({"step": step, "stored_in": list(stats.stored_in), "local_error": stats.local_error})
+                out.append({"step": step, "stored_in": list(stats.stored_in), "local_error": stats.local_error,
+                            "s3_error": stats.s3_error})
             except Exception as e:  # noqa: BLE001
                 e = unwrap_error(e)
                 out.append({"step": step, "error": type(e).__name__, "message": str(e)})
@@ -234,7 +235,7 @@ def phase_swap(c: Ctx) -> dict:
 
 def phase_outage(c: Ctx) -> dict:
     """S3 unreachable (nothing listens at its endpoint): the restore comes from the nodes, with a
-    warning; an S3 step fails, saying why; the local-only step after it is kept."""
+    warning; the steps meant for S3 are kept on the nodes, saying why they are not in S3."""
     from s3dcp import S3Config
 
     dead = S3Config(endpoint_url="http://127.0.0.1:9", max_retries=1, connect_timeout_s=1, request_timeout_s=5)

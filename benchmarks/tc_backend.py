@@ -1,7 +1,7 @@
 """torch-checkpointing on S3 through s3dcp against s3dcp's own DCP path, same state, same server, one run.
 
-    python benchmarks/torch_checkpointing.py                    # 256 MiB, 3 repeats, embedded S3
-    python benchmarks/torch_checkpointing.py --state-mib 1024 --repeats 5
+    python benchmarks/tc_backend.py                    # 256 MiB, 3 repeats, embedded S3
+    python benchmarks/tc_backend.py --state-mib 1024 --repeats 5
 
 Per repeat, interleaved (A B A B ...): a synchronous save and a load of the same state through
 torch-checkpointing's ``CheckpointManager`` with :class:`~s3dcp.interop.torch_checkpointing.

@@ -15,6 +15,7 @@ message text.
     │   ├── CheckpointExistsError       saving onto a committed checkpoint without overwrite=True
     │   ├── MetadataFormatError         metadata that is not ours, garbage, or of an unknown version
     │   ├── IntegrityError              checksum mismatch or truncated object
+    │   ├── TornCheckpointError         a tensor changed while staging copied it in the background
     │   └── UnsafePickleError           a non-tensor item holds more than plain data (see allow_pickle)
     └── S3Error                     a failed S3 request
         ├── AccessDeniedError           403: wrong or missing credentials, no permission
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointExistsError",
     "MetadataFormatError",
     "IntegrityError",
+    "TornCheckpointError",
     "UnsafePickleError",
     "PeerReadError",
     "S3Error",
@@ -85,6 +87,19 @@ class MetadataFormatError(CheckpointError):
 
 class IntegrityError(CheckpointError):
     """Stored bytes do not match their recorded checksum or length."""
+
+
+class TornCheckpointError(CheckpointError):
+    """A tensor changed while background staging still copied it (the training loop did not
+    wait for staging): the save is refused before anything is committed. ``names`` lists the
+    tensors that changed."""
+
+    def __init__(self, message: str, *, names: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.names = list(names or [])
+
+    def __reduce__(self):  # keeps ``names`` across pickling (DCP's process executor, gathered errors)
+        return type(self), (self.args[0],), {"names": self.names}
 
 
 class UnsafePickleError(CheckpointError):

@@ -109,6 +109,10 @@ class Lease:
         self.pending = False  # tensors beyond the budget: write_data copies them in rounds
         self.copied = threading.Event()  # every original is copied: the caller may change them
         self.returned = threading.Event()  # synchronize_staging is done: async_save returns
+        # stage()'s own copies have landed (a background stage's too, on its staging thread);
+        # error: why the staged copy must not be saved (it is torn, or a copy failed)
+        self.landed = threading.Event()
+        self.error: BaseException | None = None
         self._save: _SaveCall | None = None
         self._released = False
         self._lock = threading.Lock()
@@ -147,6 +151,14 @@ class Lease:
             with torch.cuda.device(device):  # the waiting thread makes no CUDA context on device 0
                 event.synchronize()
 
+    def land(self, error: BaseException | None = None) -> None:
+        """stage()'s copies are in the arena (``error``: they must not be saved); with no
+        rounds pending, every original has been copied."""
+        self.error = error
+        self.landed.set()
+        if not self.pending:
+            self.copied.set()
+
     def release(self) -> None:
         """Give the arena back, once, and let the training thread go."""
         self.copied.set()
@@ -155,6 +167,8 @@ class Lease:
             if self._released:
                 return
             self._released = True
+        # a background stage's copies still running write into the arena: they end first
+        self.landed.wait()
         # A stage that failed after its device copies were issued gives the arena back at once:
         # the next stage must not copy into it (nor the pool unpin it) while they still land.
         self.wait_device_copies()

@@ -1,18 +1,31 @@
 """Staging for ``dcp.async_save``: the only part of a checkpoint the training loop waits for.
 
-    training thread: async_save ─► stage(): lease an arena of the pool, copy every tensor into it
-                                     (CUDA: pinned arena, non_blocking copies on a side stream,
-                                      an event) ─► synchronize_staging() ─► training resumes
-    background:      dcp.save(staged) ─► write_data uploads straight from the arena ─► commit
-                     ─► the save call returns ─► the lease is over: the arena goes back
+Two modes (``S3Config.staging``)::
+
+    "blocking" (default): async_save ─► stage(): lease an arena of the pool, copy every tensor
+        into it (CUDA: pinned arena, non_blocking copies on a side stream, an event)
+        ─► synchronize_staging() ─► async_save returns a Future ─► training resumes
+    "background": async_save ─► stage(): lease an arena, build the staged dict, copy the small
+        tensors, note what the large ones are ─► returns a Future at once; async_save returns
+        AsyncSaveResponse(staging_completion, upload_completion) ─► training resumes, and must
+        wait for staging_completion before it changes a tensor (the optimizer step)
+        meanwhile, on a staging thread (saving/background.py): the large copies ─► the check
+        that none changed (saving/guard.py) ─► staging_completion
+    then, in DCP's save thread: dcp.save(staged) ─► write_data uploads straight from the arena
+        (or raises: torn) ─► commit ─► the save call returns ─► the lease is over: the arena goes back
+
+Background staging needs the whole state within ``staging_budget_bytes`` (budget rounds need
+the loop to wait until write_data has copied the last one, which DCP's staging Future cannot
+express): a larger state stages as "blocking".
 
 One save's hold on an arena is a :class:`~s3dcp.saving.lease.Lease`, whose whole life, every
 path included, is :mod:`s3dcp.saving.lease`'s docstring.
 
-This module owns the stager (:class:`StagingMixin`: the AsyncStager protocol of the writer,
-and the rounds). It must not decide when a lease is over (:mod:`s3dcp.saving.lease`), nor do ``stage()``'s copies itself — their
-order, the host copy and the CUDA side streams are :mod:`s3dcp.saving.copies`'s — nor upload
-or commit anything (the writer's).
+This module owns the stager (:class:`StagingMixin`: the AsyncStager protocol of the writer, the
+choice of mode, the rounds). It must not decide when a lease is over (:mod:`s3dcp.saving.lease`),
+nor do ``stage()``'s copies itself — their order, the host copy and the CUDA side streams are
+:mod:`s3dcp.saving.copies`'s; the staging thread is :mod:`s3dcp.saving.background`'s — nor
+upload or commit anything (the writer's).
 
 Host memory taken by staging is ``max_inflight_checkpoints × min(state bytes,
 staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.memory.pool`).
@@ -23,14 +36,16 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
 
 from ..memory.pool import Arena, HostBufferPool, plan_slabs, release_staging_memory, shared_pool
 from ..s3.streams import finalizer
-from . import statetree
+from . import background, statetree
 from .copies import Copies
+from .guard import TornGuard, is_step_counter
 from .lease import Lease
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
@@ -70,7 +85,8 @@ class StagingMixin:
 
     _synchronize_after_execute: bool = True
 
-    def _init_staging(self, pool: HostBufferPool | None) -> None:
+    def _init_staging(self, pool: HostBufferPool | None, staging: str) -> None:
+        self.staging = staging  # S3Config.staging
         self._pool = pool
         self._lease: Lease | None = None
         self._stage_started = 0.0
@@ -82,7 +98,10 @@ class StagingMixin:
         # the parent's arena, so the child is told to refuse them.
         self._attach()
         lease = self._lease
-        return {"_pool": None, "_lease": None, "_needs_rounds": lease is not None and lease.pending}
+        if lease is not None:
+            lease.landed.wait()
+        return {"_pool": None, "_lease": None, "_needs_rounds": lease is not None and lease.pending,
+                "_staging_error": lease.error if lease is not None else None}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -96,16 +115,18 @@ class StagingMixin:
         pool.release(arena)
 
     # ------------------------------------------------------------ training thread
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict``'s tensors into the pool and return the staged copy.
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        """Copy ``state_dict``'s tensors into the pool and return the staged copy (blocking
+        staging), or the Future of it (background staging; module docstring).
 
         Same structure; tensors (DTensor and ShardedTensor local shards too) become contiguous
         host tensors in the arena; other values are deep-copied so that the training loop may
-        change anything once staging is synchronised.
+        change anything once staging is complete.
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        found = statetree.tensors(state_dict)  # one walk: sizes the arena, then the copies
+        where: list | None = [] if self.staging == "background" else None  # what holds each tensor
+        found = statetree.tensors(state_dict, where)  # one walk: sizes the arena, then the copies
         arena = pool.acquire(self._arena_slabs(found), target_bytes=self.config.object_size_target_bytes,
                              max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
@@ -121,20 +142,30 @@ class StagingMixin:
             # the lease takes the copies' lists themselves: what run() records, also before a
             # failure, is what release() waits for
             lease.pending, lease.events, lease.training_done = copies.pending, copies.events, copies.training_done
-            destinations = iter(copies.destinations())
+            in_background = where is not None and not copies.pending
+            destinations = iter(copies.destinations(_LATER_FROM_BYTES if in_background else None))
             staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))
-            copies.run()  # the bytes: the rest of the stage is the copy itself
-        except BaseException:
+            guard = _guard(found, where, copies.later) if in_background else None  # before any copy
+            copies.run_now()  # the bytes: the rest of the stage is the copy itself
+        except BaseException as e:
+            lease.land(e)
             lease.release()
             raise
         result = _StagedDict(staged)
         result.lease = weakref.ref(lease)
         weakref.finalize(result, finalizer(lease.release))  # a save that died before it called the writer
-        if not lease.pending:
-            lease.copied.set()
         self._lease = lease
+        if guard is None:
+            if where is not None:
+                _say_blocking_once(self.config.staging_budget_bytes)
+            lease.land()
+            self._stage_s = time.perf_counter() - self._stage_started
+            return result
+        lease.returned.set()  # nothing waits for the training thread: it returns now
+        future = background.start(copies, guard, lease, result, lambda: statetree.paths(result),
+                                  self.checkpoint_id or "the checkpoint")
         self._stage_s = time.perf_counter() - self._stage_started
-        return result
+        return future
 
     def synchronize_staging(self) -> None:
         """Return once the staged copy is complete and the originals may change again — or
@@ -142,6 +173,7 @@ class StagingMixin:
         lease = self._lease
         if lease is None:
             return
+        lease.landed.wait()
         lease.wait_device_copies()
         while not lease.copied.wait(_POLL_S):
             if lease.over():
@@ -171,8 +203,13 @@ class StagingMixin:
                 "to fit the whole state for AsyncCheckpointerType.PROCESS")
         self._attach()
         lease = self._lease
+        error = getattr(self, "_staging_error", None)  # DCP's process executor: the parent's lease's
         if lease is not None:
+            lease.landed.wait()
             lease.wait_device_copies()
+            error = lease.error
+        if error is not None:  # raised on this rank; DCP's collective takes it to every rank
+            raise error
         return lease
 
     def _staging_end(self, lease: Lease | None) -> None:
@@ -258,3 +295,28 @@ class StagingMixin:
 
 
 _WARNED_INFLIGHT = False
+
+# Background staging copies tensors of at least this size on its thread; smaller ones (norms'
+# running statistics, step counters, biases: bytes that cost next to nothing) before stage()
+# returns, which also covers what a forward pass writes without a version bump (saving/guard.py).
+_LATER_FROM_BYTES = 64 * 1024
+
+
+def _guard(found: list, where: list, later: list[int]) -> TornGuard:
+    """What a background stage checks: the tensors copied later, and optimizers' step counters
+    (which a fused optimizer's step does change, unlike what it writes)."""
+    later_set = set(later)
+    watched = [i for i, (key, _owner) in enumerate(where) if i in later_set or is_step_counter(key, found[i])]
+    return TornGuard(found, [owner for _key, owner in where], watched)
+
+
+_SAID_BLOCKING = False
+
+
+def _say_blocking_once(budget: int | None) -> None:
+    global _SAID_BLOCKING
+    if not _SAID_BLOCKING:
+        _SAID_BLOCKING = True
+        log.warning("staging='background' needs the whole state within staging_budget_bytes=%s: a save beyond "
+                    "it stages as 'blocking' (async_save returns a Future once the state is copied; the rest "
+                    "is copied in rounds while the loop waits)", budget)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["copy_tree", "tensors"]
+__all__ = ["copy_tree", "tensors", "paths"]
 
 
 def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -39,28 +39,56 @@ def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) 
     return copy.deepcopy(value)
 
 
-def tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor ``copy_tree`` would stage, in the same order."""
+def tensors(value: Any, where: list | None = None) -> list[torch.Tensor]:
+    """Every tensor ``copy_tree`` would stage, in the same order. With ``where``, also what
+    holds each one: ``(key, owner)``, the dict key it sits under (None in a list) and the
+    object the state holds — a DTensor for its local tensor, else the tensor itself."""
     out: list[torch.Tensor] = []
-    _collect(value, out, *_kinds())
+    _collect(value, out, *_kinds(), where, None)
     return out
 
 
-def _collect(value: Any, out: list, dtensor: type, sharded: Any) -> None:
+def _collect(value: Any, out: list, dtensor: type, sharded: Any, where: list | None, key: Any) -> None:
     if type(value) is torch.Tensor:
         out.append(value)
     elif isinstance(value, dtensor):
         out.append(value._local_tensor)
     elif isinstance(value, sharded):
-        out.extend(shard.tensor for shard in value.local_shards())
+        shards = [shard.tensor for shard in value.local_shards()]
+        out.extend(shards)
+        if where is not None:
+            where.extend((key, t) for t in shards)
+        return
     elif isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, dict):
-        for v in value.values():
-            _collect(v, out, dtensor, sharded)
+        for k, v in value.items():
+            _collect(v, out, dtensor, sharded, where, k)
+        return
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _collect(v, out, dtensor, sharded)
+            _collect(v, out, dtensor, sharded, where, None)
+        return
+    else:
+        return
+    if where is not None:
+        where.append((key, value))
+
+
+def paths(value: Any, prefix: str = "") -> list[str]:
+    """The place of each tensor ``tensors(value)`` lists, in the same order, as dotted keys
+    (``optim.state.0.exp_avg``; a ShardedTensor's local shards ``name[shard i]``): what an error
+    names."""
+    dtensor, sharded = _kinds()
+    if isinstance(value, (torch.Tensor, dtensor)) and not isinstance(value, sharded):
+        return [prefix or "<state>"]
+    if isinstance(value, sharded):
+        return [f"{prefix}[shard {i}]" for i in range(len(value.local_shards()))]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    out: list[str] = []
+    for k, v in items:
+        out.extend(paths(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 _KINDS: tuple[type, Any] | None = None

@@ -84,7 +84,11 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
        the checkpoint, and deletes the marker
 
     :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
-    training thread (see :class:`s3dcp.saving.staging.StagingMixin`), then runs 0-6 in the background.
+    training thread (see :class:`s3dcp.saving.staging.StagingMixin`), then runs 0-6 in the
+    background. With ``config.staging="background"`` async_save returns an ``AsyncSaveResponse``
+    before the tensors are copied, and 0-6 run once a staging thread has copied them; the loop
+    must wait for ``staging_completion`` before it changes a tensor (docs/memory.md), else the
+    save fails with :class:`~s3dcp.errors.TornCheckpointError` and nothing is committed.
 
     Args:
         path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.save``.
@@ -144,7 +148,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             raise ConfigError("upload=False keeps a checkpoint in its local copy only: it needs local_copy= "
                               "and cannot be incremental")
         self.last_stats = SaveStats()
-        self._init_staging(pool)
+        self._init_staging(pool, self.config.staging)
 
     def __repr__(self) -> str:
         base = f", incremental_from={str(self.incremental_from)!r}" if self.incremental_from else ""

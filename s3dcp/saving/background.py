@@ -1,0 +1,80 @@
+"""Background staging: the copies of one stage that run while the training loop goes on.
+
+    training thread: stage() ─► arena, staged dict, small copies, the guard's look ─► start()
+                     ─► returns a Future at once (DCP: AsyncSaveResponse.staging_completion)
+    staging thread:  large copies (CUDA: side stream, after the caller's queued work) ─► their
+                     events synchronised ─► the guard compares ─► lease.land(error or None)
+                     ─► the Future gets the staged dict ─► the thread ends
+    DCP's save thread: waits for that Future, then plans and calls write_data, which raises the
+                     lease's error (on every rank, through DCP's collective) or uploads
+
+The Future never fails: a torn copy or a failed copy is the lease's error, raised by
+``write_data``. A failed staging Future would make DCP's save thread raise before its first
+collective on this rank alone, and the other ranks would wait for it until their timeout.
+
+Owns the staging thread (one per background stage: started by :func:`start`, ended when its
+copies are checked; it holds the sources, the arena and the staged dict only until then). It
+must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts as torn
+(:mod:`s3dcp.saving.guard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from .copies import Copies
+from .guard import TornGuard
+from .lease import Lease
+
+__all__ = ["start"]
+
+log = logging.getLogger("s3dcp")
+
+
+def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: Callable[[], list[str]],
+          where: str) -> Future:
+    """Run ``copies.run_later()`` on a staging thread and check ``guard`` after it; return the
+    Future of ``staged`` (set once the lease has landed). ``names()`` names the sources, for an
+    error; ``where`` is the checkpoint."""
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    args = (copies, guard, lease, staged, future, names, where)
+    try:
+        threading.Thread(target=_run, args=args, name="s3dcp-staging", daemon=True).start()
+    except RuntimeError:  # no thread to be had (a process at its limit): copy here, as a blocking stage
+        log.warning("could not start a staging thread; staging on the training thread", exc_info=True)
+        _run(*args)
+    return future
+
+
+def _run(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, future: Future,
+         names: Callable[[], list[str]], where: str) -> None:
+    error: BaseException | None = None
+    try:
+        _seam("copying")
+        copies.run_later()
+        lease.wait_device_copies()
+        _seam("copied")
+        error = guard.check(names, where)
+    except BaseException as e:  # noqa: BLE001 - the save fails with it, on every rank (module docstring)
+        error = e
+        try:  # a copy that failed because the loop resized or replaced its source: say so
+            torn = guard.check(names, where)
+        except BaseException:  # noqa: BLE001 - the copy's own error stays the one raised
+            torn = None
+        if torn is not None:
+            torn.__cause__, error = e, torn
+    finally:
+        guard.release()
+        lease.land(error)
+        future.set_result(staged)
+
+
+def _seam(phase: str) -> Any:
+    """A test seam on the staging thread: ``"copying"`` before its copies, ``"copied"`` after
+    they landed and before the check (tests change a tensor there, to change it while staging
+    is under way without racing it)."""
+    return None

@@ -12,6 +12,13 @@ The Future never fails: a torn copy or a failed copy is the lease's error, raise
 ``write_data``. A failed staging Future would make DCP's save thread raise before its first
 collective on this rank alone, and the other ranks would wait for it until their timeout.
 
+An optimizer step taken while a background stage still copies waits for it: one global step
+pre-hook of ``torch.optim`` (registered at the first background stage, kept for the process)
+holds every ``Optimizer.step`` until the stages in flight have landed. The loop should wait
+itself (``staging_completion``, ``CheckpointManager.wait_staged()``): the hook is the net for
+the step that did not, and it covers what the version counters do not see — a foreach or fused
+optimizer's writes, which bump none (saving/guard.py).
+
 Owns the staging thread (one per background stage: started by :func:`start`, ended when its
 copies are checked; it holds the sources, the arena and the staged dict only until then). It
 must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts as torn
@@ -41,6 +48,9 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
     error; ``where`` is the checkpoint."""
     future: Future = Future()
     future.set_running_or_notify_cancel()
+    _hold_optimizer_steps()
+    with _LOCK:
+        _IN_FLIGHT.add(lease)
     args = (copies, guard, lease, staged, future, names, where)
     try:
         threading.Thread(target=_run, args=args, name="s3dcp-staging", daemon=True).start()
@@ -70,7 +80,34 @@ def _run(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, future: F
     finally:
         guard.release()
         lease.land(error)
+        with _LOCK:
+            _IN_FLIGHT.discard(lease)
         future.set_result(staged)
+
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: set[Lease] = set()  # leases of background stages not landed yet (each leaves in _run's finally)
+_HOOKED: list = []  # the global optimizer step pre-hook's handle, once registered
+
+
+def _hold_optimizer_steps() -> None:
+    """Register, once per process, the optimizer step pre-hook that waits for the stages in flight."""
+    with _LOCK:
+        if not _HOOKED:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _HOOKED.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Every ``torch.optim`` step: wait until the background stages in flight have landed."""
+    with _LOCK:
+        waiting = list(_IN_FLIGHT)
+    for lease in waiting:
+        if not lease.landed.is_set():
+            log.debug("an optimizer step waits for background staging to complete")
+            lease.landed.wait()
+    return None
 
 
 def _seam(phase: str) -> Any:

@@ -9,12 +9,14 @@ before anything is uploaded (:class:`~s3dcp.errors.TornCheckpointError`).
 What a tensor can undergo, and what sees it::
 
     in-place ops, out= ops, set_, resize_, as_strided_,    the version counter (``_version``), shared
-    writes through views and detach(), foreach optimizers  by every view and detach() of a tensor
+    writes through views and detach()                      by every view and detach() of a tensor
     .data = other, set_ to other memory, a storage         the address of the first byte (``data_ptr``)
     resized or swapped (swap_tensors)                      and the shape
-    a DTensor's update (its local tensor keeps its count)  the DTensor's own version counter
-    an optimizer step of a fused optimizer (fused=True     its step counters: scalar tensors named
-    writes params and moments without a version bump)      ``step``, watched though copied at once
+    an in-place op on a DTensor (its local tensor keeps    the DTensor's own version counter
+    its count)
+    a torch.optim step (fused optimizers, and foreach      none: the step itself waits for the
+    ones on DTensors, bump no version counter for what     stages in flight (a global step pre-hook,
+    they write)                                            saving/background.py)
     the state dict itself (keys added, values replaced,    nothing to see: the staged dict's structure
     non-tensor values changed)                             and other values were copied before
                                                            stage() returned
@@ -22,11 +24,11 @@ What a tensor can undergo, and what sees it::
     the forward pass (BatchNorm's running statistics)      running statistics) are copied before
                                                            stage() returns (saving/copies.py)
 
-Unseen, hence the contract: writes that bypass the version counter to a large tensor — through
-``t.data`` (a tensor of its own counter), ``t.numpy()``, DLPack or ``from_blob`` aliases, custom
-kernels, a fused optimizer without step counters (``SGD(fused=True)``) — and such a write
-undone before the check. A loop that waits for staging before it changes the state never
-needs the check.
+Unseen, hence the contract: writes outside an optimizer step that bypass the version counter
+to a tensor of 64 KiB or more — through ``t.data`` (a tensor of its own counter), ``t.numpy()``,
+DLPack or ``from_blob`` aliases, foreach ops on DTensors, custom kernels, an optimizer that is
+not a ``torch.optim.Optimizer`` — and a write undone before the check. A loop that
+waits for staging before it changes the state never needs the check.
 
 Owns the snapshot and the comparison; must not copy, nor decide what is copied when
 (:mod:`s3dcp.saving.copies`), nor fail the save itself (the stager records the error on the
@@ -41,17 +43,9 @@ import torch
 
 from ..errors import TornCheckpointError
 
-__all__ = ["TornGuard", "is_step_counter"]
+__all__ = ["TornGuard"]
 
 _SHOWN = 5  # tensors an error names (and how many more there are)
-
-
-def is_step_counter(key: Any, tensor: torch.Tensor) -> bool:
-    """Whether a tensor is an optimizer's step counter: a scalar under the key ``step`` (torch
-    optimizers' state) or ``….step`` (flattened optimizer state dicts). A training loop changes
-    it only in an optimizer step, never in a forward or backward pass."""
-    return (tensor.dim() == 0 and isinstance(key, str)
-            and (key == "step" or key.endswith(".step")))
 
 
 def _looks(tensor: torch.Tensor, owner: Any) -> tuple:

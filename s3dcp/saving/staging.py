@@ -45,7 +45,7 @@ from ..memory.pool import Arena, HostBufferPool, plan_slabs, release_staging_mem
 from ..s3.streams import finalizer
 from . import background, statetree
 from .copies import Copies
-from .guard import TornGuard, is_step_counter
+from .guard import TornGuard
 from .lease import Lease
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
@@ -303,11 +303,8 @@ _LATER_FROM_BYTES = 64 * 1024
 
 
 def _guard(found: list, where: list, later: list[int]) -> TornGuard:
-    """What a background stage checks: the tensors copied later, and optimizers' step counters
-    (which a fused optimizer's step does change, unlike what it writes)."""
-    later_set = set(later)
-    watched = [i for i, (key, _owner) in enumerate(where) if i in later_set or is_step_counter(key, found[i])]
-    return TornGuard(found, [owner for _key, owner in where], watched)
+    """What a background stage checks: the tensors copied later (the others are copied already)."""
+    return TornGuard(found, [owner for _key, owner in where], later)
 
 
 _SAID_BLOCKING = False

@@ -174,8 +174,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._attach()
         self._require_uri()
         if kwargs.get("use_collectives") is False:
-            raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator writes "
-                              "the one metadata object that commits the checkpoint")
+            raise ConfigError(
+                "S3StorageWriter needs use_collectives=True: the coordinator writes the one metadata object "
+                "that commits the checkpoint. With use_collectives=False every rank would commit metadata of "
+                "its own, under no identity the ranks share, so no reader could tell a whole checkpoint from "
+                "ranks of two saves (docs/memory.md, \"DCP's save modes\"). Ranks that cannot meet at save time "
+                "can each save a checkpoint of their own: S3StorageWriter(f'{path}/rank-{rank}') with "
+                "dcp.save(..., no_dist=True)")
         self._rank = kwargs.get("rank") or 0
         self._is_coordinator = is_coordinator
         if is_coordinator and self.upload and not self.overwrite and self._committed():

@@ -125,8 +125,8 @@ class StagingMixin:
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        where: list | None = [] if self.staging == "background" else None  # what holds each tensor
-        found = statetree.tensors(state_dict, where)  # one walk: sizes the arena, then the copies
+        owners: list | None = [] if self.staging == "background" else None  # what the state holds per tensor
+        found = statetree.tensors(state_dict, owners)  # one walk: sizes the arena, then the copies
         arena = pool.acquire(self._arena_slabs(found), target_bytes=self.config.object_size_target_bytes,
                              max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
@@ -142,10 +142,10 @@ class StagingMixin:
             # the lease takes the copies' lists themselves: what run() records, also before a
             # failure, is what release() waits for
             lease.pending, lease.events, lease.training_done = copies.pending, copies.events, copies.training_done
-            in_background = where is not None and not copies.pending
+            in_background = owners is not None and not copies.pending
             destinations = iter(copies.destinations(_LATER_FROM_BYTES if in_background else None))
             staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))
-            guard = _guard(found, where, copies.later) if in_background else None  # before any copy
+            guard = TornGuard(found, owners, copies.later) if in_background else None  # before any copy
             copies.run_now()  # the bytes: the rest of the stage is the copy itself
         except BaseException as e:
             lease.land(e)
@@ -156,7 +156,7 @@ class StagingMixin:
         weakref.finalize(result, finalizer(lease.release))  # a save that died before it called the writer
         self._lease = lease
         if guard is None:
-            if where is not None:
+            if owners is not None:
                 _say_blocking_once(self.config.staging_budget_bytes)
             lease.land()
             self._stage_s = time.perf_counter() - self._stage_started
@@ -300,11 +300,6 @@ _WARNED_INFLIGHT = False
 # running statistics, step counters, biases: bytes that cost next to nothing) before stage()
 # returns, which also covers what a forward pass writes without a version bump (saving/guard.py).
 _LATER_FROM_BYTES = 64 * 1024
-
-
-def _guard(found: list, where: list, later: list[int]) -> TornGuard:
-    """What a background stage checks: the tensors copied later (the others are copied already)."""
-    return TornGuard(found, [owner for _key, owner in where], later)
 
 
 _SAID_BLOCKING = False

@@ -39,16 +39,15 @@ def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) 
     return copy.deepcopy(value)
 
 
-def tensors(value: Any, where: list | None = None) -> list[torch.Tensor]:
-    """Every tensor ``copy_tree`` would stage, in the same order. With ``where``, also what
-    holds each one: ``(key, owner)``, the dict key it sits under (None in a list) and the
-    object the state holds — a DTensor for its local tensor, else the tensor itself."""
+def tensors(value: Any, owners: list | None = None) -> list[torch.Tensor]:
+    """Every tensor ``copy_tree`` would stage, in the same order. With ``owners``, also the
+    object the state holds for each one: a DTensor for its local tensor, else the tensor itself."""
     out: list[torch.Tensor] = []
-    _collect(value, out, *_kinds(), where, None)
+    _collect(value, out, *_kinds(), owners)
     return out
 
 
-def _collect(value: Any, out: list, dtensor: type, sharded: Any, where: list | None, key: Any) -> None:
+def _collect(value: Any, out: list, dtensor: type, sharded: Any, owners: list | None) -> None:
     if type(value) is torch.Tensor:
         out.append(value)
     elif isinstance(value, dtensor):
@@ -56,23 +55,23 @@ def _collect(value: Any, out: list, dtensor: type, sharded: Any, where: list | N
     elif isinstance(value, sharded):
         shards = [shard.tensor for shard in value.local_shards()]
         out.extend(shards)
-        if where is not None:
-            where.extend((key, t) for t in shards)
+        if owners is not None:
+            owners.extend(shards)
         return
     elif isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, dict):
-        for k, v in value.items():
-            _collect(v, out, dtensor, sharded, where, k)
+        for v in value.values():
+            _collect(v, out, dtensor, sharded, owners)
         return
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _collect(v, out, dtensor, sharded, where, None)
+            _collect(v, out, dtensor, sharded, owners)
         return
     else:
         return
-    if where is not None:
-        where.append((key, value))
+    if owners is not None:
+        owners.append(value)
 
 
 def paths(value: Any, prefix: str = "") -> list[str]:

@@ -136,7 +136,9 @@ def main(argv=None) -> int:
         # a background thread while training runs its own; on one shared gloo group the two
         # interleave and hang (or abort).
         checkpoint_group = dist.new_group(backend="gloo")
-        manager = CheckpointManager(uri, config=config, keep_last=3, process_group=checkpoint_group)
+        # staging="background": save() returns before the state is copied; wait_staged() below
+        manager = CheckpointManager(uri, config=config.replace(staging="background"), keep_last=3,
+                                    process_group=checkpoint_group)
 
         start = manager.latest() or 0
         if start:
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
             x, y = batch(step, rank, device)
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
+            manager.wait_staged()  # the last save's copy is complete before the optimizer changes the state
             optimizer.step()
             optimizer.zero_grad()
             mean = loss.detach().clone()
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
                 dist.all_reduce(torch.zeros(1))  # a barrier on training's group (CPU tensor: gloo beside NCCL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if step % args.every == 0:
-                manager.save(step, state)  # returns once staged; the upload runs behind training
+                manager.save(step, state)  # returns once the copy is planned; copy and upload run behind training
         manager.close()  # the last upload is durable before the job ends
         latest = manager.latest()  # collective: every rank asks
         if rank == 0:

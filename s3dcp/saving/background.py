@@ -16,11 +16,11 @@ An optimizer step taken while a background stage still copies waits for it: one 
 pre-hook of ``torch.optim`` (registered at the first background stage, kept for the process)
 holds every ``Optimizer.step`` until the stages in flight have landed. The loop should wait
 itself (``staging_completion``, ``CheckpointManager.wait_staged()``): the hook is the net for
-the step that did not, and it covers what the version counters do not see — a foreach or fused
-optimizer's writes, which bump none (saving/guard.py).
+the step that did not, and it covers what the version counters do not see: a fused optimizer's
+writes, and a foreach one's on DTensors (FSDP2), bump none (saving/guard.py).
 
-Owns the staging thread (one per background stage: started by :func:`start`, ended when its
-copies are checked; it holds the sources, the arena and the staged dict only until then). It
+Owns the staging thread (one per process, started at the first background stage; it holds a
+stage's sources, arena and staged dict only until that stage has landed). It
 must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts as torn
 (:mod:`s3dcp.saving.guard`).
 """
@@ -28,6 +28,7 @@ must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -43,7 +44,7 @@ log = logging.getLogger("s3dcp")
 
 def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: Callable[[], list[str]],
           where: str) -> Future:
-    """Run ``copies.run_later()`` on a staging thread and check ``guard`` after it; return the
+    """Run ``copies.run_later()`` on the staging thread and check ``guard`` after it; return the
     Future of ``staged`` (set once the lease has landed). ``names()`` names the sources, for an
     error; ``where`` is the checkpoint."""
     future: Future = Future()
@@ -52,12 +53,52 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
     with _LOCK:
         _IN_FLIGHT.add(lease)
     args = (copies, guard, lease, staged, future, names, where)
-    try:
-        threading.Thread(target=_run, args=args, name="s3dcp-staging", daemon=True).start()
-    except RuntimeError:  # no thread to be had (a process at its limit): copy here, as a blocking stage
-        log.warning("could not start a staging thread; staging on the training thread", exc_info=True)
+    if not _WORKER.submit(lambda: _run(*args)):  # no thread to be had (a process at its limit)
+        log.warning("could not start s3dcp's staging thread; staging on the training thread", exc_info=True)
         _run(*args)
     return future
+
+
+class _Worker:
+    """The process's staging thread: background stages, one after the other, handed over through
+    a queue (``Thread.start`` waits until the new thread runs, milliseconds of the stall on a busy
+    machine, so the thread is started once and kept). It holds nothing between two stages. A
+    forked child starts a thread (and a queue) of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job`` for the thread (started if need be); False if no thread could start."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():  # a parent's thread is not alive in a fork
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._queue = queue.SimpleQueue()  # nothing of a parent's queue is this process's
+                    thread = threading.Thread(target=self._serve, args=(self._queue,), name="s3dcp-staging",
+                                              daemon=True)
+                    try:
+                        thread.start()
+                    except RuntimeError:
+                        return False
+                    self._thread = thread
+        self._queue.put(job)
+        return True
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                job()  # _run: its outcome is on the lease and the Future
+            except BaseException:  # noqa: BLE001 - pragma: no cover; the thread serves the next stage
+                log.warning("s3dcp's staging thread failed", exc_info=True)
+            del job  # nothing of a stage stays with the thread until the next one
+
+
+_WORKER = _Worker()
 
 
 def _run(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, future: Future,

@@ -70,6 +70,7 @@ class _StagedDict(dict):
         lease = self.lease() if self.lease is not None else None
         arena = lease.arena if lease is not None else None
         if arena is not None:
+            lease.landed.wait()  # a background stage's copies, on its staging thread
             lease.wait_device_copies()
             if arena.pinned:
                 arena.unpin()
@@ -163,7 +164,7 @@ class StagingMixin:
             return result
         lease.returned.set()  # nothing waits for the training thread: it returns now
         future = background.start(copies, guard, lease, result, lambda: statetree.paths(result),
-                                  self.checkpoint_id or "the checkpoint")
+                                  getattr(self, "checkpoint_id", None) or "the checkpoint")
         self._stage_s = time.perf_counter() - self._stage_started
         return future
 

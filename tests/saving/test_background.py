@@ -241,11 +241,12 @@ def test_a_state_beyond_the_staging_budget_stages_as_blocking(bucket, config):
 
 
 def test_the_staging_thread_and_the_arena_go_once_each_save_is_over(bucket, config):
-    """Repeated background saves: no staging thread outlives its copy, the pool allocates once,
-    and neither the sources nor the staged dicts are kept."""
+    """Repeated background saves: one staging thread serves them all and keeps nothing of them,
+    the pool allocates once, neither the sources nor the staged dicts are kept, and the slabs go
+    once the pool lets go."""
     pool = HostBufferPool()
     state = _state()
-    staged_refs = []
+    staged_refs, staging_threads = [], set()
 
     class Writer(S3StorageWriter):
         def stage(self, state_dict):
@@ -257,11 +258,16 @@ def test_the_staging_thread_and_the_arena_go_once_each_save_is_over(bucket, conf
         response = dcp.async_save(state, storage_writer=Writer(f"s3://{bucket}/cycle-{i}", config=config, pool=pool))
         response.staging_completion.result(timeout=60)
         response.upload_completion.result(timeout=120)
+        staging_threads.update(t for t in threading.enumerate() if t.name == "s3dcp-staging")
+    assert len(staging_threads) == 1  # one thread serves every stage; it holds none of them after it:
     source = weakref.ref(state["model"]["layer0.weight"])
     del state, response
-    _wait_for(lambda: source() is None and all(r() is None for r in staged_refs) and pool.in_use == 0
-              and not [t for t in threading.enumerate() if t.name == "s3dcp-staging"])
+    _wait_for(lambda: source() is None and all(r() is None for r in staged_refs) and pool.in_use == 0)
     assert pool.allocations == 1 and len(staged_refs) == 8
+    slabs = [weakref.ref(slab) for arena in pool._free for slab in arena.slabs]
+    assert slabs
+    pool.clear()  # the arena's memory goes back to the system: nothing else holds its slabs
+    _wait_for(lambda: all(r() is None for r in slabs))
 
 
 def _wait_for(condition, timeout_s=10.0):
@@ -365,3 +371,32 @@ def test_cuda_copies_are_ordered_after_the_callers_work_and_before_its_next_kern
     out = {"w": torch.zeros_like(big), "norm": torch.zeros_like(small)}
     dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/cuda", config=config))
     assert torch.equal(out["w"], big) and torch.equal(out["norm"], small)
+
+
+def _stage_in_background_in_child(queue, config, state):
+    torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe (what DataLoader workers do too)
+    writer = S3StorageWriter("s3://bucket/forked", config=config, pool=HostBufferPool())
+    staged = writer.stage(state).result(timeout=30)  # the parent's staging thread is not the child's
+    queue.put(torch.equal(staged["w"], state["w"]) and writer._lease.error is None)
+
+
+def test_a_forked_child_stages_in_the_background_after_its_parent_did(config):
+    """The staging thread is the process's: a child forked after its parent staged in the
+    background starts one of its own (the parent's is not alive there), and copies its own state."""
+    import multiprocessing
+
+    writer = S3StorageWriter("s3://bucket/parent", config=config, pool=HostBufferPool())
+    writer.stage({"w": torch.randn(MiB)}).result(timeout=30)
+    writer._lease.release()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_stage_in_background_in_child,
+                        args=(queue, config, {"w": torch.arange(MiB, dtype=torch.float32)}))
+    child.start()
+    try:
+        assert queue.get(timeout=30) is True
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0

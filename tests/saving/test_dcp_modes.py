@@ -282,5 +282,5 @@ def test_checkpoint_id_with_pathless_writer_and_reader_on_two_ranks(two_ranks):
     _outcome(two_ranks[1], "checkpoint-id")
 
 
-def test_no_staging_thread_outlives_its_save(two_ranks):
-    assert [r["threads"] for r in two_ranks[1]] == [[], []]
+def test_one_staging_thread_per_rank_serves_every_background_save(two_ranks):
+    assert [r["threads"] for r in two_ranks[1]] == [["s3dcp-staging"], ["s3dcp-staging"]]

@@ -4,7 +4,10 @@ One save's hold on an arena is a :class:`Lease`. Its whole life, every path incl
 
 1. ``stage()`` takes an arena from the pool (waiting while ``max_inflight_checkpoints`` are in
    use: back-pressure instead of doubling memory) and copies the state into it (in the order
-   of :class:`~s3dcp.saving.copies.Copies`).
+   of :class:`~s3dcp.saving.copies.Copies`). The lease has *landed* once those copies are in —
+   at the end of ``stage()``, or for a background stage once the staging thread has copied
+   the rest and checked it (:mod:`s3dcp.saving.background`), with the error, if any, that the
+   save must fail with. Giving the arena back waits for that.
 2. The first writer call of the save, on whichever thread runs it (``reset``, ``storage_meta``,
    ``set_up_storage_writer``, ..., or pickling for the process executor), *attaches* the lease
    to that save call: the frame of DCP's save function on that thread's stack.

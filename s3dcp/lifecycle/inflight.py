@@ -35,6 +35,9 @@ class InFlight:
         future.staging_completion = staged  # type: ignore[attr-defined]
         with self._lock:
             self._futures.append(future)
+            # stages that completed unwaited-for (a loop that leaves the wait to the optimizer's
+            # hook) leave, so that a long job keeps none of them
+            self._staging = [s for s in self._staging if not s.done()]
             if not staged.done():
                 self._staging.append(staged)
 

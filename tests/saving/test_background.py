@@ -228,6 +228,19 @@ def test_a_loop_that_waits_for_staging_saves_bitwise_the_state_of_each_save(buck
         assert all(torch.equal(got[k], v) for k, v in snapshot.items()), step
 
 
+def test_a_manager_whose_loop_never_waits_keeps_no_stage_of_past_saves(bucket, config):
+    """A loop that leaves the wait to the optimizer's hook never calls wait_staged(): the
+    manager keeps none of the completed stages (a days-long job would pile them up)."""
+    manager = CheckpointManager(f"s3://{bucket}/nowait", config=config, keep_last=2)
+    state = _state()
+    for step in range(1, 7):
+        future = manager.save(step, state)
+        future.staging_completion.result(timeout=60)
+        future.result(timeout=120)
+    assert len(manager._saves._staging) <= 1  # at most the last one, never all six
+    manager.close()
+
+
 def test_a_state_beyond_the_staging_budget_stages_as_blocking(bucket, config):
     state = _state()
     expected = _snapshot(state)

@@ -10,7 +10,8 @@ data on the CPU and checkpoints, in each mode:
     monolithic   gather to rank 0, torch.save, boto3 upload (what the seed scenario did)
     fs-sync      dcp.save with DCP's FileSystemWriter to local disk
     s3-sync      dcp.save with S3StorageWriter
-    s3-async     dcp.async_save with S3StorageWriter (the training loop waits only for staging)
+    s3-async     dcp.async_save with S3StorageWriter, staging in the background (the training loop
+                 waits only for staging, before its next optimizer step)
 
 The modes run interleaved, in rounds: each round gives every mode one checkpoint followed by
 --every training steps, in a rotated order, so a busy spell of the machine hits every mode
@@ -108,10 +109,12 @@ def bytes_of(state) -> int:
     return 0
 
 
-def train_step(model, optimizer, batch, target):
+def train_step(model, optimizer, batch, target, before_optimizer=None):
     optimizer.zero_grad(set_to_none=True)
     loss = torch.nn.functional.mse_loss(model(batch), target)
     loss.backward()
+    if before_optimizer is not None:
+        before_optimizer()  # background staging: the last save's copy is complete before the state changes
     optimizer.step()
 
 
@@ -129,6 +132,7 @@ class Checkpointer:
         self.mode, self.args, self.config, self.bucket = mode, args, config, bucket
         self.scratch, self.rank, self.world = scratch, rank, world
         self.future = None  # DCP's future of the upload in flight
+        self.staged = None  # DCP's staging_completion of a background stage not waited for yet
         self._durable: concurrent.futures.Future | None = None  # its perf_counter time once durable
         self.durable_at = 0.0
         self.boto3 = boto3_client_for(config) if mode == "monolithic" and rank == 0 else None
@@ -143,15 +147,27 @@ class Checkpointer:
         elif self.mode == "s3-sync":
             dcp.save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config))
         else:
-            self._track(dcp.async_save(state, storage_writer=S3StorageWriter(self._uri(name), config=self.config)))
+            config = self.config.replace(staging="background")
+            self._track(dcp.async_save(state, storage_writer=S3StorageWriter(self._uri(name), config=config)))
             return
         self.durable_at = time.perf_counter()
 
-    def _track(self, future) -> None:
+    def _track(self, response) -> None:
         """Follow an async save's future: its done time lands in ``self._durable``."""
+        self.staged = getattr(response, "staging_completion", None)
+        future = getattr(response, "upload_completion", response)
         durable: concurrent.futures.Future = concurrent.futures.Future()
         self.future, self._durable = future, durable
         future.add_done_callback(lambda _f: durable.set_result(time.perf_counter()))
+
+    def wait_staged(self) -> float:
+        """Before the optimizer step: wait for a background stage; the seconds waited."""
+        staged, self.staged = self.staged, None
+        if staged is None:
+            return 0.0
+        t = time.perf_counter()
+        staged.result()
+        return time.perf_counter() - t
 
     def pending(self) -> bool:
         return self._durable is not None and not self._durable.done()
@@ -216,11 +232,17 @@ class ModeRun:
         called = time.perf_counter()
         self.ckpt.save(self.state(), f"step-{self.step:06d}")
         r.stalls.append((clock(called), time.perf_counter() - called, "checkpoint"))
+        checkpoint = len(r.stalls) - 1  # a background stage's wait before the next optimizer step adds to it
         for _ in range(self.args.every):
             t0 = time.perf_counter()
             in_flight = self.ckpt.pending()
-            train_step(self.model, self.optimizer, self.batch, self.target)
-            r.steps.append((clock(t0), time.perf_counter() - t0, in_flight))
+            waited = []
+            train_step(self.model, self.optimizer, self.batch, self.target,
+                       before_optimizer=lambda: waited.append((time.perf_counter(), self.ckpt.wait_staged())))
+            if waited and waited[0][1] > 0:  # part of the checkpoint's stall, not of the step
+                start, seconds, kind = r.stalls[checkpoint]
+                r.stalls[checkpoint] = (start, seconds + waited[0][1], kind)
+            r.steps.append((clock(t0), time.perf_counter() - t0 - (waited[0][1] if waited else 0.0), in_flight))
             self.step += 1
             if progress is not None:
                 progress.update(1)

@@ -177,7 +177,9 @@ def main(argv=None) -> int:
         checkpoint_group = dist.new_group(backend="gloo")
         tier = dict(local_dir=args.local_dir, s3_every=args.s3_every or 1,
                     local_replicas=args.local_replicas or 0) if args.local_dir else {}
-        manager = CheckpointManager(uri, config=config, keep_last=3, process_group=checkpoint_group, **tier)
+        # staging="background": save() returns before the state is copied; wait_staged() below
+        manager = CheckpointManager(uri, config=config.replace(staging="background"), keep_last=3,
+                                    process_group=checkpoint_group, **tier)
 
         start = 0
         try:
@@ -213,6 +215,7 @@ def main(argv=None) -> int:
             x, y = batch(step, rank, device)
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
+            manager.wait_staged()  # the last save's copy is complete before the optimizer changes the state
             optimizer.step()
             optimizer.zero_grad()
             mean = loss.detach().clone()
@@ -231,7 +234,7 @@ def main(argv=None) -> int:
                 dist.all_reduce(torch.zeros(1))  # a barrier on training's group (CPU tensor: gloo beside NCCL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if step % args.every == 0:
-                manager.save(step, state)  # returns once staged; the upload runs behind training
+                manager.save(step, state)  # returns once the copy is planned; copy and upload run behind training
         manager.close()  # the last upload is durable before the job ends
         latest = manager.latest()  # collective: every rank asks
         if rank == 0 and args.local_dir:

@@ -96,6 +96,7 @@ class S3Config:
     # Staging (async_save).
     staging_budget_bytes: int | None = None  # None: stage the whole state at once
     max_inflight_checkpoints: int = 1
+    staging: str = "blocking"  # "background": async_save returns before the copy; wait for it (docs/memory.md)
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -382,6 +383,7 @@ def _validate(c: S3Config) -> list[str]:
         is_int(c.max_inflight_checkpoints) and 1 <= c.max_inflight_checkpoints <= 8,
         f"max_inflight_checkpoints={c.max_inflight_checkpoints!r} must be an int in [1, 8]",
     )
+    need(c.staging in ("blocking", "background"), f"staging={c.staging!r} must be 'blocking' or 'background'")
     need(
         (c.access_key_id is None) == (c.secret_access_key is None),
         "access_key_id and secret_access_key must be given together",

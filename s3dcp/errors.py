@@ -15,6 +15,7 @@ message text.
     │   ├── CheckpointExistsError       saving onto a committed checkpoint without overwrite=True
     │   ├── MetadataFormatError         metadata that is not ours, garbage, or of an unknown version
     │   ├── IntegrityError              checksum mismatch or truncated object
+    │   ├── TornCheckpointError         a tensor changed while staging copied it in the background
     │   ├── UnsafePickleError           a non-tensor item holds more than plain data (see allow_pickle)
     │   └── LocalCopyError              a node's local copy (CheckpointManager's local_dir) failed
     │       └── LocalRoomError              (also a ConfigError) no room for it: the budget, the disk
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointExistsError",
     "MetadataFormatError",
     "IntegrityError",
+    "TornCheckpointError",
     "UnsafePickleError",
     "LocalCopyError",
     "LocalRoomError",
@@ -89,6 +91,19 @@ class MetadataFormatError(CheckpointError):
 
 class IntegrityError(CheckpointError):
     """Stored bytes do not match their recorded checksum or length."""
+
+
+class TornCheckpointError(CheckpointError):
+    """A tensor changed while background staging still copied it (the training loop did not
+    wait for staging): the save is refused before anything is committed. ``names`` lists the
+    tensors that changed."""
+
+    def __init__(self, message: str, *, names: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.names = list(names or [])
+
+    def __reduce__(self):  # keeps ``names`` across pickling (DCP's process executor, gathered errors)
+        return type(self), (self.args[0],), {"names": self.names}
 
 
 class UnsafePickleError(CheckpointError):

@@ -1,5 +1,6 @@
-"""Run by test_async.py in a fresh interpreter: an async_save with DCP's process executor
-(it needs a process group and leaves a daemon process behind, so it gets its own process).
+"""Run by test_async.py in a fresh interpreter: async_saves with DCP's process executor (it
+needs a process group and leaves a daemon process behind, so it gets its own process), blocking
+and background staging, and a background stage torn on purpose.
 
 Usage: python process_executor_job.py URI  (S3 settings in AWS_* environment variables)
 """
@@ -40,6 +41,37 @@ def main(uri: str) -> None:
         dcp.load(out, storage_reader=S3StorageReader(target, config=config))
         for k, v in expected.items():
             assert torch.equal(out[k], v), (attempt, k)
+        expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    # Background staging: the child gets the staged tensors once the staging thread copied them,
+    # and a copy the loop changed too early fails in the child's write_data, nothing committed.
+    from s3dcp import TornCheckpointError, unwrap_error
+    from s3dcp.saving import background
+
+    background_config = config.replace(staging="background")
+    for torn in (False, True):
+        target = f"{uri}-background-{torn}"
+        if torn:
+            background._seam = lambda phase: state["w1"].add_(1) if phase == "copying" else None
+        writer = S3StorageWriter(target, config=background_config, pool=pool)
+        response = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        response.staging_completion.result(timeout=300)
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)
+        if torn:
+            try:
+                response.upload_completion.result(timeout=300)
+                raise AssertionError("a torn staged copy was saved")
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException
+                assert isinstance(unwrap_error(e), TornCheckpointError), repr(e)
+                assert unwrap_error(e).names == ["w1"], unwrap_error(e).names
+            assert not writer._committed()
+            continue
+        response.upload_completion.result(timeout=300)
+        out = {k: torch.zeros_like(v) for k, v in expected.items()}
+        dcp.load(out, storage_reader=S3StorageReader(target, config=config))
+        for k, v in expected.items():
+            assert torch.equal(out[k], v), ("background", k)
         expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     assert pool.allocations == 1, pool.allocations
     print("process executor: OK", flush=True)

@@ -155,6 +155,33 @@ def test_the_resume_recipe_runs_and_resumes(aws_env, s3_server):
     assert [c.step for c in scope["manager"].list()] == [1000, 2000]
 
 
+def test_the_stall_snippet_stages_in_the_background_and_saves_the_state_of_each_save(aws_env, s3_server,
+                                                                                      monkeypatch):
+    """The loop of "The stall": background staging (a 256 KiB weight is copied on the staging
+    thread, slowed down here), the wait before each optimizer step, the checkpoints as they were."""
+    import time
+
+    from s3dcp.saving import background
+
+    (snippet,) = _blocks("The stall: staging behind the next step", "python")
+    bucket = _fresh_bucket(s3_server)
+    monkeypatch.setattr(background, "_seam", lambda phase: time.sleep(0.2) if phase == "copying" else None)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 256)
+    scope = {"model": model, "optimizer": optimizer, "cfg": s3_server.s3_config(), "total_steps": 6,
+             "batches": iter(lambda: x, None)}
+    code = _in(snippet, bucket).replace("step % 1000 == 0", "step % 3 == 0")  # 2 saves, not 2,000 steps
+    assert code.count("step % 3 == 0") == 1
+    exec(code, scope)  # noqa: S102
+    manager = scope["manager"]
+    assert manager.config.staging == "background" and [c.step for c in manager.list()] == [3, 6]
+    loaded = torch.nn.Linear(256, 256)
+    manager.load({"model": loaded, "optim": torch.optim.AdamW(loaded.parameters(), lr=1e-3)}, step=6)
+    assert torch.equal(loaded.weight, model.weight)  # the last save: no optimizer step since
+
+
 def test_the_local_tier_snippet_keeps_steps_on_the_node_and_restarts_from_there(aws_env, s3_server, tmp_path):
     (snippet,) = _blocks("Restart from the nearest copy", "python")
     bucket = _fresh_bucket(s3_server)

@@ -140,3 +140,30 @@ def test_stall_benchmark_gives_a_verdict_against_its_goal():
     assert not met and lines[0].startswith("verdict large: FAIL — warm stall 2.77x") and "(> 1.2x)" in lines[0]
     assert lines[1].startswith("verdict small: FAIL") and "(> 5% of 512 MiB)" in lines[1]
     assert lines[-1].startswith("verdict: goal NOT met")
+
+
+@pytest.mark.timeout(300)
+def test_the_overlap_benchmark_measures_every_mode_and_judges_background_staging(s3_server, bucket, monkeypatch,
+                                                                               tmp_path):
+    """benchmarks/overlap.py on a small state: every mode's segments are measured, the JSON
+    holds each figure, and the verdict judges background staging. Structure only, never timing."""
+    import overlap
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    out = tmp_path / "overlap.json"
+    modes = ["none", "blocking", "background", "defaultstager"]
+    assert overlap.main(["--endpoint", s3_server.endpoint_url, "--bucket", bucket, "--state-mib", "8",
+                         "--shape", "small", "--rounds", "1", "--every", "2", "--batch", "2",
+                         "--modes", ",".join(modes), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    small = report["results"]["small"]
+    assert small["tensors"] >= 750 and [r["mode"] for r in small["rows"]] and set(small["modes"]) == set(modes)
+    for mode in modes[1:]:
+        figures = small["modes"][mode]
+        assert figures["stall_median_s"] > 0 and figures["step_vs_none"] > 0, (mode, figures)
+    assert report["verdict"]["lines"][0].startswith("verdict small: ")
+    met, lines = overlap.verdict({"large": {"modes": {"background": {"stall_median_s": 0.004, "step_vs_none": 1.05}}},
+                                  "small": {"modes": {"background": {"stall_median_s": 0.03, "step_vs_none": 1.0}}}})
+    assert not met and lines[0].startswith("verdict large: PASS") and lines[1].startswith("verdict small: FAIL")

@@ -73,8 +73,9 @@ class S3CheckpointIO(CheckpointIO):
         config: :class:`S3Config`; default: resolved from the environment (``AWS_ENDPOINT_URL_S3``...).
             It is also what ``s3dcp://`` URLs use in this process (``ckpt_path="last"``).
         async_save: return from ``save_checkpoint`` once the tensors are copied into s3dcp's host
-            pool; the upload runs behind training. A save while the previous one still uploads
-            waits for it. ``teardown`` (the end of ``fit``) waits for the last one and raises its
+            pool (with an :class:`S3ModelCheckpoint` in the Trainer, once the copy is planned: the
+            callback waits for the copy before the next optimizer step); the upload runs behind
+            training. A save while the previous one still uploads waits for it. ``teardown`` (the end of ``fit``) waits for the last one and raises its
             error; an earlier failure is raised by the next save.
         incremental: a tensor unchanged since the newest checkpoint this plugin committed in the
             same directory is stored as a reference to it, not uploaded again (``last.ckpt`` saved
@@ -113,6 +114,7 @@ class S3CheckpointIO(CheckpointIO):
         self._committed: dict[str, str] = {}  # parent prefix -> newest checkpoint committed there (incremental)
         self._deletions = InFlight()  # removals waiting for a save to commit (they never fail)
         self.last_writer: S3StorageWriter | None = None
+        self.staging_waited = False  # an S3ModelCheckpoint waits for staging before each optimizer step
         lightning_fs.register(self.config)
 
     @property
@@ -140,7 +142,10 @@ class S3CheckpointIO(CheckpointIO):
         base = self._base_for(uri) if self.incremental else None
         to_s3 = self._tier is None or self._tier.goes_to_s3(step)
         copy = None if self._tier is None else self._tier.copy_for(uri, in_s3=to_s3)
-        writer = S3StorageWriter(uri, config=self.config, client=self.client, overwrite=True,
+        # staged in the background where a callback waits for it before the optimizer step
+        background = self.async_save and self.staging_waited
+        writer = S3StorageWriter(uri, config=self.config.replace(staging="background") if background else self.config,
+                                 client=self.client, overwrite=True,
                                  incremental_from=base, item_checksum="crc64nvme" if self.incremental else None,
                                  local_copy=copy, upload=to_s3)
         self.last_writer = writer
@@ -176,7 +181,7 @@ class S3CheckpointIO(CheckpointIO):
                 return
             done.set_result(None)
 
-        self._saves.add(done)
+        self._saves.add(done, getattr(response, "staging_completion", None))
         upload.add_done_callback(committed)
 
     def _base_for(self, uri: str) -> str | None:
@@ -294,6 +299,11 @@ class S3CheckpointIO(CheckpointIO):
                  f"; kept {len(result.kept)} object(s) that other checkpoints reference" if result.kept else "")
 
     # ------------------------------------------------------------------ lifecycle
+    def wait_staged(self) -> None:
+        """Wait until the state of the last async save is copied (background staging), after
+        which the optimizer may change it; S3ModelCheckpoint calls it before each optimizer step."""
+        self._saves.wait_staged()
+
     def wait(self) -> None:
         """Wait for the saves in flight and the removals behind them; raise the first error
         among the saves (once)."""
@@ -338,6 +348,11 @@ class S3ModelCheckpoint(ModelCheckpoint):
         if isinstance(getattr(self, "_fs", None), lightning_fs.CheckpointFileSystem):
             self._fs.close()  # a later fit or test uses it again: its client takes a native client again
 
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        plugin = _plugin(trainer)
+        if plugin is not None:  # the optimizer may change the state only once it is staged
+            plugin.wait_staged()
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         plugin = _plugin(trainer)
         if plugin is not None and plugin.s3_every > 1 and trainer.num_nodes > 1:
@@ -346,6 +361,8 @@ class S3ModelCheckpoint(ModelCheckpoint):
             raise ConfigError(f"S3CheckpointIO(s3_every={plugin.s3_every}) keeps checkpoints on global rank 0's node "
                               f"only, and this job runs on {trainer.num_nodes} nodes: the other nodes could not "
                               "resume from them. Use s3_every=1 (local_dir still serves rank 0's node)")
+        if plugin is not None:  # this callback waits for its staging: it may stage in the background
+            plugin.staging_waited = True
         dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
         if not is_s3_uri(str(dirpath)):
             return super().setup(trainer, pl_module, stage)

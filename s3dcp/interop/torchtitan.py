@@ -24,10 +24,13 @@ own code. A local ``folder`` (and a local ``initial_load_path``) goes to torchti
 What changes with an ``s3://`` folder:
 
 - ``async_mode``: ``"async"`` and ``"async_with_pinned_mem"`` both stage into s3dcp's host pool
-  on the training thread (pinned memory and a side stream when CUDA) and upload from DCP's
-  background thread; the CRT's own threads do the network work, so torchtitan's process
-  executor (and its ``DefaultStager``, whose non-blocking copies need an accelerator) is not
-  used. A save while the previous one still uploads waits for it (one checkpoint in flight).
+  (pinned memory and a side stream when CUDA) and upload from DCP's background thread; the
+  CRT's own threads do the network work, so torchtitan's process executor (and its
+  ``DefaultStager``, whose non-blocking copies need an accelerator) is not used.
+  ``"async"`` copies the state before ``save`` returns; ``"async_with_pinned_mem"`` stages in
+  the background (``S3Config(staging="background")``): ``save`` returns once the copy is
+  planned, and torchtitan waits for its ``staging_completion`` before the next optimizer step.
+  A save while the previous one still uploads waits for it (one checkpoint in flight).
 - ``keep_latest_k`` counts *committed* checkpoints, and deletes only after a newer save
   committed (torchtitan's own purge counts the one still uploading); with ``incremental``
   an object a kept checkpoint references stays until no kept checkpoint references it.
@@ -152,6 +155,8 @@ class S3CheckpointManager(CheckpointManager):
         if not self.enable:
             return
         if is_s3_uri(self.folder):
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:  # torchtitan waits for staging_completion
+                s3_config = (s3_config or S3Config()).replace(staging="background")
             self._s3 = _S3Manager(
                 self.folder, config=s3_config, keep_last=self.keep_latest_k or None,
                 async_mode=self.async_mode != AsyncMode.DISABLED, process_group=self.pg,
@@ -203,10 +208,8 @@ class S3CheckpointManager(CheckpointManager):
         if async_mode == AsyncMode.DISABLED:  # torchtitan's last step is synchronous even in async mode
             future.result()
             return None
-        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-            staged: Future = Future()
-            staged.set_result(None)  # s3dcp stages before save() returns
-            return AsyncSaveResponse(staging_completion=staged, upload_completion=future)
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:  # torchtitan waits for it before optimizers.step()
+            return AsyncSaveResponse(staging_completion=future.staging_completion, upload_completion=future)
         return future
 
     def _log_committed(self, step: int, writer: S3StorageWriter, *, stall_s: float,

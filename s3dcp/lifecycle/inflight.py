@@ -1,10 +1,11 @@
 """Saves in flight: the futures of asynchronous saves, whose errors are raised once, by
 whoever looks next (CheckpointManager, Lightning's S3CheckpointIO).
 
-    save ──add(future)──► InFlight ──wait():   every one ended; the first error raised, each once
-                                   ──raise_finished(): the first error among those ended (once)
-                                   ──drain():  every one ended; errors left for wait()
-                                   ──newest(): the last added (what a later step waits behind)
+    save ──add(future), start()──► InFlight ──wait():   every one ended; the first error raised, each once
+                                           ──raise_finished(): the first error among those ended (once)
+                                           ──drain():  every one ended; errors left for wait()
+                                           ──newest(): the last added (what a later step waits behind)
+                                           ──wait_staged(): every background stage's copy made
 """
 
 from __future__ import annotations
@@ -22,10 +23,38 @@ class InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._futures: list[concurrent.futures.Future] = []
+        self._staging: list[concurrent.futures.Future] = []  # background stages not yet waited for
 
-    def add(self, future: concurrent.futures.Future) -> None:
+    def add(self, future: concurrent.futures.Future, staged: concurrent.futures.Future | None = None) -> None:
+        """Track ``future``; ``staged``: its stage's completion when staging runs in the background
+        (DCP's ``AsyncSaveResponse.staging_completion``), also set on ``future`` as
+        ``staging_completion`` (an already completed one without it)."""
+        if staged is None:
+            staged = concurrent.futures.Future()
+            staged.set_result(None)
+        future.staging_completion = staged  # type: ignore[attr-defined]
         with self._lock:
             self._futures.append(future)
+            # stages that completed unwaited-for (a loop that leaves the wait to the optimizer's
+            # hook) leave, so that a long job keeps none of them
+            self._staging = [s for s in self._staging if not s.done()]
+            if not staged.done():
+                self._staging.append(staged)
+
+    def start(self, staged: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
+        """A new future for a save in flight (running), tracked as :meth:`add` tracks one."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        self.add(future, staged)
+        return future
+
+    def wait_staged(self) -> None:
+        """Wait until every background stage added so far has made its copy (the training loop
+        may then change the state it saved)."""
+        with self._lock:
+            staging, self._staging = self._staging, []
+        for staged in staging:
+            staged.result()
 
     def newest(self) -> concurrent.futures.Future | None:
         with self._lock:

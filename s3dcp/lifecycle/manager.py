@@ -251,8 +251,7 @@ class CheckpointManager:
 
         inner = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
         returned = time.perf_counter()
-        outer: concurrent.futures.Future = concurrent.futures.Future()
-        outer.set_running_or_notify_cancel()
+        outer = self._saves.start(getattr(response, "staging_completion", None))  # its staging_completion too
 
         def done(f: concurrent.futures.Future) -> None:
             self._release_base(step)  # committed (its references protect what it uses) or failed
@@ -275,7 +274,6 @@ class CheckpointManager:
                 return outer.set_exception(e)
             outer.set_result(metadata)
 
-        self._saves.add(outer)
         inner.add_done_callback(done)
         return outer
 
@@ -290,6 +288,10 @@ class CheckpointManager:
     def _release_base(self, step: int) -> None:
         with self._lock:
             self._bases_in_use.pop(step, None)
+
+    def wait_staged(self) -> None:
+        """Background staging (docs/memory.md): before the optimizer step, wait for the last save's copy."""
+        self._saves.wait_staged()
 
     def wait(self) -> None:
         """Wait for every save in flight (and, with local_replicas, its replication); raise the

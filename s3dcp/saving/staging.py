@@ -1,40 +1,31 @@
 """Staging for ``dcp.async_save``: the only part of a checkpoint the training loop waits for.
 
-    training thread: async_save ─► stage(): lease an arena of the pool, copy every tensor into it
-                                     (CUDA: pinned arena, non_blocking copies on a side stream,
-                                      an event) ─► synchronize_staging() ─► training resumes
-    background:      dcp.save(staged) ─► write_data uploads straight from the arena ─► commit
-                     ─► the save call returns ─► the lease is over: the arena goes back
+Two modes (``S3Config.staging``)::
 
-One save's hold on an arena is a :class:`Lease`. Its whole life, every path included:
+    "blocking" (default): async_save ─► stage(): lease an arena of the pool, copy every tensor
+        into it (CUDA: pinned arena, non_blocking copies on a side stream, an event)
+        ─► synchronize_staging() ─► async_save returns a Future ─► training resumes
+    "background": async_save ─► stage(): lease an arena, build the staged dict, copy the small
+        tensors, note what the large ones are ─► returns a Future at once; async_save returns
+        AsyncSaveResponse(staging_completion, upload_completion) ─► training resumes, and must
+        wait for staging_completion before it changes a tensor (the optimizer step)
+        meanwhile, on a staging thread (saving/background.py): the large copies ─► the check
+        that none changed (saving/guard.py) ─► staging_completion
+    then, in DCP's save thread: dcp.save(staged) ─► write_data uploads straight from the arena
+        (or raises: torn) ─► commit ─► the save call returns ─► the lease is over: the arena goes back
 
-1. ``stage()`` takes an arena from the pool (waiting while ``max_inflight_checkpoints`` are in
-   use: back-pressure instead of doubling memory) and copies the state into it (in the order
-   of :class:`~s3dcp.saving.copies.Copies`).
-2. The first writer call of the save, on whichever thread runs it (``reset``, ``storage_meta``,
-   ``set_up_storage_writer``, ..., or pickling for the process executor), *attaches* the lease
-   to that save call: the frame of DCP's save function on that thread's stack.
-3. ``write_data`` uploads from the arena. With ``staging_budget_bytes`` below the state size
-   it first copies the tensors that did not fit, in rounds, as uploads drain
-   (:meth:`StagingMixin._stage_rounds`); ``synchronize_staging`` holds the training thread
-   until the last round is copied.
-4. The lease is over when the save call it is attached to has returned — committed or failed,
-   at any step — and then the pool takes the arena back: when the save's thread ends (DCP's
-   thread executor ends it right after the save; see :class:`_SaveThread`), else at the next
-   ``stage()``. Not earlier: after ``write_data`` the commit's collectives still run, and the
-   next save's collectives issued beside them from another thread would deadlock a multi-rank
-   job. Nothing here depends on which thread runs
-   the save or whether DCP's executor makes a new thread per save; a thread reused for the next
-   save has simply left the earlier save's frame.
-5. Safety nets: a lease never attached (the save died before calling the writer) ends when
-   the staged dict is garbage-collected; a writer driven by hand, outside DCP's save, releases
-   at the end of ``write_data``. ``synchronize_staging`` stops waiting for rounds the moment
-   the lease is over, so a save that fails early returns its error through its future.
+Background staging needs the whole state within ``staging_budget_bytes`` (budget rounds need
+the loop to wait until write_data has copied the last one, which DCP's staging Future cannot
+express): a larger state stages as "blocking".
 
-This module owns the stager (:class:`StagingMixin`: the AsyncStager protocol of the writer,
-and the rounds) and the lease with its life. It must not do ``stage()``'s copies itself — their
-order, the host copy and the CUDA side streams are :mod:`s3dcp.saving.copies`'s — nor upload
-or commit anything (the writer's).
+One save's hold on an arena is a :class:`~s3dcp.saving.lease.Lease`, whose whole life, every
+path included, is :mod:`s3dcp.saving.lease`'s docstring.
+
+This module owns the stager (:class:`StagingMixin`: the AsyncStager protocol of the writer, the
+choice of mode, the rounds). It must not decide when a lease is over (:mod:`s3dcp.saving.lease`),
+nor do ``stage()``'s copies itself — their order, the host copy and the CUDA side streams are
+:mod:`s3dcp.saving.copies`'s; the staging thread is :mod:`s3dcp.saving.background`'s — nor
+upload or commit anything (the writer's).
 
 Host memory taken by staging is ``max_inflight_checkpoints × min(state bytes,
 staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.memory.pool`).
@@ -43,185 +34,25 @@ staging_budget_bytes)``, rounded up to 8 MiB (see :mod:`s3dcp.memory.pool`).
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 import time
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
 
 from ..memory.pool import Arena, HostBufferPool, plan_slabs, release_staging_memory, shared_pool
 from ..s3.streams import finalizer
-from . import statetree
+from . import background, statetree
 from .copies import Copies
+from .guard import TornGuard
+from .lease import Lease
 
 __all__ = ["HostBufferPool", "Arena", "Lease", "StagingMixin", "shared_pool", "release_staging_memory"]
 
 log = logging.getLogger("s3dcp")
 
 _POLL_S = 0.05
-
-# DCP's functions that run one whole save on the thread that calls the writer; the outermost on
-# the stack is the save call a lease attaches to (thread executor, process executor, plain save).
-_SAVE_CALLS = {
-    ("torch.distributed.checkpoint._async_thread_executor", "save_wrapper"),
-    ("torch.distributed.checkpoint._async_process_executor", "_execute_save_impl"),
-    ("torch.distributed.checkpoint.state_dict_saver", "save"),
-    ("torch.distributed.checkpoint.state_dict_saver", "_save_state_dict"),
-}
-
-
-class _SaveCall:
-    """DCP's save function running on some thread: its frame, and whether it still runs.
-
-    Whether it runs is asked of the frame object itself, never by walking another thread's
-    stack: on CPython 3.11 ``sys._current_frames()`` can deadlock against the garbage
-    collector (python/cpython#106883, not fixed in 3.11), and a walk of ``f_back`` of a
-    running thread returned a logging handler instead of a frame once in CI."""
-
-    __slots__ = ("frame", "async_save")
-
-    def __init__(self, frame) -> None:
-        self.frame = frame
-        # started by dcp.async_save (its thread executor), not by a plain dcp.save
-        self.async_save = (frame.f_globals.get("__name__"), frame.f_code.co_name) == _ASYNC_SAVE_WRAPPER
-
-    @classmethod
-    def of_caller(cls) -> "_SaveCall | None":
-        """The outermost DCP save call on the current thread's stack, or None (not in a save)."""
-        found = None
-        frame = sys._getframe(1)
-        while frame is not None:
-            if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _SAVE_CALLS:
-                found = frame
-            frame = frame.f_back
-        return cls(found) if found is not None else None
-
-    def running(self) -> bool:
-        """Whether the call has not returned yet: a frame still executing cannot be cleared
-        (documented), and one that has returned loses the locals it no longer needs."""
-        try:
-            self.frame.clear()
-        except RuntimeError:
-            return True
-        return False
-
-
-_ASYNC_SAVE_WRAPPER = ("torch.distributed.checkpoint._async_thread_executor", "save_wrapper")
-# How long the save thread lets the training thread finish dcp.async_save first (see attach).
-_RETURN_WAIT_S = 0.5
-
-
-class Lease:
-    """One save's hold on an arena of the pool (see the module docstring for its life)."""
-
-    def __init__(self, pool: HostBufferPool, arena: Arena) -> None:
-        self.pool = pool
-        self.arena = arena
-        self.events: list[tuple[int, Any]] = []  # (CUDA device, event after its copies into the arena)
-        self.training_done: dict[int, Any] = {}  # CUDA device -> event after the work queued before stage()
-        self.pending = False  # tensors beyond the budget: write_data copies them in rounds
-        self.copied = threading.Event()  # every original is copied: the caller may change them
-        self.returned = threading.Event()  # synchronize_staging is done: async_save returns
-        self._save: _SaveCall | None = None
-        self._released = False
-        self._lock = threading.Lock()
-
-    def attach(self) -> None:
-        """Tie the lease to the DCP save call running on this thread (first call wins).
-
-        A save started by ``dcp.async_save`` first lets the training thread finish
-        ``synchronize_staging`` (the last of async_save's work): the save's planning is pure
-        Python, and a training thread that needs the GIL back for its last lines waits out
-        switch intervals (5 ms each) behind it. Not with rounds pending: the training thread
-        then waits for this thread to copy them."""
-        if self._save is None and not self._released:
-            self._save = _SaveCall.of_caller()
-            if self._save is not None:
-                _this_thread().leases.add(self)
-            if self._save is not None and self._save.async_save and not self.pending:
-                if not self.returned.wait(_RETURN_WAIT_S):
-                    log.debug("synchronize_staging was not called within %.1f s; the save goes on",
-                              _RETURN_WAIT_S)
-
-    @property
-    def attached(self) -> bool:
-        return self._save is not None
-
-    def over(self) -> bool:
-        """The save is over: released, or the save call it is attached to has returned."""
-        if self._released:
-            return True
-        save = self._save
-        return save is not None and not save.running()
-
-    def wait_device_copies(self) -> None:
-        """Block until the device-to-host copies into the arena have landed."""
-        for device, event in self.events:
-            with torch.cuda.device(device):  # the waiting thread makes no CUDA context on device 0
-                event.synchronize()
-
-    def release(self) -> None:
-        """Give the arena back, once, and let the training thread go."""
-        self.copied.set()
-        self.returned.set()
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        # A stage that failed after its device copies were issued gives the arena back at once:
-        # the next stage must not copy into it (nor the pool unpin it) while they still land.
-        self.wait_device_copies()
-        with self._lock:
-            # Taken out under the lock, dropped outside it: dropping the save call's frame can
-            # free the staged dict, whose finalizer calls release() again.
-            save, self._save = self._save, None  # the frame (and what it holds) is not ours to keep
-            arena, self.arena = self.arena, None  # a writer kept around does not keep the memory
-        del save
-        self.pool.unhold(self)
-        self.pool.release(arena)
-
-
-class _SaveThread(threading.local):
-    """The leases attached on this thread, given back when the thread ends.
-
-    DCP's thread executor runs each save on a thread of its own, which ends right after the
-    save. Its end is the moment to give the arena back and free the staged copy (hundreds of
-    tensor objects, ~2 ms of deallocation for 750): otherwise that waits for the next
-    ``stage()`` to find the save over, on the training thread, inside its stall. A thread
-    that lives on (a plain ``dcp.save`` on the main thread, an executor that keeps its thread)
-    leaves it to that next check, as before."""
-
-    def __init__(self) -> None:
-        self.leases: weakref.WeakSet[Lease] = weakref.WeakSet()
-        # The thread's locals die with it; this object's finalizer then hands the leases to
-        # s3dcp's finalizer thread (a finalizer itself only queues work).
-        self.token = _Token()
-        weakref.finalize(self.token, finalizer(lambda leases=self.leases: _release_over(leases)))
-
-
-class _Token:
-    """An object to hang a finalizer on (``object()`` takes no weak references)."""
-
-
-_SAVE_THREADS: _SaveThread | None = None  # made on first use: it starts the finalizer thread
-_SAVE_THREADS_LOCK = threading.Lock()
-
-
-def _this_thread() -> _SaveThread:
-    global _SAVE_THREADS
-    if _SAVE_THREADS is None:
-        with _SAVE_THREADS_LOCK:
-            if _SAVE_THREADS is None:
-                _SAVE_THREADS = _SaveThread()
-    return _SAVE_THREADS
-
-
-def _release_over(leases: "weakref.WeakSet[Lease]") -> None:
-    for lease in list(leases):
-        if lease.over():
-            lease.release()
 
 
 class _StagedDict(dict):
@@ -239,6 +70,7 @@ class _StagedDict(dict):
         lease = self.lease() if self.lease is not None else None
         arena = lease.arena if lease is not None else None
         if arena is not None:
+            lease.landed.wait()  # a background stage's copies, on its staging thread
             lease.wait_device_copies()
             if arena.pinned:
                 arena.unpin()
@@ -254,7 +86,8 @@ class StagingMixin:
 
     _synchronize_after_execute: bool = True
 
-    def _init_staging(self, pool: HostBufferPool | None) -> None:
+    def _init_staging(self, pool: HostBufferPool | None, staging: str) -> None:
+        self.staging = staging  # S3Config.staging
         self._pool = pool
         self._lease: Lease | None = None
         self._stage_started = 0.0
@@ -266,7 +99,10 @@ class StagingMixin:
         # the parent's arena, so the child is told to refuse them.
         self._attach()
         lease = self._lease
-        return {"_pool": None, "_lease": None, "_needs_rounds": lease is not None and lease.pending}
+        if lease is not None:
+            lease.landed.wait()
+        return {"_pool": None, "_lease": None, "_needs_rounds": lease is not None and lease.pending,
+                "_staging_error": lease.error if lease is not None else None}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -280,16 +116,18 @@ class StagingMixin:
         pool.release(arena)
 
     # ------------------------------------------------------------ training thread
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict``'s tensors into the pool and return the staged copy.
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        """Copy ``state_dict``'s tensors into the pool and return the staged copy (blocking
+        staging), or the Future of it (background staging; module docstring).
 
         Same structure; tensors (DTensor and ShardedTensor local shards too) become contiguous
         host tensors in the arena; other values are deep-copied so that the training loop may
-        change anything once staging is synchronised.
+        change anything once staging is complete.
         """
         self._stage_started = time.perf_counter()
         pool = self._staging_pool()
-        found = statetree.tensors(state_dict)  # one walk: sizes the arena, then the copies
+        owners: list | None = [] if self.staging == "background" else None  # what the state holds per tensor
+        found = statetree.tensors(state_dict, owners)  # one walk: sizes the arena, then the copies
         arena = pool.acquire(self._arena_slabs(found), target_bytes=self.config.object_size_target_bytes,
                              max_in_use=self._max_in_flight(), prefault=False)
         lease = Lease(pool, arena)
@@ -305,20 +143,30 @@ class StagingMixin:
             # the lease takes the copies' lists themselves: what run() records, also before a
             # failure, is what release() waits for
             lease.pending, lease.events, lease.training_done = copies.pending, copies.events, copies.training_done
-            destinations = iter(copies.destinations())
+            in_background = owners is not None and not copies.pending
+            destinations = iter(copies.destinations(_LATER_FROM_BYTES if in_background else None))
             staged = statetree.copy_tree(state_dict, lambda _t: next(destinations))
-            copies.run()  # the bytes: the rest of the stage is the copy itself
-        except BaseException:
+            guard = TornGuard(found, owners, copies.later) if in_background else None  # before any copy
+            copies.run_now()  # the bytes: the rest of the stage is the copy itself
+        except BaseException as e:
+            lease.land(e)
             lease.release()
             raise
         result = _StagedDict(staged)
         result.lease = weakref.ref(lease)
         weakref.finalize(result, finalizer(lease.release))  # a save that died before it called the writer
-        if not lease.pending:
-            lease.copied.set()
         self._lease = lease
+        if guard is None:
+            if owners is not None:
+                _say_blocking_once(self.config.staging_budget_bytes)
+            lease.land()
+            self._stage_s = time.perf_counter() - self._stage_started
+            return result
+        lease.returned.set()  # nothing waits for the training thread: it returns now
+        future = background.start(copies, guard, lease, result, lambda: statetree.paths(result),
+                                  getattr(self, "checkpoint_id", None) or "the checkpoint")
         self._stage_s = time.perf_counter() - self._stage_started
-        return result
+        return future
 
     def synchronize_staging(self) -> None:
         """Return once the staged copy is complete and the originals may change again — or
@@ -326,6 +174,7 @@ class StagingMixin:
         lease = self._lease
         if lease is None:
             return
+        lease.landed.wait()
         lease.wait_device_copies()
         while not lease.copied.wait(_POLL_S):
             if lease.over():
@@ -355,8 +204,13 @@ class StagingMixin:
                 "to fit the whole state for AsyncCheckpointerType.PROCESS")
         self._attach()
         lease = self._lease
+        error = getattr(self, "_staging_error", None)  # DCP's process executor: the parent's lease's
         if lease is not None:
+            lease.landed.wait()
             lease.wait_device_copies()
+            error = lease.error
+        if error is not None:  # raised on this rank; DCP's collective takes it to every rank
+            raise error
         return lease
 
     def _staging_end(self, lease: Lease | None) -> None:
@@ -442,3 +296,20 @@ class StagingMixin:
 
 
 _WARNED_INFLIGHT = False
+
+# Background staging copies tensors of at least this size on its thread; smaller ones (norms'
+# running statistics, step counters, biases: bytes that cost next to nothing) before stage()
+# returns, which also covers what a forward pass writes without a version bump (saving/guard.py).
+_LATER_FROM_BYTES = 64 * 1024
+
+
+_SAID_BLOCKING = False
+
+
+def _say_blocking_once(budget: int | None) -> None:
+    global _SAID_BLOCKING
+    if not _SAID_BLOCKING:
+        _SAID_BLOCKING = True
+        log.warning("staging='background' needs the whole state within staging_budget_bytes=%s: a save beyond "
+                    "it stages as 'blocking' (async_save returns a Future once the state is copied; the rest "
+                    "is copied in rounds while the loop waits)", budget)

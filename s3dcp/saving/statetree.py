@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["copy_tree", "tensors"]
+__all__ = ["copy_tree", "tensors", "paths"]
 
 
 def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -39,28 +39,55 @@ def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) 
     return copy.deepcopy(value)
 
 
-def tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor ``copy_tree`` would stage, in the same order."""
+def tensors(value: Any, owners: list | None = None) -> list[torch.Tensor]:
+    """Every tensor ``copy_tree`` would stage, in the same order. With ``owners``, also the
+    object the state holds for each one: a DTensor for its local tensor, else the tensor itself."""
     out: list[torch.Tensor] = []
-    _collect(value, out, *_kinds())
+    _collect(value, out, *_kinds(), owners)
     return out
 
 
-def _collect(value: Any, out: list, dtensor: type, sharded: Any) -> None:
+def _collect(value: Any, out: list, dtensor: type, sharded: Any, owners: list | None) -> None:
     if type(value) is torch.Tensor:
         out.append(value)
     elif isinstance(value, dtensor):
         out.append(value._local_tensor)
     elif isinstance(value, sharded):
-        out.extend(shard.tensor for shard in value.local_shards())
+        shards = [shard.tensor for shard in value.local_shards()]
+        out.extend(shards)
+        if owners is not None:
+            owners.extend(shards)
+        return
     elif isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, dict):
         for v in value.values():
-            _collect(v, out, dtensor, sharded)
+            _collect(v, out, dtensor, sharded, owners)
+        return
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _collect(v, out, dtensor, sharded)
+            _collect(v, out, dtensor, sharded, owners)
+        return
+    else:
+        return
+    if owners is not None:
+        owners.append(value)
+
+
+def paths(value: Any, prefix: str = "") -> list[str]:
+    """The place of each tensor ``tensors(value)`` lists, in the same order, as dotted keys
+    (``optim.state.0.exp_avg``; a ShardedTensor's local shards ``name[shard i]``): what an error
+    names."""
+    dtensor, sharded = _kinds()
+    if isinstance(value, (torch.Tensor, dtensor)) and not isinstance(value, sharded):
+        return [prefix or "<state>"]
+    if isinstance(value, sharded):
+        return [f"{prefix}[shard {i}]" for i in range(len(value.local_shards()))]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    out: list[str] = []
+    for k, v in items:
+        out.extend(paths(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 _KINDS: tuple[type, Any] | None = None

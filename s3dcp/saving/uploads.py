@@ -72,6 +72,11 @@ _MAX_UNNAMED_SHARE = 1 / 32
 # A smaller object (serialized values, a few small tensors) is one PUT whose body the CRT copies
 # from the items' memory: cheaper than a slab of shared memory for it.
 _COMPOSE_FROM_BYTES = 1 << 20
+# A shared-memory file that is not a slab of this save's arena (DefaultStager's shared memory: a
+# file per tensor) is an object of its own only from this size: a smaller one is copied in with
+# others (a memcpy of 8 MiB costs ~1 ms here; a request of its own, tens of ms of latency and a
+# request's overhead, and 750 optimizer tensors would be 750 objects).
+_SEND_ALONE_FROM_BYTES = 8 << 20
 
 
 class Uploads:
@@ -84,8 +89,9 @@ class Uploads:
 
     Where an object's bytes come from::
 
-        items whose tensors are views of one shared-memory file (a staging slab, or the
-        parent's slab in DCP's process executor), naming nearly all of its first bytes
+        items whose tensors are views of one shared-memory file (a staging slab, the parent's
+        slab in DCP's process executor, or from 8 MiB a file of DefaultStager's shared memory),
+        naming nearly all of its first bytes
             -> that file is the object: the CRT sends its first bytes, read by path
                (small serialized values are copied into the free room after them, in a slab
                of this save's own arena)
@@ -155,6 +161,7 @@ class Uploads:
             else:
                 by_file.setdefault(span.address, (span, []))[1].append((span.offset, e))
         direct: list[list] = []  # [file, its items by offset, end of the object]
+        own = {slab.address for slab in self.arena.slabs} if self.arena is not None else set()
         for span, placed in by_file.values():
             placed.sort(key=lambda p: p[0])
             named, end = 0, 0  # bytes some item names; where the last one ends
@@ -162,7 +169,7 @@ class Uploads:
                 stop = offset + e.view.nbytes
                 named += max(0, stop - max(offset, end))
                 end = max(end, stop)
-            if end - named > end * _MAX_UNNAMED_SHARE:
+            if end - named > end * _MAX_UNNAMED_SHARE or (span.address not in own and end < _SEND_ALONE_FROM_BYTES):
                 loose.extend(e for _, e in placed)
             else:
                 direct.append([span, placed, end])

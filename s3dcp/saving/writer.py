@@ -85,7 +85,11 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
        the checkpoint, and deletes the marker
 
     :func:`torch.distributed.checkpoint.async_save` first calls ``stage(state_dict)`` on the
-    training thread (see :class:`s3dcp.saving.staging.StagingMixin`), then runs 0-6 in the background.
+    training thread (see :class:`s3dcp.saving.staging.StagingMixin`), then runs 0-6 in the
+    background. With ``config.staging="background"`` async_save returns an ``AsyncSaveResponse``
+    before the tensors are copied, and 0-6 run once a staging thread has copied them; the loop
+    must wait for ``staging_completion`` before it changes a tensor (docs/memory.md), else the
+    save fails with :class:`~s3dcp.errors.TornCheckpointError` and nothing is committed.
 
     Args:
         path: ``s3://bucket/prefix``; may instead come as ``checkpoint_id=`` to ``dcp.save``.
@@ -145,7 +149,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             raise ConfigError("upload=False keeps a checkpoint in its local copy only: it needs local_copy= "
                               "and cannot be incremental")
         self.last_stats = SaveStats()
-        self._init_staging(pool)
+        self._init_staging(pool, self.config.staging)
 
     def __repr__(self) -> str:
         base = f", incremental_from={str(self.incremental_from)!r}" if self.incremental_from else ""
@@ -171,8 +175,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         self._attach()
         self._require_uri()
         if kwargs.get("use_collectives") is False:
-            raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator writes "
-                              "the one metadata object that commits the checkpoint")
+            raise ConfigError(
+                "S3StorageWriter needs use_collectives=True: the coordinator writes the one metadata object "
+                "that commits the checkpoint. With use_collectives=False every rank would commit metadata of "
+                "its own, under no identity the ranks share, so no reader could tell a whole checkpoint from "
+                "ranks of two saves (docs/memory.md, \"DCP's save modes\"). Ranks that cannot meet at save time "
+                "can each save a checkpoint of their own: S3StorageWriter(f'{path}/rank-{rank}') with "
+                "dcp.save(..., no_dist=True)")
         self._rank = kwargs.get("rank") or 0
         self._is_coordinator = is_coordinator
         if is_coordinator and self.upload and not self.overwrite and self._committed():

@@ -410,6 +410,58 @@ def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_ser
     assert kept == sorted(["last.ckpt", *eval(top_k)]), (kept, top_k)  # noqa: S307 - our own print of a list
 
 
+def test_with_s3modelcheckpoint_an_async_save_stages_in_the_background_and_no_optimizer_step_runs_during_it(
+        s3_config, uri, monkeypatch):
+    """S3ModelCheckpoint waits for the plugin's staging before every optimizer step, so the
+    plugin stages in the background: the staging thread (slowed here) sees no optimizer step
+    while it copies, and every checkpoint loads as the weights of its step."""
+    import pytorch_lightning as pl
+
+    from s3dcp.saving import background
+
+    steps, seen, saved = [0], [], {}
+
+    def seam(phase):
+        if phase == "copying":
+            seam.at = steps[0]
+            time.sleep(0.2)  # a slow copy: an optimizer step that did not wait would land in it
+        else:
+            seen.append(steps[0] - seam.at)
+
+    monkeypatch.setattr(background, "_seam", seam)
+
+    class Wide(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # before the callback saves this step
+            saved[self.global_step] = {k: v.clone() for k, v in self.state_dict().items()}
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+            optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+            return optimizer
+
+        def train_dataloader(self):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+
+    io = S3CheckpointIO(config=s3_config, async_save=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, plugins=[io], default_root_dir=uri,
+                         callbacks=[S3ModelCheckpoint(config=s3_config, save_top_k=-1, every_n_train_steps=1)],
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Wide())
+    assert io.last_writer.config.staging == "background"
+    assert seen == [0, 0, 0]  # three saves, no optimizer step while any of them copied
+    for step in (1, 2, 3):
+        loaded = io.load_checkpoint(f"{uri}/checkpoints/epoch=0-step={step}.ckpt")
+        _assert_tree_equal(loaded["state_dict"], saved[step])
+
+
 # ---------------------------------------------------------------------- helpers
 def _Regressor():
     import pytorch_lightning as pl

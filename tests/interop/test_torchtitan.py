@@ -117,6 +117,8 @@ def _train(components, batches, steps: _Steps, manager, until: int) -> list[str]
         x, y = next(batches)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if manager is not None:  # as torchtitan's trainer: async_with_pinned_mem stages in the background
+            manager.maybe_wait_for_staging()
         optimizers.step()
         schedulers.step()
         optimizers.zero_grad()
@@ -229,6 +231,7 @@ def _worker(rank: int, world: int, bucket: str, cfg) -> dict:
     steps3 = _Steps()
     third = _components(rank, world, seed=2)
     m3 = _manager(pinned, cfg, third, steps3, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0)
+    assert m3._s3.config.staging == "background"  # torchtitan waits for staging_completion in this mode
     _train(third, iter(third[3]), steps3, m3, 1)
     after_one = _snapshot(third, steps3)
     _train(third, iter(third[3]), steps3, m3, 3)

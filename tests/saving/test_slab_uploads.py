@@ -179,3 +179,31 @@ def test_an_upload_that_fails_to_start_gives_its_composed_objects_slab_back(buck
     assert "No space left on device" in str(s3dcp.unwrap_error(e.value))
     pool.reclaim()
     assert pool.allocations >= 1 and len(pool._free) == pool.allocations and pool.in_use == 0
+
+
+def test_defaultstagers_shared_memory_is_uploaded_from_its_files_without_copying_it_again(bucket, config,
+                                                                                          boto3_client):
+    """DCP's DefaultStager with shared memory stages each tensor into a shared-memory file of its
+    own: a large one is its own object, sent from that file; the small ones travel together
+    (one object, not one per tensor)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gen = torch.Generator().manual_seed(5)
+    state = {"big": torch.randn(3 * MiB, generator=gen), "step": 5}
+    state |= {f"small{i}": torch.randn(100 + i, generator=gen) for i in range(20)}
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
+                                          use_non_blocking_copy=False))
+    writer = S3StorageWriter(f"s3://{bucket}/ds", config=config)
+    try:
+        response = dcp.async_save(state, storage_writer=writer, async_stager=stager)
+        response.staging_completion.result(timeout=60)
+        state["big"].add_(1)  # DefaultStager's copy is complete: the loop may go on
+        response.upload_completion.result(timeout=120)
+    finally:
+        stager.close()
+    assert writer.last_stats.copied_bytes == 0, writer.last_stats
+    small_bytes = sum(v.nbytes for k, v in expected.items() if k.startswith("small"))
+    sizes = _sizes(boto3_client, bucket, "ds/")
+    assert len(sizes) == 2 and sizes[1] == expected["big"].nbytes and small_bytes <= sizes[0] < small_bytes + 4096
+    _assert_same(expected, _load(f"s3://{bucket}/ds", config, expected))

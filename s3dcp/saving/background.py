@@ -1,0 +1,158 @@
+"""Background staging: the copies of one stage that run while the training loop goes on.
+
+    training thread: stage() ─► arena, staged dict, small copies, the guard's look ─► start()
+                     ─► returns a Future at once (DCP: AsyncSaveResponse.staging_completion)
+    staging thread:  large copies (CUDA: side stream, after the caller's queued work) ─► their
+                     events synchronised ─► the guard compares ─► lease.land(error or None)
+                     ─► the Future gets the staged dict ─► the thread ends
+    DCP's save thread: waits for that Future, then plans and calls write_data, which raises the
+                     lease's error (on every rank, through DCP's collective) or uploads
+
+The Future never fails: a torn copy or a failed copy is the lease's error, raised by
+``write_data``. A failed staging Future would make DCP's save thread raise before its first
+collective on this rank alone, and the other ranks would wait for it until their timeout.
+
+An optimizer step taken while a background stage still copies waits for it: one global step
+pre-hook of ``torch.optim`` (registered at the first background stage, kept for the process)
+holds every ``Optimizer.step`` until the stages in flight have landed. The loop should wait
+itself (``staging_completion``, ``CheckpointManager.wait_staged()``): the hook is the net for
+the step that did not, and it covers what the version counters do not see: a fused optimizer's
+writes, and a foreach one's on DTensors (FSDP2), bump none (saving/guard.py).
+
+Owns the staging thread (one per process, started at the first background stage; it holds a
+stage's sources, arena and staged dict only until that stage has landed). It
+must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts as torn
+(:mod:`s3dcp.saving.guard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from .copies import Copies
+from .guard import TornGuard
+from .lease import Lease
+
+__all__ = ["start"]
+
+log = logging.getLogger("s3dcp")
+
+
+def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: Callable[[], list[str]],
+          where: str) -> Future:
+    """Run ``copies.run_later()`` on the staging thread and check ``guard`` after it; return the
+    Future of ``staged`` (set once the lease has landed). ``names()`` names the sources, for an
+    error; ``where`` is the checkpoint."""
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    _hold_optimizer_steps()
+    with _LOCK:
+        _IN_FLIGHT.add(lease)
+    args = (copies, guard, lease, staged, future, names, where)
+    if not _WORKER.submit(lambda: _run(*args)):  # no thread to be had (a process at its limit)
+        log.warning("could not start s3dcp's staging thread; staging on the training thread", exc_info=True)
+        _run(*args)
+    return future
+
+
+class _Worker:
+    """The process's staging thread: background stages, one after the other, handed over through
+    a queue (``Thread.start`` waits until the new thread runs, milliseconds of the stall on a busy
+    machine, so the thread is started once and kept). It holds nothing between two stages. A
+    forked child starts a thread (and a queue) of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job`` for the thread (started if need be); False if no thread could start."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():  # a parent's thread is not alive in a fork
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._queue = queue.SimpleQueue()  # nothing of a parent's queue is this process's
+                    thread = threading.Thread(target=self._serve, args=(self._queue,), name="s3dcp-staging",
+                                              daemon=True)
+                    try:
+                        thread.start()
+                    except RuntimeError:
+                        return False
+                    self._thread = thread
+        self._queue.put(job)
+        return True
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                job()  # _run: its outcome is on the lease and the Future
+            except BaseException:  # noqa: BLE001 - pragma: no cover; the thread serves the next stage
+                log.warning("s3dcp's staging thread failed", exc_info=True)
+            del job  # nothing of a stage stays with the thread until the next one
+
+
+_WORKER = _Worker()
+
+
+def _run(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, future: Future,
+         names: Callable[[], list[str]], where: str) -> None:
+    error: BaseException | None = None
+    try:
+        _seam("copying")
+        copies.run_later()
+        lease.wait_device_copies()
+        _seam("copied")
+        error = guard.check(names, where)
+    except BaseException as e:  # noqa: BLE001 - the save fails with it, on every rank (module docstring)
+        error = e
+        try:  # a copy that failed because the loop resized or replaced its source: say so
+            torn = guard.check(names, where)
+        except BaseException:  # noqa: BLE001 - the copy's own error stays the one raised
+            torn = None
+        if torn is not None:
+            torn.__cause__, error = e, torn
+    finally:
+        guard.release()
+        lease.land(error)
+        with _LOCK:
+            _IN_FLIGHT.discard(lease)
+        future.set_result(staged)
+
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: set[Lease] = set()  # leases of background stages not landed yet (each leaves in _run's finally)
+_HOOKED: list = []  # the global optimizer step pre-hook's handle, once registered
+
+
+def _hold_optimizer_steps() -> None:
+    """Register, once per process, the optimizer step pre-hook that waits for the stages in flight."""
+    with _LOCK:
+        if not _HOOKED:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _HOOKED.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Every ``torch.optim`` step: wait until the background stages in flight have landed."""
+    with _LOCK:
+        waiting = list(_IN_FLIGHT)
+    for lease in waiting:
+        if not lease.landed.is_set():
+            log.debug("an optimizer step waits for background staging to complete")
+            lease.landed.wait()
+    return None
+
+
+def _seam(phase: str) -> Any:
+    """A test seam on the staging thread: ``"copying"`` before its copies, ``"copied"`` after
+    they landed and before the check (tests change a tensor there, to change it while staging
+    is under way without racing it)."""
+    return None

@@ -1,0 +1,415 @@
+"""Background staging (``S3Config(staging="background")``): async_save returns before the large
+tensors are copied; a loop that waits for staging before it changes the state gets bitwise the
+state of the call; one that does not gets TornCheckpointError, named, and nothing committed.
+
+Mid-staging changes are made deterministic through the staging thread's seam
+(``saving.background._seam``): the thread stops there ("copying": before its copies, "copied":
+after them, before the check) while the test changes a tensor, then goes on."""
+
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+import s3dcp
+from s3dcp import CheckpointManager, HostBufferPool, S3StorageReader, S3StorageWriter, TornCheckpointError
+from s3dcp.config import MiB
+from s3dcp.saving import background
+
+
+@pytest.fixture
+def config(s3_server):
+    return s3_server.s3_config(part_size_bytes=5 * MiB, object_size_target_bytes=4 * MiB, staging="background")
+
+
+def _state(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {f"layer{i}.weight": torch.randn(256, 1024, generator=gen) for i in range(3)}
+        | {"norm.running_mean": torch.randn(64, generator=gen), "layer0.bias": torch.randn(1024, generator=gen)},
+        "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(300_000, generator=gen)}},
+                  "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "epoch": 3,
+    }
+
+
+def _tensors(tree, prefix=""):
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out |= _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return {}
+
+
+def _snapshot(state):
+    return {k: v.clone() for k, v in _tensors(state).items()}
+
+
+def _blank(state):
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: _blank(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_blank(v) for v in state]
+    return state
+
+
+def _assert_loads_as(uri, config, state, expected):
+    out = _blank(state)
+    dcp.load(out, storage_reader=S3StorageReader(uri, config=config))
+    got = _tensors(out)
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+    return out
+
+
+class _Hold:
+    """Stops the staging thread at ``phase`` until :meth:`go`; ``reached`` is set when it got there."""
+
+    def __init__(self, monkeypatch, phase):
+        self.reached, self._go, self.phase = threading.Event(), threading.Event(), phase
+        monkeypatch.setattr(background, "_seam", self._seam)
+
+    def _seam(self, phase):
+        if phase == self.phase:
+            self.reached.set()
+            assert self._go.wait(60), "the test never let the staging thread go"
+
+    def go(self):
+        self._go.set()
+
+
+def _keys(boto3_client, bucket, prefix):
+    return sorted(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def test_async_save_returns_before_the_copy_and_saves_the_state_of_the_call(bucket, config, monkeypatch):
+    hold = _Hold(monkeypatch, "copying")
+    state = _state()
+    expected = _snapshot(state)
+    writer = S3StorageWriter(f"s3://{bucket}/a", config=config, pool=HostBufferPool())
+    response = dcp.async_save(state, storage_writer=writer)
+    assert isinstance(response, AsyncSaveResponse)
+    assert hold.reached.wait(30)
+    assert not response.staging_completion.done()  # returned while the large copies had not started
+    hold.go()
+    response.staging_completion.result(timeout=60)
+    for v in _tensors(state).values():  # the loop's optimizer step, after waiting
+        v.add_(1)
+    response.upload_completion.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/a", config, state, expected)
+    assert writer.last_stats.copied_bytes < 4096  # uploaded from the slabs, as a blocking stage's
+
+
+@pytest.mark.parametrize("change", ["add_", "data=", "set_", "resize_", "swap_tensors"])
+@pytest.mark.parametrize("phase", ["copying", "copied"])
+def test_a_tensor_changed_while_staging_fails_the_save_by_name_and_commits_nothing(bucket, config, monkeypatch,
+                                                                                  boto3_client, change, phase):
+    """Each way a tensor can change under a background copy, before or after its copy."""
+    hold = _Hold(monkeypatch, phase)
+    state = _state()
+    w = state["model"]["layer1.weight"]
+    changes = {
+        "add_": lambda: w.add_(1),  # any in-place op: the version counter
+        "data=": lambda: setattr(w, "data", torch.randn(256, 1024)),  # same version, other memory
+        "set_": lambda: w.set_(torch.randn(256, 1024)),
+        "resize_": lambda: w.resize_(128, 2048),
+        "swap_tensors": lambda: torch.utils.swap_tensors(w, torch.randn(256, 1024)),
+    }
+    name = "model.layer1.weight"
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/torn", config=config))
+    assert hold.reached.wait(30)
+    changes[change]()
+    hold.go()
+    response.staging_completion.result(timeout=60)  # staging itself ends; the save is what fails
+    with pytest.raises(BaseException) as info:
+        response.upload_completion.result(timeout=120)
+    error = s3dcp.unwrap_error(info.value)
+    assert isinstance(error, TornCheckpointError), error
+    assert error.names == [name] and name in str(error) and "nothing was committed" in str(error)
+    assert _keys(boto3_client, bucket, "torn/") == []  # no .metadata, and this rank uploaded nothing
+
+
+def test_the_dict_changing_after_async_save_returned_leaves_the_checkpoint_as_it_was(bucket, config, monkeypatch):
+    """Keys added, removed and replaced, non-tensor values changed: the staged dict and its
+    other values were made before async_save returned."""
+    hold = _Hold(monkeypatch, "copying")
+    state = _state()
+    expected = _snapshot(state)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/dict", config=config))
+    assert hold.reached.wait(30)
+    state["model"]["layer0.weight"] = torch.zeros(256, 1024)  # replaced: the old tensor is saved
+    del state["model"]["layer2.weight"]
+    state["model"]["new"] = torch.ones(3)
+    state["optim"]["param_groups"][0]["lr"] = 99.0
+    state["epoch"] = 4
+    hold.go()
+    response.upload_completion.result(timeout=120)
+    like = _state()
+    out = _assert_loads_as(f"s3://{bucket}/dict", config, like, expected)
+    assert out["epoch"] == 3 and out["optim"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_what_a_forward_pass_writes_without_a_version_bump_is_copied_before_async_save_returns(bucket, config,
+                                                                                            monkeypatch):
+    """BatchNorm's forward updates its running statistics in its kernel, without a version
+    bump; they are small, so they are copied before async_save returns, and the forward pass
+    may run while the large tensors are copied."""
+    hold = _Hold(monkeypatch, "copying")
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512))
+    state = {"model": model.state_dict()}
+    expected = _snapshot(state)
+    version = model[1].running_mean._version
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/bn", config=config))
+    assert hold.reached.wait(30)
+    model(torch.randn(8, 512))  # the next forward pass, while staging goes on
+    assert model[1].running_mean._version == version and not torch.equal(model[1].running_mean,
+                                                                          expected["model.1.running_mean"])
+    hold.go()
+    response.upload_completion.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/bn", config, state, expected)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_optimizer_step_that_did_not_wait_is_held_until_staging_completes(bucket, config, monkeypatch, fused):
+    """The loop calls optimizer.step() right after the save, without waiting (the copy is slowed
+    down through the seam): the step waits for staging, and the checkpoint is the state of the
+    call — also for a fused optimizer, whose step bumps no version counter for a check to see."""
+    import time
+
+    monkeypatch.setattr(background, "_seam", lambda phase: time.sleep(0.3) if phase == "copying" else None)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=None if fused else True)
+    model(torch.randn(4, 512)).sum().backward()
+    optim.step()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    expected = _snapshot(state)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/held-{fused}", config=config))
+    optim.step()  # no wait: held by the optimizer's step pre-hook until the copy has landed
+    assert response.staging_completion.done()
+    response.upload_completion.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/held-{fused}", config, state, expected)
+    assert not torch.equal(model.weight, expected["model.weight"])  # the step did run, after the copy
+
+
+def test_a_loop_that_waits_for_staging_saves_bitwise_the_state_of_each_save(bucket, config):
+    """A training loop (forward, backward, AdamW step) with the manager staging in the
+    background and waiting before each optimizer step: every checkpoint is the state of its step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    manager = CheckpointManager(f"s3://{bucket}/run", config=config, keep_last=None)
+    expected = {}
+    for step in range(1, 7):
+        loss = model(torch.randn(32, 256)).square().mean()
+        loss.backward()
+        manager.wait_staged()  # the contract: staging is complete before the optimizer changes the state
+        optim.step()
+        optim.zero_grad()
+        if step % 2 == 0:
+            state = {"model": model.state_dict(), "optim": optim.state_dict()}
+            expected[step] = _snapshot(state)
+            future = manager.save(step, state)
+            assert not future.staging_completion.done() or future.staging_completion.result() is None
+    manager.close()
+    for step, snapshot in expected.items():
+        out = {"model": _blank(model.state_dict()), "optim": _blank(optim.state_dict())}
+        manager.load(out, step=step)
+        got = _tensors(out)
+        assert all(torch.equal(got[k], v) for k, v in snapshot.items()), step
+
+
+def test_a_manager_whose_loop_never_waits_keeps_no_stage_of_past_saves(bucket, config):
+    """A loop that leaves the wait to the optimizer's hook never calls wait_staged(): the
+    manager keeps none of the completed stages (a days-long job would pile them up)."""
+    manager = CheckpointManager(f"s3://{bucket}/nowait", config=config, keep_last=2)
+    state = _state()
+    for step in range(1, 7):
+        future = manager.save(step, state)
+        future.staging_completion.result(timeout=60)
+        future.result(timeout=120)
+    assert len(manager._saves._staging) <= 1  # at most the last one, never all six
+    manager.close()
+
+
+def test_a_state_beyond_the_staging_budget_stages_as_blocking(bucket, config):
+    state = _state()
+    expected = _snapshot(state)
+    cfg = config.replace(staging_budget_bytes=1 * MiB)
+    future = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/budget", config=cfg))
+    assert not isinstance(future, AsyncSaveResponse)  # DCP's Future: returned once every original is copied
+    for v in _tensors(state).values():
+        v.add_(1)
+    future.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/budget", config, state, expected)
+
+
+def test_the_staging_thread_and_the_arena_go_once_each_save_is_over(bucket, config):
+    """Repeated background saves: one staging thread serves them all and keeps nothing of them,
+    the pool allocates once, neither the sources nor the staged dicts are kept, and the slabs go
+    once the pool lets go."""
+    pool = HostBufferPool()
+    state = _state()
+    staged_refs, staging_threads = [], set()
+
+    class Writer(S3StorageWriter):
+        def stage(self, state_dict):
+            future = super().stage(state_dict)
+            future.add_done_callback(lambda f: staged_refs.append(weakref.ref(f.result())))
+            return future
+
+    for i in range(8):
+        response = dcp.async_save(state, storage_writer=Writer(f"s3://{bucket}/cycle-{i}", config=config, pool=pool))
+        response.staging_completion.result(timeout=60)
+        response.upload_completion.result(timeout=120)
+        staging_threads.update(t for t in threading.enumerate() if t.name == "s3dcp-staging")
+    assert len(staging_threads) == 1  # one thread serves every stage; it holds none of them after it:
+    source = weakref.ref(state["model"]["layer0.weight"])
+    del state, response
+    _wait_for(lambda: source() is None and all(r() is None for r in staged_refs) and pool.in_use == 0)
+    assert pool.allocations == 1 and len(staged_refs) == 8
+    slabs = [weakref.ref(slab) for arena in pool._free for slab in arena.slabs]
+    assert slabs
+    pool.clear()  # the arena's memory goes back to the system: nothing else holds its slabs
+    _wait_for(lambda: all(r() is None for r in slabs))
+
+
+def _wait_for(condition, timeout_s=10.0):
+    import gc
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not released in time"
+        gc.collect()
+        time.sleep(0.05)
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: drives staging's CUDA branch without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_cuda_copies_are_ordered_after_the_callers_work_and_before_its_next_kernels_cpu_stand_in(bucket, config,
+                                                                                               monkeypatch):
+    """The CUDA branch of background staging, with recording stand-ins for streams and events
+    (no GPU here): small copies on the side stream after the caller's queued work, the caller's
+    stream waiting for them before stage() returns; the large copies issued on the staging
+    thread after an event of the caller's stream, and synchronised before the check and before
+    staging completes."""
+    import contextlib
+
+    from s3dcp.saving import copies as copies_module
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.id))
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.id = Event.made
+
+        def record(self, stream):
+            log.append(("record", self.id, stream.name))
+
+        def synchronize(self):
+            log.append(("synchronize", self.id, threading.current_thread().name))
+
+    current, streams = Stream("current"), [Stream("caller")]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        streams.append(stream)
+        yield
+        streams.pop()
+
+    real_copy = torch._foreach_copy_
+
+    def copy(dsts, srcs, non_blocking=False):
+        log.append(("copy", streams[-1].name, sorted(s.nbytes for s in srcs), threading.current_thread().name))
+        return real_copy(dsts, srcs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch, "_foreach_copy_", copy)
+    monkeypatch.setattr(copies_module, "_STREAMS", {})
+    hold = _Hold(monkeypatch, "copying")
+    gen = torch.Generator().manual_seed(3)
+    big, small = torch.randn(300_000, generator=gen), torch.randn(64, generator=gen)
+    state = {"w": torch.Tensor._make_subclass(_FakeCuda, big), "norm": torch.Tensor._make_subclass(_FakeCuda, small)}
+    pool = HostBufferPool(pin_memory=False)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/cuda", config=config, pool=pool))
+    assert hold.reached.wait(30)
+    main = threading.current_thread().name
+    assert log == [("wait_stream", "side", "current"), ("copy", "side", [small.nbytes], main), ("record", 1, "side"),
+                   ("wait_event", "current", 1),  # the caller's next kernels come after the small copies
+                   ("record", 2, "current")]  # where the large copies start
+    hold.go()
+    response.staging_completion.result(timeout=60)
+    staged_log = list(log)
+    assert staged_log[5:] == [("wait_event", "side", 2), ("copy", "side", [big.nbytes], "s3dcp-staging"),
+                              ("record", 3, "side"), ("synchronize", 1, "s3dcp-staging"),
+                              ("synchronize", 3, "s3dcp-staging")]  # landed before the check and completion
+    response.upload_completion.result(timeout=120)
+    out = {"w": torch.zeros_like(big), "norm": torch.zeros_like(small)}
+    dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/cuda", config=config))
+    assert torch.equal(out["w"], big) and torch.equal(out["norm"], small)
+
+
+def _stage_in_background_in_child(queue, config, state):
+    torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe (what DataLoader workers do too)
+    writer = S3StorageWriter("s3://bucket/forked", config=config, pool=HostBufferPool())
+    staged = writer.stage(state).result(timeout=30)  # the parent's staging thread is not the child's
+    queue.put(torch.equal(staged["w"], state["w"]) and writer._lease.error is None)
+
+
+def test_a_forked_child_stages_in_the_background_after_its_parent_did(config):
+    """The staging thread is the process's: a child forked after its parent staged in the
+    background starts one of its own (the parent's is not alive there), and copies its own state."""
+    import multiprocessing
+
+    writer = S3StorageWriter("s3://bucket/parent", config=config, pool=HostBufferPool())
+    writer.stage({"w": torch.randn(MiB)}).result(timeout=30)
+    writer._lease.release()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_stage_in_background_in_child,
+                        args=(queue, config, {"w": torch.arange(MiB, dtype=torch.float32)}))
+    child.start()
+    try:
+        assert queue.get(timeout=30) is True
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0

@@ -210,12 +210,13 @@ class CheckpointManager:
         refuse_older(self, step)
         import torch.distributed.checkpoint as dcp
 
+        from ..saving.statetree import flattened
         from ..saving.writer import S3StorageWriter
 
         base = self._choose_base(step) if self.incremental else None
         copy, to_s3 = None, True
         if self._tiers is not None:
-            state_dict = _flattened(state_dict)  # Stateful values as DCP saves them: sized and saved once
+            state_dict = flattened(state_dict)  # Stateful values as DCP saves them: sized and saved once
             copy, to_s3 = self._tiers.begin_save(step, state_dict)
         try:
             writer = ours(S3StorageWriter(self.uri(step), config=self.config, client=self.client,
@@ -438,14 +439,6 @@ def _dist_on() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _flattened(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()``, as DCP saves
-    it (DCP does the same again, at no cost, on a dict without Stateful values)."""
-    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
-
-    return _stateful_to_state_dict(state_dict)
 
 
 def _is_int(value: Any) -> bool:

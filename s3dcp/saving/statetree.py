@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["copy_tree", "tensors", "paths"]
+__all__ = ["copy_tree", "flattened", "tensors", "paths"]
 
 
 def copy_tree(value: Any, stage_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -134,3 +134,11 @@ def _copy_sharded_tensor(st, stage_tensor):
         shards.append(Shard(t, md))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         shards, metadata, process_group=st._process_group)
+
+
+def flattened(state_dict: dict) -> dict:
+    """``state_dict`` with every ``Stateful`` value replaced by its ``state_dict()``, as DCP saves
+    it (DCP does the same again, at no cost, on a dict without Stateful values)."""
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    return _stateful_to_state_dict(state_dict)

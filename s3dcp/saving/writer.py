@@ -35,7 +35,6 @@ from ..errors import (
     CheckpointExistsError,
     ConfigError,
     IncompleteCheckpointError,
-    MetadataFormatError,
     NoSuchKeyError,
     PreconditionFailedError,
     RequestAbortedError,
@@ -43,17 +42,17 @@ from ..errors import (
 )
 from ..format import layout
 from ..format.layout import METADATA_NAME, PENDING_NAME
-from ..format.metadata import decode_metadata, encode_metadata
+from ..format.metadata import encode_metadata
 from ..format.references import REFERENCE_CHECKSUM, check_base, encode_pending, is_reference
 from ..format.tensors import to_host_contiguous
 from ..s3.client import S3Client
 from ..s3.location import S3CheckpointPath
 from ..s3.request import abort_all
-from ..uri import parent_prefix, parse_s3_uri
+from ..uri import parse_s3_uri
 from .base import BaseIndex
 from .commit_check import check_objects
 from .local_copy import LocalCopy, kept_on_nodes
-from .referenced import references
+from .overwrite import delete_own, delete_replaced, own_names, replaced_objects
 from .staging import StagingMixin
 from .stats import SaveStats
 from .uploads import SavePlanData, Uploads, resolve, save_identity
@@ -290,11 +289,11 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 self._check_base_unchanged()
             self._check_objects(metadata.storage_data.values())
             self._check_not_abandoned()
-            replaced = self._replaced_objects() if self.overwrite else set()
+            replaced = replaced_objects(self.client, uri) if self.overwrite else set()
             body = encode_metadata(metadata)
         except BaseException as e:
             # Nothing was committed: this save's objects are garbage now, delete them.
-            self._delete_own(_own_names(metadata.storage_data.values()) | ({PENDING_NAME} if marker else set()))
+            delete_own(self.client, uri, own_names(metadata.storage_data.values()) | ({PENDING_NAME} if marker else set()))
             if kept_on_nodes(self.local_copy, metadata, getattr(self, "_upload_error", None) or e, uri):
                 return
             raise
@@ -321,7 +320,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 self._delete_pending()
         stale = replaced - {loc.object_name for loc in metadata.storage_data.values()}
         if stale:
-            self._delete_replaced(sorted(stale))
+            delete_replaced(self.client, uri, sorted(stale))
         inherited = sum(loc.length for loc in metadata.storage_data.values() if is_reference(loc.object_name))
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
         stats = self.last_stats  # the coordinator's own rank
@@ -401,44 +400,6 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         """Refuse to commit unless every object ``locations`` name is there at its size."""
         check_objects(self.client, self._uri, locations, self._base)
 
-    def _replaced_objects(self) -> set[str]:
-        """The data objects of the committed checkpoint this save replaces (overwrite=True),
-        read from its metadata before the new commit; empty when there is none or it cannot be
-        read (then nothing is deleted)."""
-        uri = self._uri
-        try:
-            raw = self.client.get(uri.bucket, uri.key(METADATA_NAME)).result()
-            old = decode_metadata(raw, source=str(uri.child(METADATA_NAME)))
-        except NoSuchKeyError:
-            return set()
-        except MetadataFormatError:
-            log.warning("overwrite of %s: the replaced metadata cannot be read; its data objects are "
-                        "left in place (`s3dcp gc` removes them once unreferenced)", uri, exc_info=True)
-            return set()
-        return _own_names((old.storage_data or {}).values())
-
-    def _delete_own(self, names: set[str]) -> None:
-        uri = self._uri
-        try:
-            self.client.delete(uri.bucket, [uri.key(n) for n in sorted(names)]).result()
-        except S3DCPError:
-            log.warning("could not delete the %d object(s) of the failed commit of %s; `s3dcp gc` will",
-                        len(names), uri, exc_info=True)
-
-    def _delete_replaced(self, names: list[str]) -> None:
-        uri = self._uri
-        try:
-            # incremental checkpoints next to this one may reference the replaced objects
-            refs = references(self.client, uri.bucket, parent_prefix(uri))
-            if refs.unreadable:
-                log.warning("overwrite of %s: kept the replaced checkpoint's objects: %s cannot be read", uri,
-                            ", ".join(refs.unreadable))
-                return
-            self.client.delete(uri.bucket, [uri.key(n) for n in names if not refs.users(uri.key(n))]).result()
-        except S3DCPError:
-            log.warning("committed %s, but could not delete %d object(s) of the checkpoint it replaced; "
-                        "`s3dcp gc` will", uri, len(names), exc_info=True)
-
 
 def default_item_checksum(wire_checksum: str | None, *, incremental: bool) -> str | None:
     """The per-item checksum a save records when not told: the one incremental saves compare
@@ -447,8 +408,3 @@ def default_item_checksum(wire_checksum: str | None, *, incremental: bool) -> st
     if wire_checksum is None and not incremental:
         return None
     return REFERENCE_CHECKSUM
-
-
-def _own_names(locations) -> set[str]:
-    """The names of this checkpoint's own objects (not references into a base)."""
-    return {loc.object_name for loc in locations if not is_reference(loc.object_name)}

@@ -17,6 +17,23 @@ import pytest
 from s3dcp.testing import SeaweedServer
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked `full` (long runs of what the quick set proves once); "
+                          "CI (.ci/run) runs with it")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``full`` are skipped unless ``--full`` is given (``scripts/test --full``, CI):
+    each is a longer run of something a quicker test in the default set proves too."""
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="in the full set only: scripts/test --full (CI runs it)")
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     """Everything the run puts in the temp directory goes into one directory of its own, removed
     at the end: this process's temp files, the server's data and sockets, and those of every

@@ -47,7 +47,10 @@ def test_the_quick_start_is_the_two_scripts_and_by_hand_the_same_steps():
     assert "benchmarks/train_loop.py" in demo and "python benchmarks/train_loop.py" in steps
     assert "s3dcp_env test" in test and "-m pytest" in test and f"pip install -e '.[test]' {compat} && pytest" in steps
     quick = _section("Quick start")
-    assert re.search(r"The whole suite takes \d+–\d+ minutes on a 2-core machine", quick), quick  # how long to wait
+    assert re.search(r"`scripts/test` takes \d+–\d+ minutes on a 2-core machine", quick), quick  # how long to wait
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        assert "exec scripts/test --full " in f.read()  # CI runs the full set ...
+    assert "`scripts/test --full` also runs the `full` set" in quick and "CI (`.ci/run`) runs that" in quick  # ... as said
     assert "leaves nothing in `.pytest-tmp/` when it passes" in quick  # tests/test_suite_cleanup.py
 
 

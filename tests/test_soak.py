@@ -1,8 +1,10 @@
 """Endurance: checkpoint cycles of a training loop leave this process as they found it.
 
-The 20-cycle version of ``benchmarks/soak.py`` (async saves through CheckpointManager with
-retention, loads into fresh state dicts, ``s3dcp verify``, synchronous saves of non-contiguous
-tensors, ``s3dcp.gc``), judged by the benchmark's own criteria: flatness, never timing.
+Short versions of ``benchmarks/soak.py`` (async saves through CheckpointManager with retention,
+loads into fresh state dicts, ``s3dcp verify``, synchronous saves of non-contiguous tensors,
+``s3dcp.gc``), judged by the benchmark's own criteria: flatness, never timing. 12 cycles of a
+32 MiB state in every run; 20 cycles of a 64 MiB state, which also catch a leak of under a MiB
+per cycle, in the full set (``scripts/test --full``, CI).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ MiB = 1024 * 1024
 # 3-8 and 15-20. A run that has grown by 512 MiB stops: the leak is plain by then.
 SETTINGS = soak.SoakSettings(cycles=20, state_bytes=64 * MiB, load_every=6, verify_every=6, sync_every=6,
                              gc_every=6, stop_at_growth_bytes=512 * MiB)
+# The fewest cycles the judging takes (two windows of 5 after the 2 warm-up cycles): the
+# operations run in cycles 1-2, 5 and 10, once in each window (cycles 3-7 and 8-12). A state
+# leaked per cycle is 20x the limit here too (5% of 32 MiB = 1.6 MiB).
+SHORT = soak.SoakSettings(cycles=12, state_bytes=32 * MiB, load_every=5, verify_every=5, sync_every=5,
+                          gc_every=5, stop_at_growth_bytes=256 * MiB)
 
 
 @pytest.fixture
@@ -37,8 +44,7 @@ def no_log_records_kept():
         logging.disable(logging.NOTSET)
 
 
-@pytest.mark.timeout(300)
-def test_twenty_checkpoint_cycles_stay_flat(s3_server, bucket, boto3_client, tmp_path):
+def _soak(settings: soak.SoakSettings, s3_server, bucket, tmp_path) -> None:
     """In a process of its own, as a training job is: this test process holds everything the
     suite has done so far, which would be measured too. With a fixed glibc mmap threshold
     (MALLOC_MMAP_THRESHOLD_=1 MiB): by default glibc raises the threshold once a large block is
@@ -59,13 +65,25 @@ def test_twenty_checkpoint_cycles_stay_flat(s3_server, bucket, boto3_client, tmp
     proc = subprocess.run(
         [sys.executable, os.path.join(os.path.dirname(os.path.abspath(soak.__file__)), "soak.py"),
          "--endpoint", config.endpoint_url, "--bucket", bucket,
-         "--cycles", str(SETTINGS.cycles), "--state-mib", str(SETTINGS.state_bytes // MiB),
-         "--load-every", "6", "--verify-every", "6", "--sync-every", "6", "--gc-every", "6",
-         "--stop-at-growth-mib", "512", "--json", str(out)],
+         "--cycles", str(settings.cycles), "--state-mib", str(settings.state_bytes // MiB),
+         "--load-every", str(settings.load_every), "--verify-every", str(settings.verify_every),
+         "--sync-every", str(settings.sync_every), "--gc-every", str(settings.gc_every),
+         "--stop-at-growth-mib", str(settings.stop_at_growth_bytes // MiB), "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=280, check=False)
     result = json.loads(out.read_text())
     assert proc.returncode == 0 and result["passed"], f"soak failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
-    assert result["summary"]["cycles"] == SETTINGS.cycles
+    assert result["summary"]["cycles"] == settings.cycles
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_cycles_stay_flat(s3_server, bucket, tmp_path):
+    _soak(SHORT, s3_server, bucket, tmp_path)
+
+
+@pytest.mark.full
+@pytest.mark.timeout(300)
+def test_twenty_checkpoint_cycles_stay_flat(s3_server, bucket, tmp_path):
+    _soak(SETTINGS, s3_server, bucket, tmp_path)
 
 
 # ---------------------------------------------------------------------- the judging, no server
@@ -119,6 +137,19 @@ def test_a_state_leaked_per_cycle_fails_and_transients_do_not():
     assert all(_verdict(_cycles(flat, sockets=warming)).values())
     socket_leak = [3 + 2 * i for i in range(20)]  # two connections never closed per cycle
     assert not _verdict(_cycles(flat, sockets=socket_leak))["sockets bounded"]
+
+
+def test_the_short_run_fails_a_leak_of_a_few_mib_per_cycle():
+    """What the 12-cycle run can tell: a flat run passes, a state (or 4 MiB) kept per cycle fails."""
+    assert soak.window(SHORT, SHORT.cycles) == 5
+
+    def verdict(rss: list[float]) -> dict[str, bool]:
+        return {c.name: c.passed for c in soak.judge(soak.summarize(_cycles(rss), SHORT))}
+
+    assert all(verdict([400.0] * 12).values())
+    assert verdict([400.0 + (8 if i >= 6 else 0) for i in range(12)])["RSS growth after cycle 2"]  # glibc's one step
+    assert not verdict([400.0 + 32 * i for i in range(12)])["RSS growth after cycle 2"]
+    assert not verdict([400.0 + 4 * i for i in range(12)])["RSS growth after cycle 2"]
 
 
 def test_a_failed_operation_fails_the_run():

@@ -2,8 +2,10 @@
 replication (DDP), replicas × shards with resharding and partial overlaps (DTensor), other
 destination dtypes, bytes items, an incremental checkpoint's references, a corrupt object and
 an S3 fault on one rank only, a
-failure on one rank after the exchange — every byte bitwise, every stored byte read from S3 once, every
-failure an error on every rank (never a hang), and the group usable afterwards."""
+failure on one rank after the exchange, a restore on two of the ranks in a group of their own —
+every byte bitwise, every stored byte read from S3 once, every failure an error on every rank
+(never a hang), and the group usable afterwards. The same on 8 ranks launched by torchrun as two
+nodes: tests/loading/test_two_nodes.py (the full set)."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def _outcome(fn) -> tuple:
 
 
 def _worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     os.environ["GROUP_RANK"] = str(rank // 2)  # two simulated nodes of two ranks
@@ -142,6 +144,17 @@ def _worker(rank: int, world: int, uri: str, cfg, proxied) -> dict:
         out["local"] = (type(own).__name__, getattr(own, "failed_ranks", None), str(own), sorted(e.failures))
     finally:
         dist.P2POp = real
+
+    # 8. Two ranks, one per node, restore "dt" as 2 column shards (each needs part of every
+    # stored row shard), in a process group of their own; the others take no part.
+    members = [0, 2]
+    pair = dist.new_group(members)  # every rank creates it; only its members use it
+    if rank in members:
+        dest = {"m": distribute_tensor(torch.zeros_like(full), DeviceMesh.from_group(pair, "cpu"), [Shard(1)])}
+        reader = S3StorageReader(f"{uri}/dt", config=cfg, cooperative=True, process_group=pair)
+        dcp.load(dest, storage_reader=reader, process_group=pair)
+        _assert_bitwise(dest["m"].full_tensor(), full, "m on two ranks of their own")
+        out["pair"] = reader.last_stats
     return out
 
 
@@ -205,6 +218,11 @@ def test_cooperative_reads_on_four_ranks_of_two_nodes(s3_server, bucket, s3_conf
         assert out.get("local") == (*mine, [0, 1, 2, 3]), out.get("local")
     owners = [out["corrupt"][0] for out in job.results]
     assert owners.count("IntegrityError") == 1 and owners.count("PeerReadError") == WORLD - 1
+    assert ["pair" in out for out in job.results] == [True, False, True, False]
+    for out in (job.results[0], job.results[2]):
+        pair = out["pair"]
+        assert pair.mode == "cooperative" and pair.ranks == 2, pair
+        assert pair.job_s3_bytes == pair.unique_bytes and pair.job_peer_bytes > 0, pair  # once, then shared
 
 
 def test_one_process_reads_plainly_and_reports_its_figures(uri, s3_config):

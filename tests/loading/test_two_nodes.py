@@ -1,6 +1,10 @@
 """Two nodes on one machine (tests/multinode.py): a state saved on 8 ranks is restored
 cooperatively on 8 (2 replicas × 4 shards, and every rank everything) and on 4 of them
-(resharded, in a process group of their own), bitwise, with every stored byte read from S3 once per job."""
+(resharded, in a process group of their own), bitwise, with every stored byte read from S3 once per job.
+
+In the full set (``scripts/test --full``, CI): 8 ranks on 2 cores take half a minute. The quick
+set proves the same on 4 ranks of two simulated nodes, a process group of two of them included
+(tests/loading/test_cooperative.py), and torchrun's two-node launch in tests/lifecycle/test_tiers.py."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import pytest
 
 from multinode import run_two_nodes
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.full]
 
 JOB = Path(__file__).with_name("two_node_job.py")
 

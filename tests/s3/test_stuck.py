@@ -27,20 +27,20 @@ def _client(s3_server, proxy, transport, **overrides) -> S3Client:
     return S3Client(replace(config, endpoint_url=proxy.endpoint_url))
 
 
-def _each_transport(work):
-    """Run ``work(transport)`` for every transport at once (each stall costs its own ~30 s);
-    return {transport: (seconds, error or None)}."""
+def _at_once(**works):
+    """Run every ``works[name](transport)`` for every transport at once (each stall costs its own
+    ~30 s; together they cost it once); return {(name, transport): (seconds, error or None)}."""
     out: dict = {}
 
-    def run(t):
+    def run(name, t):
         start = time.monotonic()
         try:
-            work(t)
-            out[t] = (time.monotonic() - start, None)
+            works[name](t)
+            out[name, t] = (time.monotonic() - start, None)
         except BaseException as e:  # noqa: BLE001 - reported by the test
-            out[t] = (time.monotonic() - start, e)
+            out[name, t] = (time.monotonic() - start, e)
 
-    threads = [threading.Thread(target=run, args=(t,)) for t in TRANSPORTS]
+    threads = [threading.Thread(target=run, args=(name, t)) for name in works for t in TRANSPORTS]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -48,13 +48,20 @@ def _each_transport(work):
     return out
 
 
-def test_a_read_whose_body_stalls_midway_is_retried_in_bounded_time(s3_server, proxy, bucket, boto3_client):
+def test_a_stalled_read_and_an_unanswered_upload_part_are_retried_in_bounded_time(s3_server, proxy, bucket,
+                                                                                  boto3_client):
+    """On each transport, at the same time: a read whose second part's body stops after 1 MiB,
+    and an upload whose second part is swallowed (no answer at all); each is retried once its
+    transport's stall detection fires and ends with the exact bytes."""
     data = os.urandom(3 * PART + 11)
+    uploaded = os.urandom(3 * PART + 7)
     for t in TRANSPORTS:
         boto3_client.put_object(Bucket=bucket, Key=f"stalls-{t}", Body=data)
         # the second part's answer stops after 1 MiB of its body, once, for each transport's key
         proxy.add_rule(Rule("stall_response", method="GET", path_regex=f"/stalls-{t}$",
                             header=f"^range: bytes={PART}-", after_bytes=MiB, times=1))
+        # the second part of each transport's upload is swallowed, once
+        proxy.add_rule(Rule("stall", method="PUT", path_regex=f"/unanswered-{t}\\?partNumber=2&", times=1))
 
     def read(t):
         client = _client(s3_server, proxy, t)
@@ -65,29 +72,20 @@ def test_a_read_whose_body_stalls_midway_is_retried_in_bounded_time(s3_server, p
         finally:
             client.close()
 
-    results = _each_transport(read)
-    for t, (seconds, error) in results.items():
-        assert error is None and seconds < STALL_BOUND_S, (t, seconds, error)
-    assert all(rule.fired == 1 for rule in proxy.rules), "every transport met its stall"
-
-
-def test_an_upload_part_never_answered_is_retried_in_bounded_time(s3_server, proxy, bucket, boto3_client):
-    data = os.urandom(3 * PART + 7)
-    for t in TRANSPORTS:  # the second part of each transport's upload is swallowed, once
-        proxy.add_rule(Rule("stall", method="PUT", path_regex=f"/unanswered-{t}\\?partNumber=2&", times=1))
-
     def upload(t):
         client = _client(s3_server, proxy, t)
         try:
-            client.put(bucket, f"unanswered-{t}", data).result(timeout=STALL_BOUND_S + 30)
+            client.put(bucket, f"unanswered-{t}", uploaded).result(timeout=STALL_BOUND_S + 30)
         finally:
             client.close()
 
-    results = _each_transport(upload)
-    for t, (seconds, error) in results.items():
-        assert error is None and seconds < STALL_BOUND_S, (t, seconds, error)
-        assert boto3_client.get_object(Bucket=bucket, Key=f"unanswered-{t}")["Body"].read() == data
-    assert all(rule.fired == 1 for rule in proxy.rules)
+    results = _at_once(read=read, upload=upload)
+    assert len(results) == 2 * len(TRANSPORTS)
+    for (what, t), (seconds, error) in results.items():
+        assert error is None and seconds < STALL_BOUND_S, (what, t, seconds, error)
+    for t in TRANSPORTS:
+        assert boto3_client.get_object(Bucket=bucket, Key=f"unanswered-{t}")["Body"].read() == uploaded
+    assert [rule.fired for rule in proxy.rules] == [1] * 2 * len(TRANSPORTS), "every read and upload met its stall"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -9,6 +9,7 @@ marked, so that int keys, empty containers and tuples come back as they were.
 
 from __future__ import annotations
 
+import collections
 import io
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = ["REST", "destinations", "join", "pickled", "split"]
 
 REST = "__lightning_rest__"  # the item holding everything that is not a tensor
 _SLOT = "__s3dcp_tensor__"  # marks where a tensor was, in the pickled rest
+_MAPPINGS = (dict, collections.OrderedDict)  # walked into, and made again of the same type
 
 
 def split(checkpoint: Any) -> tuple[dict[str, torch.Tensor], Any]:
@@ -34,8 +36,8 @@ def split(checkpoint: Any) -> tuple[dict[str, torch.Tensor], Any]:
                 name = f"{name}#{len(tensors)}"
             tensors[name] = obj.detach()
             return (_SLOT, name)
-        if type(obj) is dict:
-            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
+        if type(obj) in _MAPPINGS:  # a module's state_dict is an OrderedDict
+            return type(obj)((k, walk(v, f"{path}/{k}" if path else str(k))) for k, v in obj.items())
         if type(obj) in (list, tuple):
             return type(obj)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj))
         return obj  # anything else (tensors inside included) is pickled with the rest
@@ -47,8 +49,8 @@ def join(rest: Any, tensors: dict[str, torch.Tensor]) -> Any:
     def walk(obj: Any) -> Any:
         if type(obj) is tuple and len(obj) == 2 and obj[0] == _SLOT:
             return tensors[obj[1]]
-        if type(obj) is dict:
-            return {k: walk(v) for k, v in obj.items()}
+        if type(obj) in _MAPPINGS:
+            return type(obj)((k, walk(v)) for k, v in obj.items())
         if type(obj) in (list, tuple):
             return type(obj)(walk(v) for v in obj)
         return obj

@@ -9,6 +9,7 @@ checkpoints only; and the example runs ``Trainer.fit`` with DDP on 2 CPU process
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import socket
 import subprocess
@@ -530,3 +531,22 @@ def test_a_failed_save_leaves_no_local_copy(s3_config, tmp_path, async_save):
         io.save_checkpoint(lightning_checkpoint(3), "s3://no-such-bucket-here/run/epoch=0-step=1.ckpt")
         io.wait()
     assert not (tmp_path / "local" / "epoch=0-step=1.ckpt").exists()
+
+
+def test_a_modules_ordered_state_dict_is_stored_as_raw_items_and_comes_back_ordered():
+    """A LightningModule's state_dict is an OrderedDict: its tensors are items of their own, read
+    straight into place on load (before, only plain dicts were walked, and the whole model was
+    pickled into the rest item on the training thread)."""
+    from collections import OrderedDict
+
+    from s3dcp.interop.lightning_dict import REST, join, pickled, split
+
+    model = torch.nn.Linear(4, 3)
+    checkpoint = {"state_dict": model.state_dict(), "epoch": 2, "optimizer_states": [{"state": {}}]}
+    tensors, rest = split(checkpoint)
+    assert sorted(tensors) == ["state_dict/bias", "state_dict/weight"]
+    assert torch.load(io.BytesIO(pickled(rest).numpy().tobytes()), weights_only=False)["epoch"] == 2
+    back = join(rest, tensors)
+    assert type(back["state_dict"]) is OrderedDict and list(back["state_dict"]) == ["weight", "bias"]
+    assert all(torch.equal(back["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert REST not in tensors

@@ -4,13 +4,8 @@ with different checksums, a rank SIGKILLed mid-exchange, and a window below the 
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import pickle
-import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +21,8 @@ from s3dcp.format import integrity
 from s3dcp.format.layout import ItemLocation
 
 from handmade import OBJECT, put_metadata, tensor_meta
-from test_multiprocess import Job, _assert_bitwise, _context, _free_port, run_jobs
+from killed_rank import KilledJob, joined, killed, report, stay
+from test_multiprocess import Job, _assert_bitwise, run_jobs
 
 pytestmark = pytest.mark.multiproc
 
@@ -164,22 +160,17 @@ def test_cooperative_failures_reach_every_rank_and_windows_say_their_real_bound(
 # ---------------------------------------------------------------------------------------------
 # Row 3: a rank SIGKILLed mid-exchange. The others must fail within a bounded time (liveness.py:
 # ~POLL_S, then BROKEN_TIMEOUT_S for DCP's collective after read_data), not the group's timeout
-# (300 s here, 30 minutes by default). Survivors stay alive after failing: a process that exits
-# closes its connections, which would end its peers' waits for them and hide a hang.
+# (300 s here, 30 minutes by default). Survivors stay alive after failing (killed_rank.py says why).
 
 GROUP_TIMEOUT_S = 300
 BOUND_S = 40  # documented: ~11 s; generous for a loaded 2-core machine
 
 
-def _killed_worker(rank: int, world: int, port: int, uri: str, cfg, outdir: str) -> None:
+def _killed_worker(rank: int, world: int, port: int, outdir: str, uri: str, cfg) -> None:
     import s3dcp.loading.messages as messages
 
     torch.set_num_threads(1)
-    log = open(Path(outdir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    joined(rank, world, port, outdir, GROUP_TIMEOUT_S)
     state = {f"t{i}": torch.zeros(MiB // 4) for i in range(8)}  # 8 items of 1 MiB, one per round
     if rank == world - 1:
         real, calls = messages.swap, [0]
@@ -187,8 +178,7 @@ def _killed_worker(rank: int, world: int, port: int, uri: str, cfg, outdir: str)
         def swap_then_die(*args, **kwargs):
             calls[0] += 1
             if calls[0] == 3:  # mid-exchange: two rounds done, the others posting their third
-                _write_atomically(Path(outdir, "killed"), str(time.time()).encode())
-                os.kill(os.getpid(), signal.SIGKILL)
+                killed(outdir)
             return real(*args, **kwargs)
 
         messages.swap = swap_then_die
@@ -198,50 +188,19 @@ def _killed_worker(rank: int, world: int, port: int, uri: str, cfg, outdir: str)
         outcome = ("loaded", "")
     except BaseException as e:  # noqa: BLE001 - recorded for the test
         outcome = (type(e).__name__, str(e)[:300])
-    _write_atomically(Path(outdir, f"rank{rank}.pkl"), pickle.dumps((outcome, time.time())))
-    time.sleep(GROUP_TIMEOUT_S)  # stay alive: see above
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """The test polls for these files: it must never read one half written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    report(outdir, rank, outcome)
+    stay()
 
 
 def test_a_rank_killed_mid_exchange_fails_the_others_within_a_bounded_time(s3_server, bucket, s3_config, tmp_path):
     uri = f"s3://{bucket}/killed"
     dcp.save({f"t{i}": torch.full((MiB // 4,), float(i)) for i in range(8)},
              storage_writer=S3StorageWriter(uri, config=s3_config), no_dist=True)
-    ctx, port = _context(), _free_port()
-    procs = [ctx.Process(target=_killed_worker, args=(r, WORLD, port, uri, s3_config, str(tmp_path)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "killed").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (tmp_path / "killed").exists(), "the rank to kill never reached the exchange"
-        killed_at = float((tmp_path / "killed").read_text())
-        results = {}
-        while time.monotonic() < deadline and len(results) < WORLD - 1:
-            for r in range(WORLD - 1):
-                path = tmp_path / f"rank{r}.pkl"
-                if r not in results and path.exists():
-                    results[r] = pickle.loads(path.read_bytes())
-            if time.time() > killed_at + BOUND_S + 5:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    logs = {r: (tmp_path / f"rank{r}.log").read_text(errors="replace")[-1500:] for r in range(WORLD)}
+    with KilledJob(_killed_worker, WORLD, tmp_path, (uri, s3_config)) as job:
+        results, logs = job.survivors(list(range(WORLD - 1)), BOUND_S, start_s=120)
     assert sorted(results) == list(range(WORLD - 1)), f"survivors still waiting {BOUND_S} s after the kill: " \
                                                       f"{sorted(set(range(WORLD - 1)) - set(results))}\n{logs}"
-    for r, ((kind, message), at) in results.items():
+    for r, ((kind, message), after) in results.items():
         assert kind != "loaded", (r, message)
-        assert at - killed_at < BOUND_S, f"rank {r} failed {at - killed_at:.1f} s after the kill ({kind}: {message})"
-        print(f"rank {r}: {kind} {at - killed_at:.1f} s after the kill: {message[:120]!r}")
+        assert after < BOUND_S, f"rank {r} failed {after:.1f} s after the kill ({kind}: {message})"
+        print(f"rank {r}: {kind} {after:.1f} s after the kill: {message[:120]!r}")

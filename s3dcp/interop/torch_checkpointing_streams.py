@@ -39,21 +39,13 @@ __all__ = ["ReadStream", "MemoryStream", "WriteStream", "tensor_owners"]
 _KEEP_FROM_BYTES = 64 << 10  # writes smaller than this are copied: finding their owner costs more
 
 
-class ReadStream(io.RawIOBase):
-    """Bytes of one object of ``size_bytes``, read on demand (see the module docstring).
-    ``timeout_s`` bounds each read: past it, the read's requests are aborted (and waited for:
-    nothing writes into the buffer after the call) and ``TimeoutError`` is raised."""
+class _Reader(io.RawIOBase):
+    """A read-only stream of ``size`` bytes at position ``_pos``, seekable anywhere from 0 on
+    (what the two streams below share; ``_name`` goes into its errors)."""
 
-    def __init__(self, client: S3Client, bucket: str, key: str, size_bytes: int, *, timeout_s: float | None,
-                 block_bytes: int) -> None:
-        super().__init__()
-        self._client, self._bucket, self._key = client, bucket, key
-        self.size = size_bytes
-        self._timeout_s = timeout_s
-        self._block_bytes = block_bytes
-        self._pos = 0
-        self._block = bytearray()
-        self._block_at = 0
+    size = 0
+    _pos = 0
+    _name = "the stream"
 
     def readable(self) -> bool:
         return True
@@ -68,9 +60,26 @@ class ReadStream(io.RawIOBase):
         self._checkClosed()
         target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.size + offset}[whence]
         if target < 0:
-            raise OSError(errno.EINVAL, f"negative seek position {target} in s3://{self._bucket}/{self._key}")
+            raise OSError(errno.EINVAL, f"negative seek position {target} in {self._name}")
         self._pos = target
         return target
+
+
+class ReadStream(_Reader):
+    """Bytes of one object of ``size_bytes``, read on demand (see the module docstring).
+    ``timeout_s`` bounds each read: past it, the read's requests are aborted (and waited for:
+    nothing writes into the buffer after the call) and ``TimeoutError`` is raised."""
+
+    def __init__(self, client: S3Client, bucket: str, key: str, size_bytes: int, *, timeout_s: float | None,
+                 block_bytes: int) -> None:
+        super().__init__()
+        self._client, self._bucket, self._key = client, bucket, key
+        self.size = size_bytes
+        self._name = f"s3://{bucket}/{key}"
+        self._timeout_s = timeout_s
+        self._block_bytes = block_bytes
+        self._block = bytearray()
+        self._block_at = 0
 
     def readinto(self, buffer: Any) -> int:
         self._checkClosed()
@@ -120,44 +129,29 @@ class ReadStream(io.RawIOBase):
                                f"({self._timeout_s} s); the read was stopped") from e
 
 
-class MemoryStream(io.RawIOBase):
+class MemoryStream(_Reader):
     """A whole object already read into ``data`` (``ReadArgs.pre_read_full_file``), as a
     stream; reads copy out of it, it is never copied whole."""
 
     def __init__(self, data: bytearray) -> None:
         super().__init__()
         self._data = data
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: len(self._data) + offset}[whence]
-        if target < 0:
-            raise OSError(errno.EINVAL, f"negative seek position {target}")
-        self._pos = target
-        return target
+        self.size = len(data)
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(out.nbytes, len(self._data) - self._pos))
+        n = max(0, min(out.nbytes, self.size - self._pos))
         out[:n] = memoryview(self._data)[self._pos:self._pos + n]
         self._pos += n
         return n
 
     def readall(self) -> bytes:
-        start, self._pos = self._pos, max(self._pos, len(self._data))
+        start, self._pos = self._pos, max(self._pos, self.size)
         return bytes(memoryview(self._data)[start:])
 
     def close(self) -> None:
         self._data = bytearray()
+        self.size = 0
         super().close()
 
 

@@ -181,10 +181,16 @@ def test_reads_land_in_the_callers_buffer_and_check_the_objects_size(storage):
         into = bytearray(2 * PART)  # one ranged GET of two parts, straight into `into`
         assert f.readinto(into) == 2 * PART and into == data[PART - 5:3 * PART - 5]
         assert f.read(10) == data[3 * PART - 5:3 * PART + 5]  # small: through one block
-        f.seek(len(data) - 3)
+        f.seek(-3, io.SEEK_END)
         assert f.read() == data[-3:] and f.read(5) == b""
+        with pytest.raises(OSError, match=r"negative seek position -1 in s3://.*/big"):
+            f.seek(-1 - len(data), io.SEEK_END)
     with storage.stream_read(Path("big")) as whole:  # pre_read_full_file (the default)
+        assert whole.seek(PART, io.SEEK_CUR) == PART and whole.read(3) == data[PART:PART + 3]
+        whole.seek(0)
         assert whole.read() == data
+        with pytest.raises(OSError, match="negative seek position -1"):
+            whole.seek(-1)
     assert storage.read(Path("big"), ReadArgs(pre_read_full_file=False)) == data
     told = bytearray(b"\x01" * PART)
     with storage.stream_read(Path("big"), ReadArgs(pre_read_full_file=False, known_size_bytes=len(data) - 1)) as f:

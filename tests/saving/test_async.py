@@ -476,17 +476,21 @@ def _stage_in_child(queue, config, state):
 def test_a_forked_child_stages_after_its_parent_did(config):
     """Staging in a child forked after its parent staged (and used torch's threads for it)
     copies the child's own state."""
-    import multiprocessing
-
     state = {"w": torch.randn(4 * MiB)}
     writer = S3StorageWriter("s3://bucket/parent", config=config, pool=HostBufferPool())
     writer.stage(state)
     writer.synchronize_staging()
     writer._lease.release()
+    assert_forked_child_says_true(_stage_in_child, config, {"w": torch.arange(4 * MiB, dtype=torch.float32)})
+
+
+def assert_forked_child_says_true(target, *args) -> None:
+    """Fork a child running ``target(queue, *args)``; it must put True and exit 0 (within 30 s)."""
+    import multiprocessing
+
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child_state = {"w": torch.arange(4 * MiB, dtype=torch.float32)}
-    child = ctx.Process(target=_stage_in_child, args=(queue, config, child_state))
+    child = ctx.Process(target=target, args=(queue, *args))
     child.start()
     try:
         assert queue.get(timeout=30) is True

@@ -19,6 +19,8 @@ from s3dcp import CheckpointManager, HostBufferPool, S3StorageReader, S3StorageW
 from s3dcp.config import MiB
 from s3dcp.saving import background
 
+from test_async import assert_forked_child_says_true
+
 
 @pytest.fixture
 def config(s3_server):
@@ -396,20 +398,7 @@ def _stage_in_background_in_child(queue, config, state):
 def test_a_forked_child_stages_in_the_background_after_its_parent_did(config):
     """The staging thread is the process's: a child forked after its parent staged in the
     background starts one of its own (the parent's is not alive there), and copies its own state."""
-    import multiprocessing
-
     writer = S3StorageWriter("s3://bucket/parent", config=config, pool=HostBufferPool())
     writer.stage({"w": torch.randn(MiB)}).result(timeout=30)
     writer._lease.release()
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_stage_in_background_in_child,
-                        args=(queue, config, {"w": torch.arange(MiB, dtype=torch.float32)}))
-    child.start()
-    try:
-        assert queue.get(timeout=30) is True
-    finally:
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
-    assert child.exitcode == 0
+    assert_forked_child_says_true(_stage_in_background_in_child, config, {"w": torch.arange(MiB, dtype=torch.float32)})

@@ -412,10 +412,14 @@ class CheckpointManager:
 
         reader = ours(S3StorageReader(self.uri(step), config=self.config, client=self.client))
         state_dict = state_dict(step) if callable(state_dict) else state_dict
+        started = time.perf_counter()
         try:
             dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise self._unwrapped(e)
+        if self._is_coordinator():  # the restore's one INFO line (with local_dir: lifecycle/restore.py's)
+            log.info("restored step %d from %s: %d bytes from S3 on this rank in %.2f s", step, self.uri(step),
+                     reader.last_read_bytes or 0, time.perf_counter() - started)
         return step
 
     def _is_coordinator(self) -> bool:

@@ -208,8 +208,8 @@ class LocalTier:
         elif "s3" in outcome.stored_in:
             log.info("checkpoint step %d committed to %s and kept on the nodes (%s)", step, uri, self.dir)
         else:
-            log.info("checkpoint step %d kept on the nodes only (%s), not in S3 (every %d-th checkpoint goes "
-                     "there)", step, self.dir, self.s3_every)
+            log.info("checkpoint step %d kept on the nodes only (%s), not in S3 (s3_every=%d: one checkpoint in %d "
+                     "goes there)", step, self.dir, self.s3_every, self.s3_every)
 
     def wait(self) -> None:
         """Every replication so far done (raising its error, once)."""

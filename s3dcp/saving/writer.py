@@ -324,10 +324,13 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         inherited = sum(loc.length for loc in metadata.storage_data.values() if is_reference(loc.object_name))
         total = sum(wr.size_in_bytes for rank_results in results for wr in rank_results)
         stats = self.last_stats  # the coordinator's own rank
-        log.info("committed %s: %d bytes from %d rank(s)%s; this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
-                 uri, total, len(results),
-                 f" ({inherited} referenced in {self.incremental_from})" if self.incremental_from else "",
-                 stats.stage_s, stats.upload_s, stats.upload_gbps)
+        # With a local copy, the manager's local tier says in one INFO line where the step is
+        # (lifecycle/tiers.LocalTier.tell): this one, the S3 side's figures, goes to DEBUG.
+        log.log(logging.INFO if self.local_copy is None else logging.DEBUG,
+                "committed %s: %d bytes from %d rank(s)%s; this rank: stall %.3f s, upload %.2f s, %.3f GB/s",
+                uri, total, len(results),
+                f" ({inherited} referenced in {self.incremental_from})" if self.incremental_from else "",
+                stats.stage_s, stats.upload_s, stats.upload_gbps)
 
     def abandon(self) -> None:
         """Stop this save from another thread (Ctrl-C in ``s3dcp.async_save``'s ``result()``): the

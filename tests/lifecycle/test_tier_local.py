@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -251,6 +252,35 @@ def test_settings_say_what_is_possible(s3_config, bucket, tmp_path, caplog):
                                         r"of step\(s\) 1"):
         m.load(_state(0), step=999)
     m.close()
+
+
+def test_each_save_and_each_restore_says_in_one_info_line_where_it_went(s3_config, bucket, tmp_path, caplog):
+    """Issue 39, row 6 (before: nothing on a restore or a local-only save, and a step kept on the
+    nodes only was not told apart from one in S3); a manager without the local tier too."""
+    m = _manager(s3_config, bucket, tmp_path / "local")
+    plain = CheckpointManager(f"s3://{bucket}/plain", config=s3_config, async_mode=False)
+    said = {}
+    for name, call in [("1", lambda: m.save(1, _state(1))), ("2", lambda: m.save(2, _state(2))),
+                       ("restore", lambda: m.load(_state(0))), ("plain 1", lambda: plain.save(1, _state(1))),
+                       ("plain restore", lambda: plain.load(_state(0)))]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="s3dcp"):
+            call()
+        said[name] = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    m.close()
+    local = str(tmp_path / "local")
+    assert said["1"] == [f"checkpoint step 1 committed to s3://{bucket}/run/step-00000001 and kept on the nodes "
+                         f"({local})"], said
+    assert said["2"] == [f"checkpoint step 2 kept on the nodes only ({local}), not in S3 (s3_every=2: one checkpoint "
+                         f"in 2 goes there)"], said
+    assert len(said["restore"]) == 1 and re.fullmatch(
+        r"restored step 2 \(save \w+\) from local: \d+ bytes from the node's copies, 0 from peers, 0 from S3 on "
+        r"this rank \(job: .*\) in [\d.]+ s", said["restore"][0]), said
+    assert len(said["plain 1"]) == 1 and said["plain 1"][0].startswith(f"committed s3://{bucket}/plain/step-00000001: "
+                                                                         "1048976 bytes from 1 rank(s)"), said
+    assert len(said["plain restore"]) == 1 and re.fullmatch(
+        rf"restored step 1 from s3://{bucket}/plain/step-00000001: 1048976 bytes from S3 on this rank in [\d.]+ s",
+        said["plain restore"][0]), said
 
 
 @pytest.mark.parametrize("fails", ["the data upload", "the commit"])

@@ -38,7 +38,9 @@ def train_loop_record(result: dict, *, condition: str, source: str) -> dict:
     return {"when": env["time"], "condition": condition, "source": source, "cpus": env["cpu_count"],
             "load_avg_1min": round(env["load_avg_1_5_15min"][0], 1), "job_s": round(result["total_wall_s"]),
             "state_mib": round(rows["s3-async"]["checkpoint_mib"]),
+            "staging": result.get("staging", {}).get("s3-async", "blocking"),  # runs before the key: blocking
             "stall_s": {mode: round(row["stall_s"], 3) for mode, row in rows.items()},
+            "stalled_pct": {mode: round(row["stalled_pct"], 1) for mode, row in rows.items()},
             "x_less_stall": round(rows["s3-async"]["vs_monolithic"], 1)}
 
 
@@ -83,7 +85,7 @@ def _runs(group: list[dict]) -> str:
     return f"{len(group)} run{'s' if len(group) > 1 else ''}{load}"
 
 
-def render_train_loop(records: list[dict]) -> str:
+def _train_loop_spread(records: list[dict]) -> str:
     parts = []
     for condition, group in _by_condition(records).items():
         ratios = [r["x_less_stall"] for r in group]
@@ -92,9 +94,24 @@ def render_train_loop(records: list[dict]) -> str:
         median = f", median {_x(statistics.median(ratios))}x" if len(group) > 1 else ""
         parts.append(f"{_span([float(_x(x)) for x in ratios], 'g')}x on {condition} ({_runs(group)}{median}; "
                      f"{_span(asyncs, '.3f')} s against {_span(monos, '.2f')} s per checkpoint)")
-    return ("- `train_loop.py` (the main job, below): `dcp.async_save` stalls training less than "
-            "`torch.save` + boto3 by " + "; by ".join(parts) + ". The ratio moves with the machine's load, as "
-            "the async stall does.\n")
+    return "; by ".join(parts)
+
+
+def render_train_loop(records: list[dict]) -> str:
+    """The runs with the mode's staging of today (``staging``: background) first; the earlier
+    ones, whose ``async_save`` returned after the copy, after them."""
+    now = [r for r in records if r.get("staging", "blocking") == "background"]
+    before = [r for r in records if r not in now]
+    text = ("- `train_loop.py` (the main job, below): `dcp.async_save`, staging in the background, stalls "
+            "training less than `torch.save` + boto3 by " + _train_loop_spread(now or before) + ".")
+    stalled = [r for r in now if "stalled_pct" in r]
+    if stalled:
+        text += (f" Counting the waits for the previous upload (a checkpoint every few steps here), the loop stood "
+                 f"still {_span([r['stalled_pct']['s3-async'] for r in stalled], '.0f')}% of its time against "
+                 f"{_span([r['stalled_pct']['monolithic'] for r in stalled], '.0f')}% for `torch.save` + boto3.")
+    if now and before:
+        text += " Staging inside `async_save` (before background staging): by " + _train_loop_spread(before) + "."
+    return text + " The ratios move with the machine's load, as the async stall does.\n"
 
 
 def render_stall(records: list[dict]) -> str:

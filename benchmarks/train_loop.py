@@ -519,6 +519,7 @@ def main(argv=None) -> int:
         write_json(path, {
             "benchmark": "train_loop", "environment": environment_info(), "target": target.describe(),
             "settings": {k: v for k, v in vars(args).items() if k not in ("endpoint",)},
+            "staging": {"s3-async": "background"},  # S3Config.staging of the mode (figures.py tells runs apart by it)
             "layers_per_rank": layers, "rows": rows, "total_wall_s": time.perf_counter() - started,
             "per_rank": [[{"mode": r.mode, "steps": r.steps, "stalls": r.stalls, "uploads": r.uploads,
                            "wall_s": r.wall_s, "checkpoint_bytes": r.checkpoint_bytes} for r in ranks]

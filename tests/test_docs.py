@@ -334,16 +334,28 @@ def test_a_results_file_becomes_a_record_of_its_figures():
     import figures
 
     env = {"time": "2026-12-05T18:17:45", "cpu_count": 2, "load_avg_1_5_15min": [4.36, 2.5, 1.3]}
-    rows = [{"mode": m, "stall_s": s, "checkpoint_mib": 132.0, "vs_monolithic": 4.029 / s}
-            for m, s in (("monolithic", 4.029), ("fs-sync", 0.79), ("s3-sync", 2.632), ("s3-async", 0.246))]
+    rows = [{"mode": m, "stall_s": s, "checkpoint_mib": 132.0, "vs_monolithic": 4.029 / s, "stalled_pct": pct}
+            for m, s, pct in (("monolithic", 4.029, 70.04), ("fs-sync", 0.79, 31), ("s3-sync", 2.632, 64),
+                              ("s3-async", 0.246, 40))]
     record = figures.train_loop_record({"rows": rows, "environment": env, "total_wall_s": 171.5},
                                        condition="a test", source="x.json")
     assert record == {"when": "2026-12-05T18:17:45", "condition": "a test", "source": "x.json", "cpus": 2,
-                      "load_avg_1min": 4.4, "job_s": 172, "state_mib": 132,
+                      "load_avg_1min": 4.4, "job_s": 172, "state_mib": 132, "staging": "blocking",
                       "stall_s": {"monolithic": 4.029, "fs-sync": 0.79, "s3-sync": 2.632, "s3-async": 0.246},
+                      "stalled_pct": {"monolithic": 70.0, "fs-sync": 31, "s3-sync": 64, "s3-async": 40},
                       "x_less_stall": 16.4}
-    text = figures.render_train_loop([record, dict(record, x_less_stall=6.9, load_avg_1min=7.2)])
-    assert "by 6.9–16x on a test (2 runs, load average 4–7, median 12x;" in " ".join(text.split())
+    text = " ".join(figures.render_train_loop([record, dict(record, x_less_stall=6.9, load_avg_1min=7.2)]).split())
+    assert "by 6.9–16x on a test (2 runs, load average 4–7, median 12x;" in text
+    # a run of today's background staging goes first; the earlier runs are said to be of staging inside async_save
+    later = figures.train_loop_record({"rows": rows, "environment": dict(env, time="2026-12-06T09:37:35"),
+                                       "total_wall_s": 30, "staging": {"s3-async": "background"}},
+                                      condition="a test", source="y.json")
+    assert later["staging"] == "background"
+    text = " ".join(figures.render_train_loop([record, dict(later, x_less_stall=560)]).split())
+    assert ("by 560x on a test (1 run, load average 4; 0.246 s against 4.03 s per checkpoint). Counting the waits "
+            "for the previous upload") in text, text
+    assert "stood still 40% of its time against 70% for" in text, text
+    assert "Staging inside `async_save` (before background staging): by 16x on a test" in text, text
 
 
 # ------------------------------------------------------------------ docs/restart.md

@@ -39,6 +39,7 @@ from typing import Sequence
 from ..config import S3Config
 from ..errors import ConfigError, NoSuchBucketError, S3ConnectionError, S3DCPError, root_error
 from .common import UsageError
+from .output import shown
 from .parser import CommandLineError, build_parser
 
 __all__ = ["main"]
@@ -115,8 +116,8 @@ def _report_error(e: BaseException, *, json_errors: bool, debug: bool, args=None
                 fields[name] = getattr(err, name)
         json.dump({"error": fields}, sys.stderr)
         sys.stderr.write("\n")
-    else:
-        print(f"s3dcp: error: {text}", file=sys.stderr)
+    else:  # escaped: an error's text may hold names read from storage (a key, a server's message)
+        print(f"s3dcp: error: {shown(text)}", file=sys.stderr)
     return code
 
 

@@ -183,7 +183,7 @@ def _unfinished_uploads(future, base) -> list:
     try:
         return future.result()
     except S3Error as e:
-        print(f"s3dcp: note: unfinished multipart uploads under {base} not listed: {e}", file=sys.stderr)
+        print(shown(f"s3dcp: note: unfinished multipart uploads under {base} not listed: {e}"), file=sys.stderr)
         return []
 
 

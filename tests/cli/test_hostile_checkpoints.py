@@ -30,9 +30,9 @@ def _printable(text: str) -> bool:
     return all(line.isprintable() for line in text.splitlines())
 
 
-def test_names_from_storage_reach_the_terminal_escaped(capsys, bucket, s3_config, boto3_client):
+def test_names_from_storage_reach_the_terminal_escaped(capsys, bucket, s3_config, boto3_client, tmp_path):
     """Before: ls printed the run's name raw (its line break made a line of its own), inspect
-    and verify the FQNs (ESC [2J clears the screen), gc the keys."""
+    and verify the FQNs (ESC [2J clears the screen), gc the keys, and an error the key it failed on."""
     uri = f"s3://{bucket}/{RUN}/step-1"
     s3dcp.save({FQN: torch.arange(1000, dtype=torch.float32), NOTE: io.BytesIO(b"x" * 100)}, uri, config=s3_config)
     data_key = next(o["Key"] for o in boto3_client.list_objects_v2(Bucket=bucket)["Contents"]
@@ -66,6 +66,10 @@ def test_names_from_storage_reach_the_terminal_escaped(capsys, bucket, s3_config
 
     code, out, _ = run_cli(capsys, "ls", "--json", f"s3://{bucket}/")  # JSON escapes them itself
     assert code == 0 and out.isascii() and json.loads(out)[0]["name"] == f"{RUN}/step-1"
+
+    boto3_client.delete_object(Bucket=bucket, Key=data_key)  # an error's text names the stored key
+    code, out, err = run_cli(capsys, "download", uri, "--to-torch-save", str(tmp_path / "w.pt"))
+    assert code == 1 and _printable(err) and "run\\x9b2J\\u202eevil OK: fake/step-1/__" in err, err
 
 
 # A download in a process of its own under this cap on its address space: what a regression

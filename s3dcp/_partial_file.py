@@ -28,7 +28,7 @@ def umask() -> int:
     """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
     with suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
         return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    return 0o022  # no /proc (macOS): the usual default
+    return 0o077  # no /proc (macOS): unknown, so the strictest (a file too private beats one too open)
 
 
 class PartialFile:

@@ -115,8 +115,9 @@ def survey(local_dir: str | os.PathLike) -> Survey:
 
 
 def read_private(path: Path, limit: int) -> bytes:
-    """At most ``limit`` bytes of the regular file ``path``, never through a link (ELOOP)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    """At most ``limit`` bytes of the regular file ``path``, never through a link (ELOOP).
+    O_NONBLOCK: a FIFO put there opens at once (and is refused) instead of waiting for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))

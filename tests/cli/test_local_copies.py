@@ -235,10 +235,14 @@ def test_local_dir_is_read_as_untrusted_input(capsys, tier_run, tmp_path):
     linked.mkdir(parents=True)
     os.symlink(_copy(local_dir, 8) / ".local-commit", linked / ".local-commit")
     (local_dir / "step-00000018" / "rank-0").mkdir(parents=True)  # no marker: a save that died
+    fifo = local_dir / "step-00000020" / "rank-0"
+    fifo.mkdir(parents=True)
+    os.mkfifo(fifo / ".local-commit")  # before: ls waited for a writer for ever
     report = _ls(capsys, run, local_dir)
     assert [r["step"] for r in report["local_copies"]] == [2, 4, 6, 8]
     unusable = {Path(u["path"]).parent.name: u["why"] for u in report["unusable"]}
-    assert unusable.keys() == {"step-00000014", "step-00000016", "step-00000018"}, unusable
+    assert unusable.keys() == {"step-00000014", "step-00000016", "step-00000018", "step-00000020"}, unusable
+    assert "not a regular file" in unusable["step-00000020"]
     assert "at most 4194304" in unusable["step-00000014"]
     assert "a link, not followed" in unusable["step-00000016"]
     assert unusable["step-00000018"].startswith("no marker")

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 from ..errors import MetadataFormatError
 
-__all__ = ["LocalMarker", "MARKER_NAME", "LOCAL_METADATA_NAME", "MAX_MARKER_BYTES", "rank_dir_name",
-           "parse_rank_dir"]
+__all__ = ["LocalMarker", "MARKER_NAME", "LOCAL_METADATA_NAME", "MAX_MARKER_BYTES", "MAX_WORLD_SIZE",
+           "rank_dir_name", "parse_rank_dir"]
 
 MARKER_NAME = ".local-commit"
 LOCAL_METADATA_NAME = ".metadata"
 MAX_MARKER_BYTES = 4 << 20  # a marker names a rank's objects: thousands at most
+MAX_WORLD_SIZE = 1 << 24  # ranks of a job: far past any real one, and a set of them still fits in memory
 _FORMAT = "s3dcp-local-copy"
 _VERSION = 2
 _READS = (1, 2)
@@ -101,7 +102,7 @@ class LocalMarker:
                 raise MetadataFormatError(f"{where}: local-copy marker names object {name!r:.80} of size {size!r:.40}")
         return cls(base=field("base", str), step=field("step", int, lambda v: v >= 0),
                    save_id=field("save_id", str, lambda v: 0 < len(v) <= 64),
-                   rank=field("rank", int, lambda v: v >= 0),
-                   world_size=field("world_size", int, lambda v: v >= 1),
+                   rank=field("rank", int, lambda v: 0 <= v < MAX_WORLD_SIZE),
+                   world_size=field("world_size", int, lambda v: 1 <= v <= MAX_WORLD_SIZE),
                    objects=dict(objects), in_s3=field("in_s3", bool),
                    saved_at=float(field("saved_at", (int, float), math.isfinite)) if version >= 2 else 0.0)

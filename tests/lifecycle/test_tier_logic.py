@@ -100,6 +100,8 @@ def test_each_object_comes_from_the_node_then_a_peer_then_s3():
     ({"objects": {"a": -1}}, r"names object 'a' of size -1"),
     ({"step": True}, "step"),
     ({"world_size": 0}, "world_size"),
+    ({"world_size": 10**12}, "world_size"),  # before: every scan built a set of that many ranks
+    ({"rank": 1 << 24}, "rank"),
     ({"version": 9}, "version 9"),
     ({"format": "other"}, "not an s3dcp local-copy marker"),
 ])

@@ -11,8 +11,12 @@
                                                           source deleted: the server's time grows
                                                           with the size, not atomic, logged
     directory                populated directory, file    FileExistsError (ENOTEMPTY / ENOTDIR)
+    directory                itself, inside it, or around OSError (EINVAL): the copies would land in
+                             it (tmp_x/sub onto x/sub:    the source and its delete take both
+                             the same keys)
     file                     absent, or a file            server-side copy, then the source deleted
-                                                          (a file onto a file replaces it)
+                                                          (a file onto a file replaces it); onto its
+                                                          own key (tmp_x/f onto x/f): OSError (EINVAL)
     file                     directory (empty or not)     FileExistsError (EISDIR)
     nothing                  anything                     FileNotFoundError
 
@@ -63,6 +67,9 @@ def rename(paths: PathMap, dirs: Dirs, src_path: Any, dst_path: Any, *, backgrou
         raise occupied(src_file.shown, dst_dir.shown, "the destination is a directory", errno.EISDIR)
     if src_file.bucket != dst_file.bucket:
         raise OSError(errno.EXDEV, f"rename of {src_file.shown} to {dst_file.shown}: files move within one bucket only")
+    if src_file.key == dst_file.key:  # a copy onto itself, then its delete, would lose the file
+        raise OSError(errno.EINVAL, f"rename of {src_file.shown} to {dst_file.shown}: both name the object "
+                      f"{src_file.url}")
     dirs.require_visible(dst_file)()  # not into an uncommitted checkpoint under its final name
     wait(client.copy(dst_file.bucket, src_file.key, dst_file.key, size))
     wait(client.delete(src_file.bucket, [src_file.key]))
@@ -98,6 +105,13 @@ def _file_size(dirs: Dirs, where: Where) -> int | None:
 def _rename_directory(paths: PathMap, dirs: Dirs, src: Where, src_state: State, dst_file: Where, dst: Where,
                       background_cleanup: bool) -> None:
     client = dirs.client
+    source_key = src.staged if src.is_staging_view else src.key
+    target_key = dst.staged if dst.is_staging_view else dst.key
+    if src.bucket == dst.bucket and (target_key == source_key or target_key.startswith(source_key + "/")
+                                     or source_key.startswith(target_key + "/")):
+        # the copies would land in the source (or the source in them), and its delete take both
+        raise OSError(errno.EINVAL, f"rename of {src.shown} to {dst.shown}: s3://{src.bucket}/{target_key} is "
+                      f"s3://{src.bucket}/{source_key}, or lies inside it or around it")
     if dst_file.key and _file_size(dirs, dst_file) is not None:
         raise occupied(src.shown, dst.shown, "the destination is a file", errno.ENOTDIR)
     dst_state = _dir_state(dirs, dst)
@@ -105,8 +119,6 @@ def _rename_directory(paths: PathMap, dirs: Dirs, src: Where, src_state: State, 
         raise occupied(src.shown, dst.shown, f"the destination is a {dst_state.value} directory")
     if src.bucket != dst.bucket:
         raise OSError(errno.EXDEV, f"rename of {src.shown} to {dst.shown}: directories move within one bucket only")
-    source_key = src.staged if src.is_staging_view else src.key
-    target_key = dst.staged if dst.is_staging_view else dst.key
     log.warning("s3dcp: renaming directory %s to %s copies every object server-side (S3 has no rename); "
                 "a torch-checkpointing commit (tmp_<name> onto <name>) copies nothing", src.url, dst.url)
     if dst.is_staging_view:

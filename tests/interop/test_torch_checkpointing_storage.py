@@ -7,6 +7,7 @@ CheckpointManager on two ranks is in test_torch_checkpointing_manager.py."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import io
 import os
@@ -272,3 +273,19 @@ def test_a_read_past_its_timeout_is_stopped(s3_server, bucket):
             with pytest.raises(TimeoutError, match="timeout_us"):
                 f.readinto(into)
         assert time.monotonic() - started < 10
+
+
+def test_a_rename_into_itself_is_refused_and_loses_nothing(storage):
+    storage.mkdir(Path("a"))
+    storage.write(Path("a/f"), b"1")
+    storage.mkdir(Path("tmp_x/sub"))
+    storage.write(Path("tmp_x/sub/g"), b"2")
+    storage.write(Path("tmp_x/h"), b"3")
+    before = keys(storage)
+    for src, dst in (("a", "a/b"), ("a", "a"), ("tmp_x/sub", "x/sub"), ("tmp_x", "tmp_x"),
+                     ("tmp_x/sub", "tmp_x"), ("tmp_x/h", "x/h")):
+        with pytest.raises(OSError) as refused:
+            storage.rename(Path(src), Path(dst), is_directory=not src.endswith("/h"))
+        assert refused.value.errno == errno.EINVAL, (src, dst, refused.value)
+        assert keys(storage) == before, (src, dst)
+    assert storage.read(Path("a/f")) == b"1" and storage.read(Path("tmp_x/sub/g")) == b"2"

@@ -289,3 +289,21 @@ def test_a_rename_into_itself_is_refused_and_loses_nothing(storage):
         assert refused.value.errno == errno.EINVAL, (src, dst, refused.value)
         assert keys(storage) == before, (src, dst)
     assert storage.read(Path("a/f")) == b"1" and storage.read(Path("tmp_x/sub/g")) == b"2"
+
+
+def test_a_rename_onto_a_save_in_progress_is_refused_and_merges_nothing(storage):
+    storage.mkdir(Path("tmp_y"))
+    storage.write(Path("tmp_y/part_0.pt"), b"half a save")
+    storage.mkdir(Path("d"))
+    storage.write(Path("d/other.pt"), b"someone else's")
+    storage.write(Path("file"), b"f")
+    before = keys(storage)
+    with pytest.raises(FileExistsError, match="save in progress"):  # directory onto it
+        storage.rename(Path("d"), Path("y"), is_directory=True)
+    with pytest.raises(FileExistsError):  # file onto it
+        storage.rename(Path("file"), Path("y"))
+    with pytest.raises(FileNotFoundError, match="has not committed"):  # into it, under its final name
+        storage.rename(Path("d"), Path("y/sub"), is_directory=True)
+    assert keys(storage) == before
+    assert not storage.exists(Path("y")) and storage.ls(Path("tmp_y")) == ["part_0.pt"]
+    assert storage.committed(Path("/")) == []

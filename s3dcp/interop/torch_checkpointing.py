@@ -183,9 +183,10 @@ class S3Storage(Storage):
         names = [o.key[len(where.prefix):] for o in objects]
         children = [p[len(where.prefix):].rstrip("/") for p in prefixes]
         asked = [(c, self._dirs.first_objects(where.bucket, f"{where.prefix}{c}/", 1),
-                  self._dirs.hiding(where.bucket, [where.prefix + c]) if where.staged is None else None)
+                  self._dirs.marks(where.bucket, [where.prefix + c]) if where.staged is None else None)
                  for c in children]
-        live = [(c, hidden) for c, under, hidden in asked if wait(under)[0]]
+        live = [(c, marks() if marks is not None else [None]) for c, under, marks in asked if wait(under)[0]]
+        live = [(c, m) for c, [m] in live if m is not State.REMOVING]
         if not names and not live:
             as_file = self._paths.where(path, file=True)
             if as_file.key and self._is_file(as_file):
@@ -193,7 +194,7 @@ class S3Storage(Storage):
             visible()  # why it is not there, where a staging view or an uncommitted save says
             raise not_found(where, "no such directory")
         shown = [n for n in names if n not in MARKERS]
-        shown += [self._paths.listed_name(c, staged=hidden is not None and hidden() is not None) for c, hidden in live]
+        shown += [self._paths.listed_name(c, staged=m is State.STAGED) for c, m in live]
         return sorted(shown)
 
     # ------------------------------------------------------------------ writes
@@ -253,7 +254,8 @@ class S3Storage(Storage):
             state = State.STAGED  # require_visible found it staged and uncommitted
         else:
             state = self._dirs.state(where.bucket, where.key)
-            if state is State.STAGED:  # hidden under this name: its staging view's to remove
+            if state is State.STAGED:  # hidden under this name: its staging view's to remove (a REMOVING
+                # one is removed again: an interrupted removal ends so)
                 state = State.ABSENT
         if state is State.ABSENT:
             as_file = self._paths.where(path, file=True)

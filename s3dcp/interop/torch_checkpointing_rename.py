@@ -86,7 +86,7 @@ def _dir_state(dirs: Dirs, where: Where, *, destination: bool = False) -> State:
     never merged into nor committed by someone else's rename), and one a guard hides raises
     ``FileNotFoundError`` (its parent is an uncommitted checkpoint's, not there under this name)."""
     if where.is_staging_view:
-        return State.STAGED if dirs.hiding(where.bucket, [where.staged])() is not None else State.ABSENT
+        return State.STAGED if dirs.marks(where.bucket, [where.staged])() == [State.STAGED] else State.ABSENT
     if not where.key:
         return State.PLAIN
     parents = where.parents()
@@ -95,7 +95,7 @@ def _dir_state(dirs: Dirs, where: Where, *, destination: bool = False) -> State:
     hider = visible()
     if destination and hider is not None:
         dirs.require_visible(parents)()  # raises, naming the uncommitted checkpoint
-    if hider is not None or (state is State.STAGED and not destination):
+    if hider is not None or (state in (State.STAGED, State.REMOVING) and not destination):
         return State.ABSENT
     return state
 
@@ -127,7 +127,8 @@ def _rename_directory(paths: PathMap, dirs: Dirs, src: Where, src_state: State, 
         raise occupied(src.shown, dst.shown, "the destination is a file", errno.ENOTDIR)
     dst_state = _dir_state(dirs, dst, destination=True)
     if dst_state not in (State.ABSENT, State.EMPTY):
-        what = "a save in progress (staged, not committed)" if dst_state is State.STAGED else "populated"
+        what = {State.STAGED: "a save in progress (staged, not committed)",
+                State.REMOVING: "being deleted"}.get(dst_state, "populated")
         raise occupied(src.shown, dst.shown, f"the destination is a {dst_state.value} directory: {what}")
     if src.bucket != dst.bucket:
         raise OSError(errno.EXDEV, f"rename of {src.shown} to {dst.shown}: directories move within one bucket only")

@@ -11,9 +11,11 @@ import errno
 import gc
 import io
 import os
+import threading
 import time
 import uuid
 import weakref
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -307,3 +309,44 @@ def test_a_rename_onto_a_save_in_progress_is_refused_and_merges_nothing(storage)
     assert keys(storage) == before
     assert not storage.exists(Path("y")) and storage.ls(Path("tmp_y")) == ["part_0.pt"]
     assert storage.committed(Path("/")) == []
+
+
+def _forward(source: Future, into: Future) -> None:
+    source.add_done_callback(lambda f: into.set_exception(f.exception()) if f.exception() is not None
+                             else into.set_result(f.result()))
+
+
+def test_a_checkpoint_being_deleted_is_hidden_and_a_new_save_of_its_name_is_refused(storage, monkeypatch):
+    storage.mkdir(Path("tmp_x"))
+    storage.write(Path("tmp_x/f"), b"old")
+    storage.rename(Path("tmp_x"), Path("x"), is_directory=True)
+    storage.write(Path("other"), b"o")
+    real_list, reached, gate = storage.client.list, threading.Event(), threading.Event()
+
+    def held_list(bucket, prefix, **kwargs):  # the removal's listing waits for the gate
+        if prefix == "run/x/" and not kwargs and not reached.is_set():
+            reached.set()
+            held: Future = Future()
+            threading.Thread(target=lambda: (gate.wait(30), _forward(real_list(bucket, prefix), held)),
+                             daemon=True).start()
+            return held
+        return real_list(bucket, prefix, **kwargs)
+
+    monkeypatch.setattr(storage.client, "list", held_list)
+    deleting = threading.Thread(target=storage.rmdir, args=(Path("x"),))
+    deleting.start()
+    try:
+        assert reached.wait(30)
+        assert not storage.exists(Path("x")) and not storage.exists(Path("tmp_x")) and storage.ls(Path("/")) == ["other"]
+        with pytest.raises(FileNotFoundError, match="being deleted"):
+            storage.read(Path("x/f"))
+        with pytest.raises(FileExistsError, match="being deleted"):  # before: joined it, its files then deleted
+            storage.mkdir(Path("tmp_x"))
+    finally:
+        gate.set()
+        deleting.join(30)
+    assert keys(storage) == ["run/other"]
+    storage.mkdir(Path("tmp_x"))  # once deleted, the name is free again
+    storage.write(Path("tmp_x/f"), b"new")
+    storage.rename(Path("tmp_x"), Path("x"), is_directory=True)
+    assert storage.read(Path("x/f")) == b"new"

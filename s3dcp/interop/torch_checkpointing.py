@@ -204,15 +204,22 @@ class S3Storage(Storage):
     def get_write_stream(self, path: Path, data: object) -> io.IOBase:
         """A stream whose bytes become the object on ``close()``; bytes that lie in a CPU
         tensor of ``data`` are sent from it (kept, not copied): the caller leaves those
-        tensors unchanged until the stream is closed or aborted, as the contract asks."""
+        tensors unchanged until the stream is closed or aborted, as the contract asks. Whether
+        the path may be written is asked when the stream opens and again on ``close()``, right
+        before the upload: a directory committed (or deleted) in between is not written into."""
         where = self._writable(path)
         cfg = self.config
-        return WriteStream(
-            tensor_owners(data) if data is not None else [], memory_bytes=cfg.write_memory_bytes,
-            spool_dir=cfg.spool_dir,
-            finish=lambda views: wait(self.client.put(where.bucket, where.key, views)),
-            finish_file=lambda file, nbytes, keep: wait(
-                self.client.put_file(where.bucket, where.key, file, nbytes, keep=keep)))
+
+        def finish(views: list) -> None:
+            self._dirs.require_visible(where)()
+            wait(self.client.put(where.bucket, where.key, views))
+
+        def finish_file(file: str, nbytes: int, keep: Any) -> None:
+            self._dirs.require_visible(where)()
+            wait(self.client.put_file(where.bucket, where.key, file, nbytes, keep=keep))
+
+        return WriteStream(tensor_owners(data) if data is not None else [], memory_bytes=cfg.write_memory_bytes,
+                           spool_dir=cfg.spool_dir, finish=finish, finish_file=finish_file)
 
     def write(self, path: Path, data: Any) -> None:
         where = self._writable(path)

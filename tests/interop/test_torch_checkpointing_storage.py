@@ -350,3 +350,17 @@ def test_a_checkpoint_being_deleted_is_hidden_and_a_new_save_of_its_name_is_refu
     storage.write(Path("tmp_x/f"), b"new")
     storage.rename(Path("tmp_x"), Path("x"), is_directory=True)
     assert storage.read(Path("x/f")) == b"new"
+
+
+@pytest.mark.parametrize("spooled", [False, True])
+def test_a_write_stream_whose_directory_was_committed_meanwhile_uploads_nothing(storage, spooled):
+    if spooled:  # every byte copied past the memory bound: the spool file's upload
+        storage = S3StorageConfig(root=storage.config.root, s3=storage.config.s3, write_memory_bytes=4).create_storage()
+    storage.mkdir(Path("tmp_z"))
+    storage.write(Path("tmp_z/a"), b"first save")
+    late = storage.get_write_stream(Path("tmp_z/b"), None)  # open: the save is in progress
+    late.write(b"the other save's file")
+    storage.rename(Path("tmp_z"), Path("z"), is_directory=True)  # another job commits the name
+    with pytest.raises(FileNotFoundError, match="not a save in progress"):
+        late.close()
+    assert storage.ls(Path("z")) == ["a"] and not storage.exists(Path("z/b"))

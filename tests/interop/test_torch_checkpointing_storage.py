@@ -364,3 +364,52 @@ def test_a_write_stream_whose_directory_was_committed_meanwhile_uploads_nothing(
     with pytest.raises(FileNotFoundError, match="not a save in progress"):
         late.close()
     assert storage.ls(Path("z")) == ["a"] and not storage.exists(Path("z/b"))
+
+
+def _read_x_f(storage, how):
+    if how == "exists":
+        return storage.exists(Path("x/f"))
+    if how == "read":
+        return storage.read(Path("x/f"))
+    if how == "ls":
+        return storage.ls(Path("x"))
+    args = ReadArgs(known_size_bytes=7, pre_read_full_file=how == "pre-read")
+    with storage.stream_read(Path("x/f"), args) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("how, method, key", [("exists", "head", "run/x/f"), ("read", "head", "run/x/f"),
+                                              ("pre-read", "get_range_into", "run/x/f"),
+                                              ("stream", "get_range_into", "run/x/f"), ("ls", "list", "run/x/")])
+def test_a_save_staged_between_the_marker_checks_and_the_data_request_is_not_seen(storage, monkeypatch, how,
+                                                                                  method, key):
+    """Every request goes through a recorder; the data request waits for all sent before it,
+    then another job stages x and writes x/f, then it is sent: its answer shows the file, and a
+    marker check sent before it would have found no staging marker yet."""
+    writer = S3StorageConfig(root=storage.config.root, s3=storage.config.s3).create_storage()
+    client, sent, done = storage.client, [], []
+
+    def recorded(name):
+        real = getattr(client, name)
+
+        def call(bucket, target, *args, **kwargs):
+            if name == method and target == key and not done:
+                done.append(True)
+                for f in sent:  # what was asked before the data request is answered
+                    f.exception()
+                writer.mkdir(Path("tmp_x"))
+                writer.write(Path("tmp_x/f"), b"partial")
+            future = real(bucket, target, *args, **kwargs)
+            sent.append(future)
+            return future
+
+        return call
+
+    for name in ("head", "list", "get_range_into"):
+        monkeypatch.setattr(client, name, recorded(name))
+    if how == "exists":
+        assert _read_x_f(storage, how) is False
+    else:
+        with pytest.raises(FileNotFoundError, match="has not committed"):
+            _read_x_f(storage, how)
+    assert done

@@ -31,6 +31,8 @@ import io
 import math
 import os
 import re
+from concurrent.futures import Future
+from concurrent.futures import wait as settled
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -111,26 +113,24 @@ class S3Storage(Storage):
         args = read_args or ReadArgs()
         where = self._paths.where(path, file=True)
         timeout_s = args.timeout_us / 1e6 if args.timeout_us and args.timeout_us > 0 else None
-        visible = self._dirs.require_visible(where)
         if args.known_size_bytes is None:
-            head = self.client.head(where.bucket, where.key)
-            visible()
-            size = wait(head).size
+            size = wait(self._checked_after(where, self.client.head(where.bucket, where.key))).size
         else:
             if args.known_size_bytes < 0:
                 raise ValueError(f"ReadArgs.known_size_bytes={args.known_size_bytes} for {where.shown}")
             size = args.known_size_bytes
         if not args.pre_read_full_file:
-            stream = ReadStream(self.client, where.bucket, where.key, size, timeout_s=timeout_s,
-                                block_bytes=self.config.read_block_bytes)
-            if args.known_size_bytes is not None:
-                visible()  # the size's check travels with every GET; this one is done before a byte is handed out
-            return stream
+            # with the size known no request has been answered yet: the stream checks after its first GET
+            check = self._dirs.require_visible if args.known_size_bytes is not None else None
+            return ReadStream(self.client, where.bucket, where.key, size, timeout_s=timeout_s,
+                              block_bytes=self.config.read_block_bytes,
+                              check=(lambda: check(where)()) if check is not None else None)
         data = bytearray(size)
         future = self.client.get_range_into(where.bucket, where.key, 0, data, object_size_bytes=size)
         try:
-            visible()
-            wait(future, timeout_s)
+            if settled([future], timeout_s).done:
+                self._checked_after(where, future)
+            wait(future, 0)  # its error, or the timeout
         except BaseException:
             abort_and_wait([future])
             raise
@@ -144,20 +144,19 @@ class S3Storage(Storage):
 
     def getsize(self, path: Path) -> int:
         where = self._paths.where(path, file=True)
-        visible = self._dirs.require_visible(where)
-        head = self.client.head(where.bucket, where.key)
-        visible()
-        return wait(head).size
+        return wait(self._checked_after(where, self.client.head(where.bucket, where.key))).size
 
     def exists(self, path: Path) -> bool:
-        """A file or a directory, as the name given sees it (every request of both asked at once)."""
+        """A file or a directory, as the name given sees it (its data requests asked at once, then
+        the marker checks of both at once)."""
         as_file, as_dir = self._paths.where(path, file=True), self._paths.where(path, file=False)
         if not as_dir.key:
             return True  # a bucket's root (a missing bucket fails the first real request)
-        dir_visible = self._dirs.require_visible(as_dir)
         under = None if as_dir.is_staging_view else self._dirs.first_objects(as_dir.bucket, as_dir.prefix, 1)
-        file_visible = self._dirs.require_visible(as_file)
         found = self._dirs.has(as_file.bucket, as_file.key)
+        settled([f for f in (under, found) if f is not None])
+        dir_visible = self._dirs.require_visible(as_dir)
+        file_visible = self._dirs.require_visible(as_file)
         if self._visible(dir_visible) and (under is None or wait(under)[0]):
             return True
         return wait(found) and self._visible(file_visible)
@@ -166,26 +165,30 @@ class S3Storage(Storage):
         where = self._paths.where(path, file=False)
         if not where.key:
             return True  # a bucket's root (a missing bucket fails the first real request)
-        visible = self._dirs.require_visible(where)
         if where.is_staging_view:  # there while its directory is staged and uncommitted
-            return self._visible(visible)
+            return self._visible(self._dirs.require_visible(where))
         under = self._dirs.first_objects(where.bucket, where.prefix, 1)
-        return self._visible(visible) and bool(wait(under)[0])
+        settled([under])
+        return self._visible(self._dirs.require_visible(where)) and bool(wait(under)[0])
 
     def ls(self, path: Path) -> list[str]:
         """The names in a directory; a staged, uncommitted child shows as its staging view
         (``tmp_<name>``), markers never. A child prefix is asked whether it holds anything
-        (SeaweedFS lists a directory whose objects were all deleted; S3 does not)."""
+        (SeaweedFS lists a directory whose objects were all deleted; S3 does not). Each marker
+        check is asked once the listing it judges has been answered."""
         where = self._paths.where(path, file=False)
-        visible = self._dirs.require_visible(where)
         listing = self.client.list(where.bucket, where.prefix, delimiter="/")
+        settled([listing])
+        visible = self._dirs.require_visible(where)
         objects, prefixes = wait(listing) if self._visible(visible) else ([], [])
         names = [o.key[len(where.prefix):] for o in objects]
         children = [p[len(where.prefix):].rstrip("/") for p in prefixes]
-        asked = [(c, self._dirs.first_objects(where.bucket, f"{where.prefix}{c}/", 1),
-                  self._dirs.hiding(where.bucket, [where.prefix + c]) if where.staged is None else None)
-                 for c in children]
-        live = [(c, hidden) for c, under, hidden in asked if wait(under)[0]]
+        unders = [(c, self._dirs.first_objects(where.bucket, f"{where.prefix}{c}/", 1)) for c in children]
+        settled([u for _, u in unders])
+        asked = [(c, under, self._dirs.marks(where.bucket, [where.prefix + c]) if where.staged is None else None)
+                 for c, under in unders]
+        live = [(c, marks() if marks is not None else [None]) for c, under, marks in asked if wait(under)[0]]
+        live = [(c, m) for c, [m] in live if m is not State.REMOVING]
         if not names and not live:
             as_file = self._paths.where(path, file=True)
             if as_file.key and self._is_file(as_file):
@@ -193,7 +196,7 @@ class S3Storage(Storage):
             visible()  # why it is not there, where a staging view or an uncommitted save says
             raise not_found(where, "no such directory")
         shown = [n for n in names if n not in MARKERS]
-        shown += [self._paths.listed_name(c, staged=hidden is not None and hidden() is not None) for c, hidden in live]
+        shown += [self._paths.listed_name(c, staged=m is State.STAGED) for c, m in live]
         return sorted(shown)
 
     # ------------------------------------------------------------------ writes
@@ -203,15 +206,22 @@ class S3Storage(Storage):
     def get_write_stream(self, path: Path, data: object) -> io.IOBase:
         """A stream whose bytes become the object on ``close()``; bytes that lie in a CPU
         tensor of ``data`` are sent from it (kept, not copied): the caller leaves those
-        tensors unchanged until the stream is closed or aborted, as the contract asks."""
+        tensors unchanged until the stream is closed or aborted, as the contract asks. Whether
+        the path may be written is asked when the stream opens and again on ``close()``, right
+        before the upload: a directory committed (or deleted) in between is not written into."""
         where = self._writable(path)
         cfg = self.config
-        return WriteStream(
-            tensor_owners(data) if data is not None else [], memory_bytes=cfg.write_memory_bytes,
-            spool_dir=cfg.spool_dir,
-            finish=lambda views: wait(self.client.put(where.bucket, where.key, views)),
-            finish_file=lambda file, nbytes, keep: wait(
-                self.client.put_file(where.bucket, where.key, file, nbytes, keep=keep)))
+
+        def finish(views: list) -> None:
+            self._dirs.require_visible(where)()
+            wait(self.client.put(where.bucket, where.key, views))
+
+        def finish_file(file: str, nbytes: int, keep: Any) -> None:
+            self._dirs.require_visible(where)()
+            wait(self.client.put_file(where.bucket, where.key, file, nbytes, keep=keep))
+
+        return WriteStream(tensor_owners(data) if data is not None else [], memory_bytes=cfg.write_memory_bytes,
+                           spool_dir=cfg.spool_dir, finish=finish, finish_file=finish_file)
 
     def write(self, path: Path, data: Any) -> None:
         where = self._writable(path)
@@ -219,10 +229,7 @@ class S3Storage(Storage):
 
     def delete(self, path: Path) -> None:
         where = self._paths.where(path, file=True)
-        visible = self._dirs.require_visible(where)
-        head = self.client.head(where.bucket, where.key)
-        visible()
-        wait(head)  # FileNotFoundError where there is none
+        wait(self._checked_after(where, self.client.head(where.bucket, where.key)))  # FileNotFoundError: none
         wait(self.client.delete(where.bucket, [where.key]))
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
@@ -253,7 +260,8 @@ class S3Storage(Storage):
             state = State.STAGED  # require_visible found it staged and uncommitted
         else:
             state = self._dirs.state(where.bucket, where.key)
-            if state is State.STAGED:  # hidden under this name: its staging view's to remove
+            if state is State.STAGED:  # hidden under this name: its staging view's to remove (a REMOVING
+                # one is removed again: an interrupted removal ends so)
                 state = State.ABSENT
         if state is State.ABSENT:
             as_file = self._paths.where(path, file=True)
@@ -299,9 +307,19 @@ class S3Storage(Storage):
         return where
 
     def _is_file(self, where) -> bool:
-        visible = self._dirs.require_visible(where)
         found = self._dirs.has(where.bucket, where.key)
-        return self._visible(visible) and wait(found)
+        settled([found])
+        return self._visible(self._dirs.require_visible(where)) and wait(found)
+
+    def _checked_after(self, where, data: Future) -> Future:
+        """``data`` (a request for what is at ``where``), once it has been answered and ``where``
+        found visible. The marker checks are asked only then: a save writes its staging marker
+        before its first object, so an object the answer saw was staged by then, and a check
+        asked after it cannot miss the marker (one asked at the same time could be answered
+        first, before the save began, and pass a file of an uncommitted save)."""
+        settled([data])
+        self._dirs.require_visible(where)()
+        return data
 
     @staticmethod
     def _visible(check) -> bool:

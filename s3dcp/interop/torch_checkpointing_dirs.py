@@ -4,11 +4,13 @@
     ─────────    ───────────────────────────────────    ────────────────    ─────────────────────────────
     ABSENT       (no object)                            nothing             EMPTY (mkdir), STAGED (mkdir of
                                                                             its staging view, or a write in it)
-    EMPTY        .s3dcp-dir only                        an empty dir        STAGED, PLAIN, ABSENT (rmdir)
-    PLAIN        objects, no staging marker             a dir               ABSENT (rmdir)
+    EMPTY        .s3dcp-dir only                        an empty dir        STAGED, PLAIN, REMOVING (rmdir)
+    PLAIN        objects, no staging marker             a dir               REMOVING (rmdir)
     STAGED       .s3dcp-staging, no .s3dcp-commit       tmp_<name> only     COMMITTED (rename onto <name>),
-                                                                            ABSENT (rmdir)
-    COMMITTED    .s3dcp-commit                          <name>              ABSENT (rmdir)
+                                                                            REMOVING (rmdir)
+    COMMITTED    .s3dcp-commit                          <name>              REMOVING (rmdir)
+    REMOVING     .s3dcp-removing (whatever else)        nothing             ABSENT (its removal ends; an
+                                                                            interrupted one: rmdir again)
 
 Rules that make the table, and why: a directory written through its staging view hides
 under its final name until the commit marker exists, so a reader never takes a partial
@@ -16,8 +18,9 @@ checkpoint for a complete one; the commit marker is written create-only (``If-No
 s3dcp's commit, :mod:`s3dcp.s3.compat`), so a committed directory is never committed over,
 and staging refuses a COMMITTED or PLAIN directory, so no save writes into one (a PLAIN
 directory holds objects nobody staged: taking them into a checkpoint would publish them).
-Removal hides first (staging marker, then the commit marker goes), so a directory being
-deleted is never a visible, partial one. A directory's *parents* (``Where.guards``) hide it
+Removal has its own marker, written first and deleted last: a directory being deleted is
+never a visible, partial one, and staging refuses it, so a new save of the name can neither
+join it (and lose its files to the removal's deletes) nor be committed missing them. A directory's *parents* (``Where.guards``) hide it
 the same way: a file of an uncommitted checkpoint does not exist under its final name.
 
 Owns those states and transitions, and the translation of s3dcp's errors into the contract's
@@ -37,7 +40,7 @@ from typing import Callable, Iterable
 
 from ..errors import NoSuchKeyError, PreconditionFailedError, S3DCPError
 from ..s3.client import S3Client
-from .torch_checkpointing_paths import COMMIT_MARKER, DIR_MARKER, MARKERS, STAGING_MARKER, Where
+from .torch_checkpointing_paths import COMMIT_MARKER, DIR_MARKER, MARKERS, REMOVING_MARKER, STAGING_MARKER, Where
 
 __all__ = ["State", "Dirs", "DirectoryNotFoundError", "as_os_error", "wait"]
 
@@ -50,6 +53,7 @@ class State(enum.Enum):
     PLAIN = "plain"
     STAGED = "staged"
     COMMITTED = "committed"
+    REMOVING = "removing"
 
 
 def as_os_error(error: BaseException) -> BaseException:
@@ -110,18 +114,21 @@ class Dirs:
         self.client.head(bucket, key).add_done_callback(done)
         return outer
 
-    def first_objects(self, bucket: str, prefix: str, count: int = 4) -> Future:
-        """The first ``count`` objects under ``prefix`` (one request): with 3 marker names, 4
+    def first_objects(self, bucket: str, prefix: str, count: int = 5) -> Future:
+        """The first ``count`` objects under ``prefix`` (one request): with 4 marker names, 5
         objects tell an empty directory from one holding anything else."""
         return self.client.list(bucket, prefix, page_size=count, first_page_only=True)
 
     def state(self, bucket: str, key: str) -> State:
-        """The state of directory ``key`` (three requests in parallel)."""
+        """The state of directory ``key`` (four requests in parallel)."""
+        removing = self.has(bucket, f"{key}/{REMOVING_MARKER}")
         staging = self.has(bucket, f"{key}/{STAGING_MARKER}")
         commit = self.has(bucket, f"{key}/{COMMIT_MARKER}")
         prefix = f"{key}/" if key else ""
         objects = self.first_objects(bucket, prefix)
         names = {o.key[len(prefix):] for o in wait(objects)[0]}  # a marker counts only directly in it
+        if wait(removing):
+            return State.REMOVING
         if wait(commit):
             return State.COMMITTED
         if wait(staging):
@@ -130,34 +137,47 @@ class Dirs:
             return State.PLAIN
         return State.EMPTY if DIR_MARKER in names else State.ABSENT
 
-    def hiding(self, bucket: str, dirs: Iterable[str]) -> "Callable[[], str | None]":
-        """Start asking which of ``dirs`` is staged and uncommitted (hiding what lies under it);
-        the returned call waits for the answer: the first such directory, or None. A HEAD of
-        each staging marker, and of the commit marker where one is there."""
+    def marks(self, bucket: str, dirs: Iterable[str]) -> "Callable[[], list[State | None]]":
+        """Start asking, for each of ``dirs``, whether it hides what lies under it: REMOVING
+        (being deleted), STAGED (staged and uncommitted), or None. The returned call waits for
+        the answers. A HEAD of each staging and removal marker, and of the commit marker where
+        a staging marker is there."""
         dirs = list(dirs)
+        removing = [self.has(bucket, f"{d}/{REMOVING_MARKER}") for d in dirs]
         staging = [self.has(bucket, f"{d}/{STAGING_MARKER}") for d in dirs]
 
-        def answer() -> str | None:
-            staged = [d for d, f in zip(dirs, staging) if wait(f)]
-            commits = [self.has(bucket, f"{d}/{COMMIT_MARKER}") for d in staged]
-            return next((d for d, f in zip(staged, commits) if not wait(f)), None)
+        def answer() -> "list[State | None]":
+            staged = [wait(f) for f in staging]
+            commits = [self.has(bucket, f"{d}/{COMMIT_MARKER}") if s else None for d, s in zip(dirs, staged)]
+            gone = [wait(f) for f in removing]
+            return [State.REMOVING if g else State.STAGED if c is not None and not wait(c) else None
+                    for g, c in zip(gone, commits)]
 
         return answer
+
+    def hiding(self, bucket: str, dirs: Iterable[str]) -> "Callable[[], str | None]":
+        """Start asking which of ``dirs`` hides what lies under it (:meth:`marks`); the returned
+        call waits for the answer: the first such directory, or None."""
+        dirs = list(dirs)
+        marks = self.marks(bucket, dirs)
+        return lambda: next((d for d, m in zip(dirs, marks()) if m is not None), None)
 
     def require_visible(self, where: Where) -> "Callable[[], None]":
         """Start the checks that ``where`` may be seen under the name it was given: its staging
         view's directory is STAGED, no guard hides it. The returned call waits and raises
         ``FileNotFoundError`` (naming why) if not."""
-        hidden = self.hiding(where.bucket, where.guards)
-        view = self.hiding(where.bucket, [where.staged]) if where.staged is not None else None
+        hidden = self.marks(where.bucket, where.guards)
+        view = self.marks(where.bucket, [where.staged]) if where.staged is not None else None
 
         def check() -> None:
-            if view is not None and view() is None:
+            if view is not None and view() != [State.STAGED]:
                 raise not_found(where, f"no staging directory here: {where.staged!r} is not a save in progress "
                                        "(committed already, removed, or never made)")
-            hider = hidden()
+            hider = next(((d, m) for d, m in zip(where.guards, hidden()) if m is not None), None)
+            if hider is not None and hider[1] is State.REMOVING:
+                raise not_found(where, f"s3://{where.bucket}/{hider[0]} is being deleted ({REMOVING_MARKER})")
             if hider is not None:
-                raise not_found(where, f"s3://{where.bucket}/{hider} is a checkpoint whose save has not committed "
+                raise not_found(where, f"s3://{where.bucket}/{hider[0]} is a checkpoint whose save has not committed "
                                        f"(no {COMMIT_MARKER}); nothing in it can be read until it is")
 
         return check
@@ -176,6 +196,10 @@ class Dirs:
         state = self.state(where.bucket, key)
         if state is State.COMMITTED:
             raise occupied(where.shown, f"s3://{where.bucket}/{key}", "it holds a committed checkpoint")
+        if state is State.REMOVING:
+            raise occupied(where.shown, f"s3://{where.bucket}/{key}", f"it is being deleted ({REMOVING_MARKER}); "
+                           "save once its deletion has ended (an interrupted deletion ends with another rmdir "
+                           "of it)", errno.EBUSY)
         if state is State.PLAIN and wait(self.has(where.bucket, f"{key}/{STAGING_MARKER}")):
             state = State.STAGED  # another rank staged it and wrote between this one's HEAD and LIST
         if state is State.PLAIN:
@@ -203,23 +227,19 @@ class Dirs:
             log.warning("s3dcp: committed %s but could not remove its staging marker", dst.url, exc_info=True)
 
     def remove(self, where: Where, state: State) -> Future:
-        """Delete directory ``where`` in ``state`` (not ABSENT): hidden first where it is
-        COMMITTED, every object, the staging marker last. Resolves when all are gone."""
+        """Delete directory ``where`` in ``state`` (not ABSENT): its removal marker first
+        (hidden, and never staged, from here on), the commit marker, every other object, the
+        removal marker last. Resolves when all are gone."""
         bucket, key = where.bucket, where.staged if where.is_staging_view else where.key
-        staging = f"{key}/{STAGING_MARKER}"
+        removing = f"{key}/{REMOVING_MARKER}"
         client = self.client
 
         def everything(_=None) -> Future:
             return _then(client.list(bucket, f"{key}/"), lambda found: client.delete(
-                bucket, [o.key for o in found[0] if o.key != staging]))
+                bucket, [o.key for o in found[0] if o.key != removing]))
 
-        if state is State.COMMITTED:  # staging marker, then the commit marker goes: hidden from here on
-            start = _then(client.put(bucket, staging, b""),
-                          lambda _: client.delete(bucket, [f"{key}/{COMMIT_MARKER}"]))
-            rest = _then(start, everything)
-        else:
-            rest = everything()
-        return _then(rest, lambda _: client.delete(bucket, [staging]))
+        start = _then(client.put(bucket, removing, b""), lambda _: client.delete(bucket, [f"{key}/{COMMIT_MARKER}"]))
+        return _then(_then(start, everything), lambda _: client.delete(bucket, [removing]))
 
 
 def _then(first: Future, step: Callable[[object], Future]) -> Future:

@@ -28,12 +28,13 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 from ..uri import parse_s3_uri
 
-__all__ = ["Where", "PathMap", "DIR_MARKER", "STAGING_MARKER", "COMMIT_MARKER", "MARKERS"]
+__all__ = ["Where", "PathMap", "DIR_MARKER", "STAGING_MARKER", "COMMIT_MARKER", "REMOVING_MARKER", "MARKERS"]
 
 DIR_MARKER = ".s3dcp-dir"  # a directory made by mkdir (S3 has no empty directories otherwise)
 STAGING_MARKER = ".s3dcp-staging"  # a directory written through its staging view, not committed
 COMMIT_MARKER = ".s3dcp-commit"  # written create-only, last: the directory is committed
-MARKERS = frozenset({DIR_MARKER, STAGING_MARKER, COMMIT_MARKER})
+REMOVING_MARKER = ".s3dcp-removing"  # written first and deleted last by a removal: hidden, never staged
+MARKERS = frozenset({DIR_MARKER, STAGING_MARKER, COMMIT_MARKER, REMOVING_MARKER})
 
 
 @dataclass(frozen=True)

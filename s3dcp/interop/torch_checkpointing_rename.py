@@ -10,10 +10,18 @@
                                                           until the last copy is in), then the
                                                           source deleted: the server's time grows
                                                           with the size, not atomic, logged
-    directory                populated directory, file    FileExistsError (ENOTEMPTY / ENOTDIR)
+    directory                populated directory, file,   FileExistsError (ENOTEMPTY / ENOTDIR)
+                             or one staged, uncommitted
+    directory                itself, inside it, or around OSError (EINVAL): the copies would land in
+                             it (tmp_x/sub onto x/sub:    the source and its delete take both
+                             the same keys)
     file                     absent, or a file            server-side copy, then the source deleted
-                                                          (a file onto a file replaces it)
-    file                     directory (empty or not)     FileExistsError (EISDIR)
+                                                          (a file onto a file replaces it); onto its
+                                                          own key (tmp_x/f onto x/f): OSError (EINVAL)
+    file                     directory (empty or not,     FileExistsError (EISDIR)
+                             staged or not)
+    anything                 under an uncommitted         FileNotFoundError: not there under that name
+                             checkpoint's final name
     nothing                  anything                     FileNotFoundError
 
 The rules that generate it are torch-checkpointing's (``Storage.rename``): the contents land
@@ -59,25 +67,35 @@ def rename(paths: PathMap, dirs: Dirs, src_path: Any, dst_path: Any, *, backgrou
     size = _file_size(dirs, src_file)
     if size is None:
         raise not_found(src_file, "nothing to rename: no such file or directory")
-    if _dir_state(dirs, dst_dir) not in (State.ABSENT,):
-        raise occupied(src_file.shown, dst_dir.shown, "the destination is a directory", errno.EISDIR)
     if src_file.bucket != dst_file.bucket:
         raise OSError(errno.EXDEV, f"rename of {src_file.shown} to {dst_file.shown}: files move within one bucket only")
+    if src_file.key == dst_file.key:  # a copy onto itself, then its delete, would lose the file
+        raise OSError(errno.EINVAL, f"rename of {src_file.shown} to {dst_file.shown}: both name the object "
+                      f"{src_file.url}")
+    if _dir_state(dirs, dst_dir, destination=True) not in (State.ABSENT,):
+        raise occupied(src_file.shown, dst_dir.shown, "the destination is a directory", errno.EISDIR)
     dirs.require_visible(dst_file)()  # not into an uncommitted checkpoint under its final name
     wait(client.copy(dst_file.bucket, src_file.key, dst_file.key, size))
     wait(client.delete(src_file.bucket, [src_file.key]))
 
 
-def _dir_state(dirs: Dirs, where: Where) -> State:
+def _dir_state(dirs: Dirs, where: Where, *, destination: bool = False) -> State:
     """A directory's state as the name ``where`` sees it: a staging view is there while its
-    directory is STAGED; a directory a guard hides, or a staged one under its own name, is not."""
+    directory is STAGED; a directory a guard hides, or a staged one under its own name, is not.
+    As a ``destination`` a staged one is occupied all the same (STAGED: a save in progress is
+    never merged into nor committed by someone else's rename), and one a guard hides raises
+    ``FileNotFoundError`` (its parent is an uncommitted checkpoint's, not there under this name)."""
     if where.is_staging_view:
-        return State.STAGED if dirs.hiding(where.bucket, [where.staged])() is not None else State.ABSENT
+        return State.STAGED if dirs.marks(where.bucket, [where.staged])() == [State.STAGED] else State.ABSENT
     if not where.key:
         return State.PLAIN
-    visible = dirs.hiding(where.bucket, [g for g in where.guards if g != where.key])
+    parents = where.parents()
+    visible = dirs.hiding(where.bucket, parents.guards)
     state = dirs.state(where.bucket, where.key)
-    if visible() is not None or state is State.STAGED:
+    hider = visible()
+    if destination and hider is not None:
+        dirs.require_visible(parents)()  # raises, naming the uncommitted checkpoint
+    if hider is not None or (state in (State.STAGED, State.REMOVING) and not destination):
         return State.ABSENT
     return state
 
@@ -98,15 +116,22 @@ def _file_size(dirs: Dirs, where: Where) -> int | None:
 def _rename_directory(paths: PathMap, dirs: Dirs, src: Where, src_state: State, dst_file: Where, dst: Where,
                       background_cleanup: bool) -> None:
     client = dirs.client
-    if dst_file.key and _file_size(dirs, dst_file) is not None:
-        raise occupied(src.shown, dst.shown, "the destination is a file", errno.ENOTDIR)
-    dst_state = _dir_state(dirs, dst)
-    if dst_state not in (State.ABSENT, State.EMPTY):
-        raise occupied(src.shown, dst.shown, f"the destination is a {dst_state.value} directory")
-    if src.bucket != dst.bucket:
-        raise OSError(errno.EXDEV, f"rename of {src.shown} to {dst.shown}: directories move within one bucket only")
     source_key = src.staged if src.is_staging_view else src.key
     target_key = dst.staged if dst.is_staging_view else dst.key
+    if src.bucket == dst.bucket and (target_key == source_key or target_key.startswith(source_key + "/")
+                                     or source_key.startswith(target_key + "/")):
+        # the copies would land in the source (or the source in them), and its delete take both
+        raise OSError(errno.EINVAL, f"rename of {src.shown} to {dst.shown}: s3://{src.bucket}/{target_key} is "
+                      f"s3://{src.bucket}/{source_key}, or lies inside it or around it")
+    if dst_file.key and _file_size(dirs, dst_file) is not None:
+        raise occupied(src.shown, dst.shown, "the destination is a file", errno.ENOTDIR)
+    dst_state = _dir_state(dirs, dst, destination=True)
+    if dst_state not in (State.ABSENT, State.EMPTY):
+        what = {State.STAGED: "a save in progress (staged, not committed)",
+                State.REMOVING: "being deleted"}.get(dst_state, "populated")
+        raise occupied(src.shown, dst.shown, f"the destination is a {dst_state.value} directory: {what}")
+    if src.bucket != dst.bucket:
+        raise OSError(errno.EXDEV, f"rename of {src.shown} to {dst.shown}: directories move within one bucket only")
     log.warning("s3dcp: renaming directory %s to %s copies every object server-side (S3 has no rename); "
                 "a torch-checkpointing commit (tmp_<name> onto <name>) copies nothing", src.url, dst.url)
     if dst.is_staging_view:

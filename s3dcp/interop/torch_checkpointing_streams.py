@@ -68,10 +68,12 @@ class _Reader(io.RawIOBase):
 class ReadStream(_Reader):
     """Bytes of one object of ``size_bytes``, read on demand (see the module docstring).
     ``timeout_s`` bounds each read: past it, the read's requests are aborted (and waited for:
-    nothing writes into the buffer after the call) and ``TimeoutError`` is raised."""
+    nothing writes into the buffer after the call) and ``TimeoutError`` is raised. ``check``
+    (the storage's marker check, where nothing was asked before the stream) runs once a GET has
+    been answered, until it passes: a read it refuses raises and counts no bytes as read."""
 
     def __init__(self, client: S3Client, bucket: str, key: str, size_bytes: int, *, timeout_s: float | None,
-                 block_bytes: int) -> None:
+                 block_bytes: int, check: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._client, self._bucket, self._key = client, bucket, key
         self.size = size_bytes
@@ -80,6 +82,7 @@ class ReadStream(_Reader):
         self._block_bytes = block_bytes
         self._block = bytearray()
         self._block_at = 0
+        self._check = check  # run once a GET has been answered, until it passes (raises: no bytes given)
 
     def readinto(self, buffer: Any) -> int:
         self._checkClosed()
@@ -92,9 +95,9 @@ class ReadStream(_Reader):
         else:
             block_end = self._block_at + len(self._block)
             if not (self._block_at <= self._pos and self._pos + n <= block_end):
-                self._block_at = self._pos
-                self._block = bytearray(min(self._block_bytes, self.size - self._pos))
-                self._get(self._block_at, self._block)
+                block = bytearray(min(self._block_bytes, self.size - self._pos))
+                self._get(self._pos, block)
+                self._block_at, self._block = self._pos, block
             start = self._pos - self._block_at
             out[:n] = memoryview(self._block)[start:start + n]
         self._pos += n
@@ -127,6 +130,9 @@ class ReadStream(_Reader):
             raise TimeoutError(errno.ETIMEDOUT, f"reading {len(memoryview(into))} bytes at offset {offset} of "
                                f"s3://{self._bucket}/{self._key} took longer than ReadArgs.timeout_us "
                                f"({self._timeout_s} s); the read was stopped") from e
+        if self._check is not None:
+            self._check()
+            self._check = None
 
 
 class MemoryStream(_Reader):

@@ -7,12 +7,15 @@ CheckpointManager on two ranks is in test_torch_checkpointing_manager.py."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import io
 import os
+import threading
 import time
 import uuid
 import weakref
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -272,3 +275,141 @@ def test_a_read_past_its_timeout_is_stopped(s3_server, bucket):
             with pytest.raises(TimeoutError, match="timeout_us"):
                 f.readinto(into)
         assert time.monotonic() - started < 10
+
+
+def test_a_rename_into_itself_is_refused_and_loses_nothing(storage):
+    storage.mkdir(Path("a"))
+    storage.write(Path("a/f"), b"1")
+    storage.mkdir(Path("tmp_x/sub"))
+    storage.write(Path("tmp_x/sub/g"), b"2")
+    storage.write(Path("tmp_x/h"), b"3")
+    before = keys(storage)
+    for src, dst in (("a", "a/b"), ("a", "a"), ("tmp_x/sub", "x/sub"), ("tmp_x", "tmp_x"),
+                     ("tmp_x/sub", "tmp_x"), ("tmp_x/h", "x/h")):
+        with pytest.raises(OSError) as refused:
+            storage.rename(Path(src), Path(dst), is_directory=not src.endswith("/h"))
+        assert refused.value.errno == errno.EINVAL, (src, dst, refused.value)
+        assert keys(storage) == before, (src, dst)
+    assert storage.read(Path("a/f")) == b"1" and storage.read(Path("tmp_x/sub/g")) == b"2"
+
+
+def test_a_rename_onto_a_save_in_progress_is_refused_and_merges_nothing(storage):
+    storage.mkdir(Path("tmp_y"))
+    storage.write(Path("tmp_y/part_0.pt"), b"half a save")
+    storage.mkdir(Path("d"))
+    storage.write(Path("d/other.pt"), b"someone else's")
+    storage.write(Path("file"), b"f")
+    before = keys(storage)
+    with pytest.raises(FileExistsError, match="save in progress"):  # directory onto it
+        storage.rename(Path("d"), Path("y"), is_directory=True)
+    with pytest.raises(FileExistsError):  # file onto it
+        storage.rename(Path("file"), Path("y"))
+    with pytest.raises(FileNotFoundError, match="has not committed"):  # into it, under its final name
+        storage.rename(Path("d"), Path("y/sub"), is_directory=True)
+    assert keys(storage) == before
+    assert not storage.exists(Path("y")) and storage.ls(Path("tmp_y")) == ["part_0.pt"]
+    assert storage.committed(Path("/")) == []
+
+
+def _forward(source: Future, into: Future) -> None:
+    source.add_done_callback(lambda f: into.set_exception(f.exception()) if f.exception() is not None
+                             else into.set_result(f.result()))
+
+
+def test_a_checkpoint_being_deleted_is_hidden_and_a_new_save_of_its_name_is_refused(storage, monkeypatch):
+    storage.mkdir(Path("tmp_x"))
+    storage.write(Path("tmp_x/f"), b"old")
+    storage.rename(Path("tmp_x"), Path("x"), is_directory=True)
+    storage.write(Path("other"), b"o")
+    real_list, reached, gate = storage.client.list, threading.Event(), threading.Event()
+
+    def held_list(bucket, prefix, **kwargs):  # the removal's listing waits for the gate
+        if prefix == "run/x/" and not kwargs and not reached.is_set():
+            reached.set()
+            held: Future = Future()
+            threading.Thread(target=lambda: (gate.wait(30), _forward(real_list(bucket, prefix), held)),
+                             daemon=True).start()
+            return held
+        return real_list(bucket, prefix, **kwargs)
+
+    monkeypatch.setattr(storage.client, "list", held_list)
+    deleting = threading.Thread(target=storage.rmdir, args=(Path("x"),))
+    deleting.start()
+    try:
+        assert reached.wait(30)
+        assert not storage.exists(Path("x")) and not storage.exists(Path("tmp_x")) and storage.ls(Path("/")) == ["other"]
+        with pytest.raises(FileNotFoundError, match="being deleted"):
+            storage.read(Path("x/f"))
+        with pytest.raises(FileExistsError, match="being deleted"):  # before: joined it, its files then deleted
+            storage.mkdir(Path("tmp_x"))
+    finally:
+        gate.set()
+        deleting.join(30)
+    assert keys(storage) == ["run/other"]
+    storage.mkdir(Path("tmp_x"))  # once deleted, the name is free again
+    storage.write(Path("tmp_x/f"), b"new")
+    storage.rename(Path("tmp_x"), Path("x"), is_directory=True)
+    assert storage.read(Path("x/f")) == b"new"
+
+
+@pytest.mark.parametrize("spooled", [False, True])
+def test_a_write_stream_whose_directory_was_committed_meanwhile_uploads_nothing(storage, spooled):
+    if spooled:  # every byte copied past the memory bound: the spool file's upload
+        storage = S3StorageConfig(root=storage.config.root, s3=storage.config.s3, write_memory_bytes=4).create_storage()
+    storage.mkdir(Path("tmp_z"))
+    storage.write(Path("tmp_z/a"), b"first save")
+    late = storage.get_write_stream(Path("tmp_z/b"), None)  # open: the save is in progress
+    late.write(b"the other save's file")
+    storage.rename(Path("tmp_z"), Path("z"), is_directory=True)  # another job commits the name
+    with pytest.raises(FileNotFoundError, match="not a save in progress"):
+        late.close()
+    assert storage.ls(Path("z")) == ["a"] and not storage.exists(Path("z/b"))
+
+
+def _read_x_f(storage, how):
+    if how == "exists":
+        return storage.exists(Path("x/f"))
+    if how == "read":
+        return storage.read(Path("x/f"))
+    if how == "ls":
+        return storage.ls(Path("x"))
+    args = ReadArgs(known_size_bytes=7, pre_read_full_file=how == "pre-read")
+    with storage.stream_read(Path("x/f"), args) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("how, method, key", [("exists", "head", "run/x/f"), ("read", "head", "run/x/f"),
+                                              ("pre-read", "get_range_into", "run/x/f"),
+                                              ("stream", "get_range_into", "run/x/f"), ("ls", "list", "run/x/")])
+def test_a_save_staged_between_the_marker_checks_and_the_data_request_is_not_seen(storage, monkeypatch, how,
+                                                                                  method, key):
+    """Every request goes through a recorder; the data request waits for all sent before it,
+    then another job stages x and writes x/f, then it is sent: its answer shows the file, and a
+    marker check sent before it would have found no staging marker yet."""
+    writer = S3StorageConfig(root=storage.config.root, s3=storage.config.s3).create_storage()
+    client, sent, done = storage.client, [], []
+
+    def recorded(name):
+        real = getattr(client, name)
+
+        def call(bucket, target, *args, **kwargs):
+            if name == method and target == key and not done:
+                done.append(True)
+                for f in sent:  # what was asked before the data request is answered
+                    f.exception()
+                writer.mkdir(Path("tmp_x"))
+                writer.write(Path("tmp_x/f"), b"partial")
+            future = real(bucket, target, *args, **kwargs)
+            sent.append(future)
+            return future
+
+        return call
+
+    for name in ("head", "list", "get_range_into"):
+        monkeypatch.setattr(client, name, recorded(name))
+    if how == "exists":
+        assert _read_x_f(storage, how) is False
+    else:
+        with pytest.raises(FileNotFoundError, match="has not committed"):
+            _read_x_f(storage, how)
+    assert done

@@ -3,7 +3,8 @@
     1. survey      each rank scans its node's local_dir (complete copies: marker, files at their
                    sizes); the coordinator lists S3's committed steps and reads the .metadata of
                    the one S3 would give (its save id: S3's save is that step's truth). S3
-                   unreachable: the restore goes on from the nodes, with a warning
+                   unreachable: the restore goes on from the nodes, with a warning (where they
+                   hold nothing complete: S3's error, never CheckpointNotFoundError)
     2. choose      one save (step and save id), the same on every rank (holdings.choose_save):
                    the newest step the tiers together hold in full; stale copies are named once
     3. metadata    S3's where S3 committed the save (a node's copy of it is never trusted over
@@ -26,7 +27,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import (UNREACHABLE, CheckpointNotFoundError, IntegrityError, MetadataFormatError, PeerReadError,
-                      unwrap_error)
+                      S3ConnectionError, unwrap_error)
 from ..format.local import LOCAL_METADATA_NAME, rank_dir_name
 from ..loading.cooperative import node_name
 from ..loading.liveness import Watch, attempt, broadcast_bytes, gather_objects
@@ -100,20 +101,23 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         return node_name(), {key: marker for key, (marker, _) in scan(tier.dir, base, tier.step_of).items()}, s3
 
     reports = job.together(survey)
-    s3_view, s3_problem = reports[0][2]
+    s3_view, s3_problem = reports[0][2]  # s3_problem: (the error's type name, why) when S3 could not be consulted
     # this node's copies, as all its ranks found them (one rank's scan may run before another
     # rank of the node sealed its copy of the save it just made): (step, saving rank) -> (marker, dir)
     here = {key: (marker, tier.dir / tier.name(key[0]) / rank_dir_name(key[1]))
             for node, report, _ in reports if node == reports[me][0] for key, marker in report.items()}
     if s3_problem is not None:
         log.warning("restoring from the nodes' copies without S3, which could not be consulted (%s): a step "
-                    "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen", s3_problem)
+                    "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen", s3_problem[1])
     nodes = [r[0] for r in reports]
     markers = [(r[0], r[1]) for r in reports]
     excluded: set = set()  # (node, step, saving rank) of the copies found corrupt
     checked: set = set()
     while True:
         choice = choose_save(markers, s3_view, wanted=step, excluded=frozenset(excluded))
+        if choice is None and s3_view is None:  # not "not found": S3 may hold it (resuming from 0 would lose it)
+            raise _outage(s3_problem, f"the nodes hold no complete save{'' if step is None else f' of step {step}'} "
+                                      f"of {base} in {tier.dir}, and S3 could not be consulted")
         if choice is None:
             raise CheckpointNotFoundError(
                 f"no checkpoint{'' if step is None else f' at step {step}'} of {base} is held in full by the "
@@ -147,9 +151,18 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         excluded |= found
 
 
-def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | None, bytes | None, str | None]:
+def _outage(problem: tuple[str, str], what: str) -> Exception:
+    """The error for ``what`` where S3 could not be consulted (``problem``: the coordinator's
+    error's type name and text): of that type (an S3ConnectionError where it is none of
+    UNREACHABLE's), never a CheckpointNotFoundError."""
+    kind = {cls.__name__: cls for cls in UNREACHABLE}.get(problem[0], S3ConnectionError)
+    return kind(f"{what} ({problem[1]}); restore again once S3 answers")
+
+
+def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | None, bytes | None, tuple | None]:
     """What S3 holds: (view, the .metadata bytes of the step S3 would give, None), or (None, None,
-    why) when S3 cannot be reached; other errors (a refusal, a missing bucket) are raised."""
+    (the error's type name, why)) when S3 cannot be reached; other errors (a refusal, a missing
+    bucket) are raised."""
     from ..format.metadata import decode_metadata
     from ..loading.fetch import fetch_metadata_bytes
 
@@ -161,7 +174,7 @@ def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | No
         uri = tier.base.child(tier.name(target))
         data = fetch_metadata_bytes(manager.client, uri)
     except UNREACHABLE as e:
-        return None, None, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        return None, None, (type(e).__name__, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     metadata = decode_metadata(data, source=str(uri))
     return S3View(committed, {target: getattr(metadata.storage_meta, "save_id", "") or ""}), data, None
 

@@ -8,7 +8,8 @@
     2. choose      one save (step and save id), the same on every rank (holdings.choose_save):
                    the newest step the tiers together hold in full; stale copies are named once
     3. metadata    S3's where S3 committed the save (a node's copy of it is never trusted over
-                   S3's), else a node's copy of that very save (sent by a rank that has one)
+                   S3's), else a node's copy of that very save (sent by a rank that has one);
+                   none readable on any node: that save's copies are left out, and 2 runs again
     4. dcp.load    through loading/tiered.py: this node's files of that save, objects sent by
                    peers, the rest from S3; every item verified against its checksum
     5. only if that fails a checksum: the nodes' copies of the save are checked (each node's by
@@ -131,6 +132,12 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         try:
             stats = _load(tier, manager, state_dict, job, choice, nodes, markers, here, excluded,
                           s3_metadata[0] if choice.in_s3 else None, used)
+        except _NoMetadata as e:  # every rank: no copy of the save is of use, so another save is chosen
+            if me == 0:
+                log.warning("%s: its copies are not used", e)
+            excluded |= {(node, s, rank) for node, report in markers for (s, rank), m in report.items()
+                         if s == choice.step and m.save_id == choice.save_id}
+            continue
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failure = unwrap_error(e)
             failures = getattr(failure, "rank_errors", None) or {me: failure}
@@ -149,6 +156,11 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         if not found - excluded:  # no local copy is to blame: the bytes came from S3 or a peer
             raise failure
         excluded |= found
+
+
+class _NoMetadata(Exception):
+    """No node's copy of the chosen save has a readable .metadata (one not fsynced, say, after a
+    power loss), and S3 did not commit the save: its copies are of no use."""
 
 
 def _outage(problem: tuple[str, str], what: str) -> Exception:
@@ -202,9 +214,9 @@ def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, n
         data = _local_metadata(mine, choice)
         have = job.gather(data is not None)
         if not all(have):
-            if not any(have):
-                raise CheckpointNotFoundError(f"no node holds a readable {LOCAL_METADATA_NAME} of {uri} (save "
-                                              f"{choice.save_id}), and S3 cannot give it")
+            if not any(have):  # on every rank (each heard every rank's): the restore chooses again
+                raise _NoMetadata(f"no node holds a readable {LOCAL_METADATA_NAME} of {uri} (save "
+                                  f"{choice.save_id}), and S3 did not commit it")
             data = job.broadcast(data, have.index(True))
     metadata = decode_metadata(data, source=str(uri))
     used["metadata"] = metadata

@@ -352,3 +352,21 @@ def test_a_save_after_an_outage_checks_s3_s_newest_step_once_s3_answers(s3_confi
     with pytest.raises(CheckpointExistsError, match="step 5000"):
         m.save(12, _state(12))
     m.close()
+
+
+def test_a_save_whose_metadata_no_node_can_read_gives_way_to_an_older_one(s3_config, bucket, tmp_path, caplog):
+    """Step 20 is on the node only and its .metadata came back empty (copies are not fsynced: a
+    power loss): before, the restore ended with CheckpointNotFoundError though S3 holds step 10."""
+    local_dir = tmp_path / "local"
+    m = _manager(s3_config, bucket, local_dir)
+    m.save(10, _state(10))
+    m.save(20, _state(20))
+    m.close()
+    assert m.last_save_stats.stored_in == ("local",)
+    (local_dir / "step-00000020" / "rank-0" / ".metadata").write_bytes(b"")
+    out = {k: torch.zeros_like(v) for k, v in _state(10).items()}
+    m = _manager(s3_config, bucket, local_dir)
+    with caplog.at_level(logging.WARNING, logger="s3dcp"):
+        assert m.load(out) == 10
+    assert all(torch.equal(out[k], v) for k, v in _state(10).items())
+    assert "no node holds a readable .metadata" in caplog.text

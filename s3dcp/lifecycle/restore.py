@@ -48,11 +48,18 @@ class _Job:
         self.group, self.on = group, dist_on
         self.rank = 0
         self.watch = None
+        self._loads = itertools.count()  # the dcp.loads of this restore: every rank counts the same
         if dist_on:
             import torch.distributed as dist
 
             self.rank = dist.get_rank(group)
-            self.watch = Watch(group, f"s3dcp/restore/{attempt()}/{next(_restores)}/broken", "restore")
+            self.key = f"s3dcp/restore/{attempt()}/{next(_restores)}"  # the same on every rank
+            self.watch = Watch(group, f"{self.key}/broken", "restore")
+
+    def transfers_key(self) -> str:
+        """The store key of the next load's transfers watch: the same on every rank (a key that
+        differed would tell no other rank that this one broke)."""
+        return f"{self.key}/tiered/{next(self._loads)}/broken" if self.on else "s3dcp/tiered/broken"
 
     def gather(self, value: Any) -> list:
         return self._guard(lambda: gather_objects(value, self.group, self.watch)) if self.on else [value]
@@ -238,7 +245,7 @@ def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, n
     try:
         reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes, local_paths=local_paths,
                                    process_group=tier.process_group,
-                                   watch_key=f"s3dcp/tiered/{attempt()}/{choice.save_id}/{id(job)}/broken"))
+                                   watch_key=job.transfers_key()))
         state = state_dict(choice.step) if callable(state_dict) else state_dict  # see CheckpointManager.load
         dcp.load(state, storage_reader=reader, process_group=tier.process_group, no_dist=not job.on)
     finally:

@@ -17,10 +17,13 @@ log = logging.getLogger("s3dcp")
 
 def refuse_older(manager: Any, step: int) -> None:
     """Refuse ``step`` at or below the newest committed step: the bucket's when ``manager`` first
-    saves (a run started over an earlier one), then the newest it saved."""
+    saves (a run started over an earlier one; while S3 cannot be listed, each save asks again),
+    then the newest it saved."""
     if not manager._checked:  # the first save: what the bucket holds already (collective: every rank refuses, or none)
-        manager._newest, problem = manager._agreed_latest(outage_ok=manager._tiers is not None)
-        manager._checked = True
+        in_s3, problem = manager._agreed_latest(outage_ok=manager._tiers is not None)
+        manager._checked = problem is None  # S3 not consulted: the next save asks again
+        if in_s3 is not None:
+            manager._newest = in_s3 if manager._newest is None else max(manager._newest, in_s3)
         if problem is not None:
             log.warning("S3 could not be listed (%s): checkpoint step %d is saved without checking for a newer "
                         "committed step of %s; the local tier goes on, and each S3 step is tried in turn",

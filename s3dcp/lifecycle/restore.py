@@ -3,11 +3,13 @@
     1. survey      each rank scans its node's local_dir (complete copies: marker, files at their
                    sizes); the coordinator lists S3's committed steps and reads the .metadata of
                    the one S3 would give (its save id: S3's save is that step's truth). S3
-                   unreachable: the restore goes on from the nodes, with a warning
+                   unreachable: the restore goes on from the nodes, with a warning (where they
+                   hold nothing complete: S3's error, never CheckpointNotFoundError)
     2. choose      one save (step and save id), the same on every rank (holdings.choose_save):
                    the newest step the tiers together hold in full; stale copies are named once
     3. metadata    S3's where S3 committed the save (a node's copy of it is never trusted over
-                   S3's), else a node's copy of that very save (sent by a rank that has one)
+                   S3's), else a node's copy of that very save (sent by a rank that has one);
+                   none readable on any node: that save's copies are left out, and 2 runs again
     4. dcp.load    through loading/tiered.py: this node's files of that save, objects sent by
                    peers, the rest from S3; every item verified against its checksum
     5. only if that fails a checksum: the nodes' copies of the save are checked (each node's by
@@ -26,7 +28,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import (UNREACHABLE, CheckpointNotFoundError, IntegrityError, MetadataFormatError, PeerReadError,
-                      unwrap_error)
+                      S3ConnectionError, unwrap_error)
 from ..format.local import LOCAL_METADATA_NAME, rank_dir_name
 from ..loading.cooperative import node_name
 from ..loading.liveness import Watch, attempt, broadcast_bytes, gather_objects
@@ -46,11 +48,18 @@ class _Job:
         self.group, self.on = group, dist_on
         self.rank = 0
         self.watch = None
+        self._loads = itertools.count()  # the dcp.loads of this restore: every rank counts the same
         if dist_on:
             import torch.distributed as dist
 
             self.rank = dist.get_rank(group)
-            self.watch = Watch(group, f"s3dcp/restore/{attempt()}/{next(_restores)}/broken", "restore")
+            self.key = f"s3dcp/restore/{attempt()}/{next(_restores)}"  # the same on every rank
+            self.watch = Watch(group, f"{self.key}/broken", "restore")
+
+    def transfers_key(self) -> str:
+        """The store key of the next load's transfers watch: the same on every rank (a key that
+        differed would tell no other rank that this one broke)."""
+        return f"{self.key}/tiered/{next(self._loads)}/broken" if self.on else "s3dcp/tiered/broken"
 
     def gather(self, value: Any) -> list:
         return self._guard(lambda: gather_objects(value, self.group, self.watch)) if self.on else [value]
@@ -100,20 +109,23 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         return node_name(), {key: marker for key, (marker, _) in scan(tier.dir, base, tier.step_of).items()}, s3
 
     reports = job.together(survey)
-    s3_view, s3_problem = reports[0][2]
+    s3_view, s3_problem = reports[0][2]  # s3_problem: (the error's type name, why) when S3 could not be consulted
     # this node's copies, as all its ranks found them (one rank's scan may run before another
     # rank of the node sealed its copy of the save it just made): (step, saving rank) -> (marker, dir)
     here = {key: (marker, tier.dir / tier.name(key[0]) / rank_dir_name(key[1]))
             for node, report, _ in reports if node == reports[me][0] for key, marker in report.items()}
     if s3_problem is not None:
         log.warning("restoring from the nodes' copies without S3, which could not be consulted (%s): a step "
-                    "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen", s3_problem)
+                    "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen", s3_problem[1])
     nodes = [r[0] for r in reports]
     markers = [(r[0], r[1]) for r in reports]
     excluded: set = set()  # (node, step, saving rank) of the copies found corrupt
     checked: set = set()
     while True:
         choice = choose_save(markers, s3_view, wanted=step, excluded=frozenset(excluded))
+        if choice is None and s3_view is None:  # not "not found": S3 may hold it (resuming from 0 would lose it)
+            raise _outage(s3_problem, f"the nodes hold no complete save{'' if step is None else f' of step {step}'} "
+                                      f"of {base} in {tier.dir}, and S3 could not be consulted")
         if choice is None:
             raise CheckpointNotFoundError(
                 f"no checkpoint{'' if step is None else f' at step {step}'} of {base} is held in full by the "
@@ -127,6 +139,12 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         try:
             stats = _load(tier, manager, state_dict, job, choice, nodes, markers, here, excluded,
                           s3_metadata[0] if choice.in_s3 else None, used)
+        except _NoMetadata as e:  # every rank: no copy of the save is of use, so another save is chosen
+            if me == 0:
+                log.warning("%s: its copies are not used", e)
+            excluded |= {(node, s, rank) for node, report in markers for (s, rank), m in report.items()
+                         if s == choice.step and m.save_id == choice.save_id}
+            continue
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failure = unwrap_error(e)
             failures = getattr(failure, "rank_errors", None) or {me: failure}
@@ -147,9 +165,23 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
         excluded |= found
 
 
-def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | None, bytes | None, str | None]:
+class _NoMetadata(Exception):
+    """No node's copy of the chosen save has a readable .metadata (one not fsynced, say, after a
+    power loss), and S3 did not commit the save: its copies are of no use."""
+
+
+def _outage(problem: tuple[str, str], what: str) -> Exception:
+    """The error for ``what`` where S3 could not be consulted (``problem``: the coordinator's
+    error's type name and text): of that type (an S3ConnectionError where it is none of
+    UNREACHABLE's), never a CheckpointNotFoundError."""
+    kind = {cls.__name__: cls for cls in UNREACHABLE}.get(problem[0], S3ConnectionError)
+    return kind(f"{what} ({problem[1]}); restore again once S3 answers")
+
+
+def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | None, bytes | None, tuple | None]:
     """What S3 holds: (view, the .metadata bytes of the step S3 would give, None), or (None, None,
-    why) when S3 cannot be reached; other errors (a refusal, a missing bucket) are raised."""
+    (the error's type name, why)) when S3 cannot be reached; other errors (a refusal, a missing
+    bucket) are raised."""
     from ..format.metadata import decode_metadata
     from ..loading.fetch import fetch_metadata_bytes
 
@@ -161,7 +193,7 @@ def _s3_survey(manager: Any, tier: Any, wanted: int | None) -> tuple[S3View | No
         uri = tier.base.child(tier.name(target))
         data = fetch_metadata_bytes(manager.client, uri)
     except UNREACHABLE as e:
-        return None, None, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        return None, None, (type(e).__name__, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     metadata = decode_metadata(data, source=str(uri))
     return S3View(committed, {target: getattr(metadata.storage_meta, "save_id", "") or ""}), data, None
 
@@ -189,9 +221,9 @@ def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, n
         data = _local_metadata(mine, choice)
         have = job.gather(data is not None)
         if not all(have):
-            if not any(have):
-                raise CheckpointNotFoundError(f"no node holds a readable {LOCAL_METADATA_NAME} of {uri} (save "
-                                              f"{choice.save_id}), and S3 cannot give it")
+            if not any(have):  # on every rank (each heard every rank's): the restore chooses again
+                raise _NoMetadata(f"no node holds a readable {LOCAL_METADATA_NAME} of {uri} (save "
+                                  f"{choice.save_id}), and S3 did not commit it")
             data = job.broadcast(data, have.index(True))
     metadata = decode_metadata(data, source=str(uri))
     used["metadata"] = metadata
@@ -213,7 +245,7 @@ def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, n
     try:
         reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes, local_paths=local_paths,
                                    process_group=tier.process_group,
-                                   watch_key=f"s3dcp/tiered/{attempt()}/{choice.save_id}/{id(job)}/broken"))
+                                   watch_key=job.transfers_key()))
         state = state_dict(choice.step) if callable(state_dict) else state_dict  # see CheckpointManager.load
         dcp.load(state, storage_reader=reader, process_group=tier.process_group, no_dist=not job.on)
     finally:

@@ -1,7 +1,7 @@
 """The local tier when one rank fails (issue 38, row 7), on 4 gloo ranks as two simulated nodes
 (``GROUP_RANK`` per rank, as torchrun sets it), against the real server:
 
-- a rank SIGKILLed mid-transfer of a restore: every survivor fails within seconds, not at the
+- a rank SIGKILLed (or raising) mid-transfer of a restore: every survivor fails within seconds, not at the
   group's timeout (before: the senders waited forever);
 - a local commit that fails on one rank (ENOSPC writing ``.metadata``): every rank says the same
   of the step — in S3 with its local copy failed on rank 1, or, kept on the nodes only, dropped
@@ -69,6 +69,43 @@ def test_a_rank_killed_mid_transfer_ends_every_rank_s_restore_within_seconds(s3_
         assert "error" in outcome, (r, outcome)
         assert after < BOUND_S, f"rank {r} failed {after:.1f} s after the kill: {outcome}"
         print(f"rank {r}: {outcome['error']} {after:.1f} s after the kill: {outcome['message'][:120]!r}")
+
+
+class _Ballast:
+    pass
+
+
+def _raising_mid_transfer(rank, world, port, outdir, uri, root, cfg):
+    """As :func:`_killed_mid_transfer`, but rank 0 raises as it posts its send and lives on: only
+    the transfers' watch key (in the group's store) tells rank 2, which waits for its object."""
+    from pathlib import Path
+
+    from killed_rank import write_atomically
+
+    joined(rank, world, port, outdir, GROUP_TIMEOUT_S)
+    c = _ctx(rank, world, uri, root, cfg)
+    if rank == 0:
+        def failing_send(*args, **kwargs):
+            write_atomically(Path(outdir, "killed"), str(time.time()).encode())  # when it failed
+            raise RuntimeError("the send failed")
+
+        dist.isend = failing_send
+        # ranks forked from one parent can share heap addresses; torchrun's ranks do not
+        ballast = [_Ballast() for _ in range(20000)]  # noqa: F841 - rank 0's heap differs, as theirs would
+    report(outdir, rank, c.load(c.manager(replicas=0)))
+    stay()
+
+
+def test_a_rank_raising_mid_transfer_ends_every_rank_s_restore_within_seconds(s3_config, bucket, tmp_path):
+    """Before, each rank's transfers watched a key of its own (it held ``id()`` of an object):
+    rank 2 never heard that rank 0 broke and waited for the group's timeout."""
+    uri, root = f"s3://{bucket}/run", str(tmp_path / "local")
+    run_jobs(tmp_path / "setup", Job("setup", _setup, 4, (uri, root, s3_config)))
+    with KilledJob(_raising_mid_transfer, 4, tmp_path / "raising", (uri, root, s3_config)) as job:
+        results, logs = job.survivors([0, 1, 2, 3], BOUND_S)
+    assert sorted(results) == [0, 1, 2, 3], f"ranks still waiting {BOUND_S} s after rank 0 failed\n{logs}"
+    for r, (outcome, after) in results.items():  # rank 0's own error, heard through the store
+        assert "the send failed" in outcome.get("message", "") and after < BOUND_S, (r, outcome, after)
 
 
 # ---------------------------------------------------------------------------------------------

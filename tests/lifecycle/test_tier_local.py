@@ -314,3 +314,59 @@ def test_a_step_s3_cannot_take_is_kept_on_the_node_and_said_so(s3_server, s3_con
     assert [i.step for i in m.list() if i.committed] == [20]
     assert m.load(out, step=10) == 10 and all(torch.equal(out[k], v) for k, v in _state(10).items())
     assert m.last_load_stats["tier"] == "local"
+
+
+def test_an_outage_with_nothing_complete_on_the_nodes_is_s3_s_error_not_a_fresh_start(s3_config, bucket, tmp_path):
+    """S3 holds step 5000 but cannot be reached, and the nodes hold no complete save: before, a
+    CheckpointNotFoundError, which the documented resume (``except CheckpointNotFoundError:
+    start = 0``) turned into a silent fresh start."""
+    from s3dcp.errors import CheckpointNotFoundError, S3ConnectionError
+
+    m = _manager(s3_config, bucket, tmp_path / "other")
+    m.save(5000, _state(1))
+    m.close()
+    dead = s3_config.replace(endpoint_url="http://127.0.0.1:9", max_retries=0, connect_timeout_s=1)
+    m = CheckpointManager(f"s3://{bucket}/run", config=dead, local_dir=tmp_path / "local", async_mode=False)
+    with pytest.raises(S3ConnectionError, match="the nodes hold no complete save .* S3 could not be consulted") as e:
+        m.load(_state(0))
+    assert not isinstance(e.value, CheckpointNotFoundError)
+
+
+def test_a_save_after_an_outage_checks_s3_s_newest_step_once_s3_answers(s3_config, bucket, tmp_path, monkeypatch):
+    """The first save ran while S3 could not be listed: before, the check was marked done for
+    good, so a later save below S3's newest step (another run's 5000) went ahead beside it."""
+    from s3dcp.errors import CheckpointExistsError, S3ConnectionError
+
+    other = _manager(s3_config, bucket, tmp_path / "other")
+    other.save(5000, _state(1))
+    other.close()
+    m = _manager(s3_config, bucket, tmp_path / "local")
+    listing = m._latest_local
+
+    def unreachable():
+        raise S3ConnectionError("connection refused")
+
+    monkeypatch.setattr(m, "_latest_local", unreachable)
+    m.save(11, _state(11))  # S3 could not be listed: saved without the check
+    monkeypatch.setattr(m, "_latest_local", listing)
+    with pytest.raises(CheckpointExistsError, match="step 5000"):
+        m.save(12, _state(12))
+    m.close()
+
+
+def test_a_save_whose_metadata_no_node_can_read_gives_way_to_an_older_one(s3_config, bucket, tmp_path, caplog):
+    """Step 20 is on the node only and its .metadata came back empty (copies are not fsynced: a
+    power loss): before, the restore ended with CheckpointNotFoundError though S3 holds step 10."""
+    local_dir = tmp_path / "local"
+    m = _manager(s3_config, bucket, local_dir)
+    m.save(10, _state(10))
+    m.save(20, _state(20))
+    m.close()
+    assert m.last_save_stats.stored_in == ("local",)
+    (local_dir / "step-00000020" / "rank-0" / ".metadata").write_bytes(b"")
+    out = {k: torch.zeros_like(v) for k, v in _state(10).items()}
+    m = _manager(s3_config, bucket, local_dir)
+    with caplog.at_level(logging.WARNING, logger="s3dcp"):
+        assert m.load(out) == 10
+    assert all(torch.equal(out[k], v) for k, v in _state(10).items())
+    assert "no node holds a readable .metadata" in caplog.text

@@ -156,6 +156,7 @@ class CheckpointManager:
         self._bases_in_use: dict[int, int] = {}  # step of a save in flight -> step of its base
         self._doomed = Doomed()  # steps retention chose to delete: never a base again
         self._newest: int | None = None  # newest committed step known (the bucket's at the first save, ours)
+        self._newest_in_s3: int | None = None  # of those, the newest in S3: a load() goes back to it (a rollback)
         self._checked = False  # whether the first save asked the bucket for its newest step
         self.last_load_stats: dict | None = None  # of the last load(): step, tier, bytes per tier
         self._tiers: LocalTier | None = None
@@ -334,6 +335,8 @@ class CheckpointManager:
                 self._tiers.tell(step, self.uri(step), outcome)
         with self._lock:
             self._newest = step if self._newest is None else max(self._newest, step)
+            if "s3" in stats.stored_in:
+                self._newest_in_s3 = step if self._newest_in_s3 is None else max(self._newest_in_s3, step)
         self.last_save_stats = stats
         record_committed(stats)  # s3dcp.last_save_stats()
         return stats.stored_in
@@ -397,6 +400,8 @@ class CheckpointManager:
                 step, self.last_load_stats = self._tiers.restore(self, state_dict, step)
             except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 raise self._unwrapped(e)
+            with self._lock:  # a rollback may save again the steps kept on the nodes only (docs/restart.md)
+                self._newest = self._newest_in_s3
             return step
         if step is None:
             step = self.latest()

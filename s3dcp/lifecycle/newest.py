@@ -24,6 +24,7 @@ def refuse_older(manager: Any, step: int) -> None:
         manager._checked = problem is None  # S3 not consulted: the next save asks again
         if in_s3 is not None:
             manager._newest = in_s3 if manager._newest is None else max(manager._newest, in_s3)
+            manager._newest_in_s3 = in_s3 if manager._newest_in_s3 is None else max(manager._newest_in_s3, in_s3)
         if problem is not None:
             log.warning("S3 could not be listed (%s): checkpoint step %d is saved without checking for a newer "
                         "committed step of %s; the local tier goes on, and each S3 step is tried in turn",

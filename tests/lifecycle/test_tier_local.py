@@ -283,6 +283,26 @@ def test_each_save_and_each_restore_says_in_one_info_line_where_it_went(s3_confi
         said["plain restore"][0]), said
 
 
+def test_the_same_manager_rolls_back_over_steps_kept_on_the_nodes_only(s3_config, bucket, tmp_path):
+    """docs/restart.md's rollback with one manager: steps 1 (S3) and 2 (the nodes only) saved, back
+    to 1, step 2 saved again (before: CheckpointExistsError for step 2, as if S3 held it); without
+    a load first, an older step is still refused, and S3's newest always is."""
+    from s3dcp.errors import CheckpointExistsError
+
+    m = _manager(s3_config, bucket, tmp_path / "local")
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    with pytest.raises(CheckpointExistsError, match="at step 2"):
+        m.save(2, _state(20))  # no load first: not a rollback
+    assert m.load(_state(0), step=1) == 1
+    with pytest.raises(CheckpointExistsError, match="at step 1"):
+        m.save(1, _state(10))  # S3's newest
+    m.save(2, _state(20))
+    out = _state(0)
+    assert m.load(out) == 2 and all(torch.equal(out[k], v) for k, v in _state(20).items())
+    m.close()
+
+
 @pytest.mark.parametrize("fails", ["the data upload", "the commit"])
 def test_a_step_s3_cannot_take_is_kept_on_the_node_and_said_so(s3_server, s3_config, bucket, tmp_path, fails,
                                                               caplog):

@@ -42,9 +42,10 @@ _restores = itertools.count()  # this process's restores: every rank counts the 
 
 
 class _Job:
-    """The restore's collectives over ``group`` (None: no torch.distributed), each bounded."""
+    """The restore's collectives over ``group`` (None: no torch.distributed), each bounded;
+    ``also``: the groups of DCP's collectives that follow (their timeout shortened when it breaks)."""
 
-    def __init__(self, group: Any, dist_on: bool) -> None:
+    def __init__(self, group: Any, dist_on: bool, also: tuple = ()) -> None:
         self.group, self.on = group, dist_on
         self.rank = 0
         self.watch = None
@@ -54,7 +55,7 @@ class _Job:
 
             self.rank = dist.get_rank(group)
             self.key = f"s3dcp/restore/{attempt()}/{next(_restores)}"  # the same on every rank
-            self.watch = Watch(group, f"{self.key}/broken", "restore")
+            self.watch = Watch(group, f"{self.key}/broken", "restore", also=also)
 
     def transfers_key(self) -> str:
         """The store key of the next load's transfers watch: the same on every rank (a key that
@@ -96,7 +97,8 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
     the dict it gives for that step); return the step and the load's figures (see
     :attr:`CheckpointManager.last_load_stats`)."""
     started = time.perf_counter()
-    job = _Job(tier.process_group, _dist_on())
+    sync = tier.job()  # its gloo group: the job's own may be NCCL's, which carries no CPU tensors
+    job = _Job(sync.group if sync is not None else None, sync is not None, also=(tier.process_group,))
     me, base = job.rank, str(tier.base)
 
     s3_metadata: list = [None]  # the coordinator's: the .metadata of the step S3 would give
@@ -244,7 +246,7 @@ def _load(tier: Any, manager: Any, state_dict: Any, job: _Job, choice: Choice, n
                           uri.key(LOCAL_METADATA_NAME))
     try:
         reader = ours(TieredReader(str(uri), client=client, holders=holders, node_of=nodes, local_paths=local_paths,
-                                   process_group=tier.process_group,
+                                   process_group=tier.process_group, transfer_group=job.group,
                                    watch_key=job.transfers_key()))
         state = state_dict(choice.step) if callable(state_dict) else state_dict  # see CheckpointManager.load
         dcp.load(state, storage_reader=reader, process_group=tier.process_group, no_dist=not job.on)

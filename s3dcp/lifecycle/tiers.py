@@ -103,17 +103,24 @@ class LocalTier:
     def replicas(self):
         return self.sync.replicas if self.sync is not None else None
 
+    def job(self) -> Any:
+        """The job's layout (:class:`~s3dcp.lifecycle.tier_sync.TierSync`; None without
+        torch.distributed): learned by the first save or restore, collectively, on every rank.
+        Its gloo group carries the tier's own collectives whatever the job's backend (NCCL's
+        carries no CPU tensors)."""
+        if self.sync is None and _dist_on():
+            from .tier_sync import TierSync
+
+            self.sync = TierSync(self.process_group, replicas=bool(self.replicas_wanted))
+        return self.sync
+
     # ------------------------------------------------------------------ save
     def begin_save(self, step: int, state_dict: dict) -> tuple[LocalCopy, bool]:
         """The local copy for ``step`` (``state_dict``: flattened, as DCP saves it) and whether it
         also goes to S3. Room is made for it now; where there is none, a step that also goes to
         S3 is saved there alone (a warning), and a local-only one fails on every rank (the copy
         carries the refusal, raised in write_data, which DCP spreads)."""
-        if self.sync is None and _dist_on():
-            from .tier_sync import TierSync
-
-            self.sync = TierSync(self.process_group, replicas=bool(self.replicas_wanted))
-        elif self.sync is None and self.replicas_wanted and self._begun == 0:
+        if self.job() is None and self.replicas_wanted and self._begun == 0:
             log.warning("local_replicas=1 in a process without torch.distributed: there is no other node to "
                         "hold a replica, so none is kept")
         to_s3 = self._force_s3 or self._begun >= self._next_s3

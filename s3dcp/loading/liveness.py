@@ -46,12 +46,14 @@ def attempt() -> str:
 class Watch:
     """The waits of one cooperative load (or another exchange: ``what`` names it in messages) on
     ``group`` (``None``: the default group), ``key`` naming it in the group's store (the same on
-    every rank)."""
+    every rank). ``also``: other groups whose collectives follow these waits (DCP's, where the
+    waits run on a group of their own); their timeout is shortened too when the group breaks."""
 
-    def __init__(self, group: Any, key: str, what: str = "cooperative load") -> None:
+    def __init__(self, group: Any, key: str, what: str = "cooperative load", also: tuple = ()) -> None:
         import torch.distributed as dist
 
         self.pg = group if group is not None else dist.group.WORLD
+        self.also = [g if g is not None else dist.group.WORLD for g in also]
         self.key = key
         self.what = what
         try:
@@ -112,10 +114,11 @@ class Watch:
                 self.store.set(self.key, f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
             except Exception:  # noqa: BLE001 - the store went with the dead rank: its peers see that
                 pass
-        try:
-            self.pg.set_timeout(datetime.timedelta(seconds=BROKEN_TIMEOUT_S))
-        except Exception:  # noqa: BLE001 - a backend without it keeps the group's own timeout
-            pass
+        for pg in (self.pg, *self.also):
+            try:
+                pg.set_timeout(datetime.timedelta(seconds=BROKEN_TIMEOUT_S))
+            except Exception:  # noqa: BLE001 - a backend without it keeps the group's own timeout
+                pass
 
 
 def gather_objects(value: Any, group: Any, watch: Watch) -> list:

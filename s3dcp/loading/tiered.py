@@ -186,13 +186,16 @@ def plan_sources(needs: Sequence[set[str]], sizes: dict[str, int], node_of: Sequ
 class TieredReader(S3StorageReader):
     """An S3StorageReader over a :class:`TieredClient` (see the module docstring). ``holders``:
     object -> ranks whose node holds an intact copy (every rank passes the same); ``node_of``:
-    each rank's node; ``local_paths``: object -> this node's file of it; ``watch_key``: names
+    each rank's node; ``local_paths``: object -> this node's file of it; ``transfer_group``: the
+    group the transfers go over (default ``process_group``); ``watch_key``: names
     this load in the group's store (the same on every rank, new for every load)."""
 
     def __init__(self, path: str, *, client: TieredClient, holders: dict[str, set[int]], node_of: Sequence[str],
-                 local_paths: dict[str, Path], process_group: Any = None, watch_key: str = "s3dcp/tiered/broken",
-                 **kwargs: Any) -> None:
+                 local_paths: dict[str, Path], process_group: Any = None, transfer_group: Any = None,
+                 watch_key: str = "s3dcp/tiered/broken", **kwargs: Any) -> None:
         super().__init__(path, client=client, config=client.config, process_group=process_group, **kwargs)
+        # the peer transfers' group (CPU tensors: gloo), the same ranks in the same order as DCP's
+        self.transfer_group = transfer_group if transfer_group is not None else process_group
         self.watch_key = watch_key
         self.holders = holders
         self.node_of = list(node_of)
@@ -226,7 +229,7 @@ class TieredReader(S3StorageReader):
     def _transfer(self, transfers: Transfers) -> None:
         import torch.distributed as dist
 
-        ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None else None
+        ranks = dist.get_process_group_ranks(self.transfer_group) if self.transfer_group is not None else None
 
         def global_rank(r: int) -> int:
             return ranks[r] if ranks is not None else r
@@ -240,10 +243,10 @@ class TieredReader(S3StorageReader):
             error = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             error = e
-        watch = Watch(self.process_group, self.watch_key, "restore from the nodes")
-        failed = torch.tensor([0 if error is None else dist.get_rank(self.process_group) + 1], dtype=torch.int64)
+        watch = Watch(self.transfer_group, self.watch_key, "restore from the nodes", also=(self.process_group,))
+        failed = torch.tensor([0 if error is None else dist.get_rank(self.transfer_group) + 1], dtype=torch.int64)
         try:
-            watch.wait([dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)])
+            watch.wait([dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.transfer_group, async_op=True)])
         except BaseException as e:
             watch.broke(e)
             raise
@@ -255,11 +258,11 @@ class TieredReader(S3StorageReader):
         try:
             work = []
             for data, to in outgoing:
-                work += [dist.isend(data[i:i + _CHUNK], global_rank(to), group=self.process_group)
+                work += [dist.isend(data[i:i + _CHUNK], global_rank(to), group=self.transfer_group)
                          for i in range(0, data.numel(), _CHUNK)]
             for name, data, sender in incoming:
                 self.client.add_received(name, data)
-                work += [dist.irecv(data[i:i + _CHUNK], global_rank(sender), group=self.process_group)
+                work += [dist.irecv(data[i:i + _CHUNK], global_rank(sender), group=self.transfer_group)
                          for i in range(0, data.numel(), _CHUNK)]
             watch.wait(work)  # the mapped files (outgoing) stay referenced until every send is done
         except BaseException as e:

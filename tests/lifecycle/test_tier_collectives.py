@@ -42,7 +42,8 @@ def _worker(rank: int, world: int, directory: str) -> dict:
     out["together_ok"] = _outcome(lambda: _Job(None, True).together(lambda: rank * 2))
 
     received = {}
-    reader = SimpleNamespace(process_group=None, client=SimpleNamespace(add_received=received.__setitem__),
+    reader = SimpleNamespace(process_group=None, transfer_group=None,
+                             client=SimpleNamespace(add_received=received.__setitem__),
                              local_paths={"obj": Path(directory) / "obj"}, watch_key="s3dcp/test/broken")
     send = Transfers(send=(("obj", 1000, 1),), agree=True)
     receive = Transfers(receive=(("obj", 1000, 0),), agree=True)

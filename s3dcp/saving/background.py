@@ -49,13 +49,21 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
     error; ``where`` is the checkpoint."""
     future: Future = Future()
     future.set_running_or_notify_cancel()
-    _hold_optimizer_steps()
-    with _LOCK:
-        _IN_FLIGHT.add(lease)
     args = (copies, guard, lease, staged, future, names, where)
-    if not _WORKER.submit(lambda: _run(*args)):  # no thread to be had (a process at its limit)
-        log.warning("could not start s3dcp's staging thread; staging on the training thread", exc_info=True)
+    failure: BaseException | None = None
+    try:
+        _hold_optimizer_steps()
+        with _LOCK:
+            _IN_FLIGHT.add(lease)
+        queued = _WORKER.submit(lambda: _run(*args))  # False: no thread to be had (a process at its limit)
+    except BaseException as e:  # noqa: BLE001 - the lease must land: one left in _IN_FLIGHT holds every step for ever
+        queued, failure = False, e
+    if not queued:  # _run lands the lease and takes it out of _IN_FLIGHT
+        log.warning("could not start s3dcp's staging thread (%s); staging on the training thread",
+                    "no thread to be had" if failure is None else f"{type(failure).__name__}: {failure}")
         _run(*args)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt, SystemExit: still the caller's, once the stage has landed
     return future
 
 

@@ -203,6 +203,30 @@ def test_an_optimizer_step_that_did_not_wait_is_held_until_staging_completes(buc
     assert not torch.equal(model.weight, expected["model.weight"])  # the step did run, after the copy
 
 
+@pytest.mark.parametrize("failure", [ValueError("no queue"), MemoryError()])
+def test_a_staging_thread_that_fails_to_start_stages_on_the_training_thread_and_holds_no_step(config, monkeypatch,
+                                                                                              failure):
+    """Any failure to hand the stage to the staging thread (not only Thread.start's RuntimeError):
+    the stage runs on the caller's thread and lands, and no lease is left for the optimizer's
+    step pre-hook to wait on for ever."""
+    def submit(job):
+        raise failure
+
+    monkeypatch.setattr(background._WORKER, "submit", submit)
+    state = {"w": torch.arange(MiB, dtype=torch.float32)}
+    writer = S3StorageWriter("s3://bucket/no-thread", config=config, pool=HostBufferPool())
+    staged = writer.stage(state).result(timeout=0)  # landed before stage() returned
+    assert torch.equal(staged["w"], state["w"]) and writer._lease.error is None
+    assert not background._IN_FLIGHT
+    model = torch.nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    stepped = threading.Thread(target=torch.optim.SGD(model.parameters(), lr=0.1).step, daemon=True)
+    stepped.start()
+    stepped.join(10)
+    assert not stepped.is_alive()  # the step pre-hook found nothing to wait for
+    writer._lease.release()
+
+
 def test_a_loop_that_waits_for_staging_saves_bitwise_the_state_of_each_save(bucket, config):
     """A training loop (forward, backward, AdamW step) with the manager staging in the
     background and waiting before each optimizer step: every checkpoint is the state of its step."""

@@ -28,6 +28,7 @@ must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -71,7 +72,7 @@ class _Worker:
     """The process's staging thread: background stages, one after the other, handed over through
     a queue (``Thread.start`` waits until the new thread runs, milliseconds of the stall on a busy
     machine, so the thread is started once and kept). It holds nothing between two stages. A
-    forked child starts a thread (and a queue) of its own."""
+    forked child starts a thread (and a queue) of its own (:func:`_after_fork_in_child`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -157,6 +158,20 @@ def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             log.debug("an optimizer step waits for background staging to complete")
             lease.landed.wait()
     return None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's stages: their jobs run on the parent's staging
+    thread only, so their leases would never land here and hold every optimizer step of the
+    child for ever; a lock another thread of the parent held is held for ever too."""
+    global _LOCK, _WORKER
+    _LOCK = threading.Lock()
+    _IN_FLIGHT.clear()
+    _WORKER = _Worker()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _seam(phase: str) -> Any:

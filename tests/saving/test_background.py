@@ -426,3 +426,30 @@ def test_a_forked_child_stages_in_the_background_after_its_parent_did(config):
     writer.stage({"w": torch.randn(MiB)}).result(timeout=30)
     writer._lease.release()
     assert_forked_child_says_true(_stage_in_background_in_child, config, {"w": torch.arange(MiB, dtype=torch.float32)})
+
+
+def _step_in_child(queue):
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    before = model.weight.detach().clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # the parent's stage in flight is not the child's
+    queue.put(not torch.equal(model.weight, before) and not background._IN_FLIGHT)
+
+
+def test_a_child_forked_while_its_parent_stages_takes_optimizer_steps(config, monkeypatch):
+    """A child forked while a background stage of its parent is in flight inherits neither that
+    stage nor the locks of the parent's threads: its optimizer steps do not wait for a copy that
+    runs only in the parent."""
+    hold = _Hold(monkeypatch, "copying")
+    writer = S3StorageWriter("s3://bucket/parent-in-flight", config=config, pool=HostBufferPool())
+    state = {"w": torch.arange(MiB, dtype=torch.float32)}
+    future = writer.stage(state)
+    try:
+        assert hold.reached.wait(30)
+        assert background._IN_FLIGHT  # the parent's stage is in flight when the child is forked
+        assert_forked_child_says_true(_step_in_child)
+    finally:
+        hold.go()
+    assert torch.equal(future.result(timeout=30)["w"], state["w"]) and writer._lease.error is None
+    writer._lease.release()

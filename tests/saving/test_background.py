@@ -453,3 +453,28 @@ def test_a_child_forked_while_its_parent_stages_takes_optimizer_steps(config, mo
         hold.go()
     assert torch.equal(future.result(timeout=30)["w"], state["w"]) and writer._lease.error is None
     writer._lease.release()
+
+
+def test_a_torn_save_by_a_writer_driven_outside_dcps_save_gives_its_arena_back(bucket, config, monkeypatch):
+    """write_data raises the torn error before it uploads; a lease attached to no DCP save call
+    (the writer driven by hand) must still end there, or with max_inflight_checkpoints=1 the
+    next stage() waits for its arena for ever."""
+    from s3dcp.saving import lease as lease_module
+
+    monkeypatch.setattr(lease_module._SaveCall, "of_caller", classmethod(lambda cls: None))
+    hold = _Hold(monkeypatch, "copied")
+    pool = HostBufferPool()
+    state = _state()
+    writer = S3StorageWriter(f"s3://{bucket}/by-hand", config=config, pool=pool)
+    stage, kept = writer.stage, []
+    writer.stage = lambda state_dict: kept.append(stage(state_dict)) or kept[-1]  # the staged dict stays alive
+    response = dcp.async_save(state, storage_writer=writer)
+    assert hold.reached.wait(30)
+    state["model"]["layer1.weight"].add_(1)
+    hold.go()
+    with pytest.raises(BaseException) as info:
+        response.upload_completion.result(timeout=60)
+    assert isinstance(s3dcp.unwrap_error(info.value), TornCheckpointError), info.value
+    assert not writer._lease.attached
+    assert kept[0].result(timeout=0) is not None
+    assert pool._in_use == 0  # given back at once, not when the staged dict is collected

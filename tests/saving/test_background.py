@@ -478,3 +478,20 @@ def test_a_torn_save_by_a_writer_driven_outside_dcps_save_gives_its_arena_back(b
     assert not writer._lease.attached
     assert kept[0].result(timeout=0) is not None
     assert pool._in_use == 0  # given back at once, not when the staged dict is collected
+
+
+def test_a_torn_copy_whose_names_cannot_be_given_is_still_the_error_naming_tensors_by_index():
+    """names() fails (a staged tree it cannot walk): the check still returns the torn error,
+    with the changed tensors named by their index, instead of raising names()' error."""
+    from s3dcp.saving.guard import TornGuard
+
+    sources = [torch.zeros(4), torch.zeros(4)]
+    guard = TornGuard(sources, sources, [0, 1])
+    sources[1].add_(1)
+
+    def names():
+        raise KeyError("no path")
+
+    error = guard.check(names, "s3://bucket/ckpt")
+    assert isinstance(error, TornCheckpointError)
+    assert "s3://bucket/ckpt: #1 changed" in str(error) and error.names == []

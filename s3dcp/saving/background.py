@@ -14,7 +14,9 @@ collective on this rank alone, and the other ranks would wait for it until their
 
 An optimizer step taken while a background stage still copies waits for it: one global step
 pre-hook of ``torch.optim`` (registered at the first background stage, kept for the process)
-holds every ``Optimizer.step`` until the stages in flight have landed. The loop should wait
+holds every ``Optimizer.step`` until the stages in flight have landed (a step given a
+``closure``, as Lightning's, once the closure has run: forward and backward overlap the copy;
+a ``torch.optim`` step calls its closure before it writes). The loop should wait
 itself (``staging_completion``, ``CheckpointManager.wait_staged()``): the hook is the net for
 the step that did not, and it covers what the version counters do not see: a fused optimizer's
 writes, and a foreach one's on DTensors (FSDP2), bump none (saving/guard.py).
@@ -149,15 +151,33 @@ def _hold_optimizer_steps() -> None:
             _HOOKED.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
-def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Every ``torch.optim`` step: wait until the background stages in flight have landed."""
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> tuple | None:
+    """Every ``torch.optim`` step: wait until the background stages in flight have landed.
+
+    A step given a ``closure`` (Lightning's automatic optimization: forward and backward run
+    inside it) waits after the closure instead, so that they overlap the copy: the step gets a
+    closure that runs the caller's, then waits (``torch.optim`` runs the closure before it
+    writes a parameter)."""
+    closure = kwargs.get("closure")
+    if closure is None:
+        _wait_for_stages()
+        return None
+
+    def closure_then_wait() -> Any:
+        loss = closure()
+        _wait_for_stages()
+        return loss
+
+    return args, {**kwargs, "closure": closure_then_wait}
+
+
+def _wait_for_stages() -> None:
     with _LOCK:
         waiting = list(_IN_FLIGHT)
     for lease in waiting:
         if not lease.landed.is_set():
             log.debug("an optimizer step waits for background staging to complete")
             lease.landed.wait()
-    return None
 
 
 def _after_fork_in_child() -> None:

@@ -203,6 +203,38 @@ def test_an_optimizer_step_that_did_not_wait_is_held_until_staging_completes(buc
     assert not torch.equal(model.weight, expected["model.weight"])  # the step did run, after the copy
 
 
+def test_a_step_given_a_closure_runs_it_while_staging_copies_and_waits_before_it_writes(bucket, config,
+                                                                                        monkeypatch):
+    """optimizer.step(closure=...) (Lightning's automatic optimization): the forward and backward
+    in the closure run while the stage still copies; the step's writes wait for the copy."""
+    hold = _Hold(monkeypatch, "copying")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict()}
+    expected = _snapshot(state)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/closure", config=config))
+    assert hold.reached.wait(30)
+    ran = []
+
+    def closure():
+        optim.zero_grad()
+        loss = model(torch.randn(4, 512)).sum()
+        loss.backward()
+        ran.append(response.staging_completion.done())
+        hold.go()  # the copy goes on only once the closure has run: a wait before it would never end
+        return loss
+
+    stepping = threading.Thread(target=optim.step, kwargs={"closure": closure}, daemon=True)
+    stepping.start()
+    stepping.join(60)
+    assert not stepping.is_alive() and ran == [False]  # the closure ran while staging copied
+    assert response.staging_completion.done()
+    response.upload_completion.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/closure", config, state, expected)
+    assert not torch.equal(model.weight, expected["model.weight"])  # the step did run, after the copy
+
+
 @pytest.mark.parametrize("failure", [ValueError("no queue"), MemoryError()])
 def test_a_staging_thread_that_fails_to_start_stages_on_the_training_thread_and_holds_no_step(config, monkeypatch,
                                                                                               failure):

@@ -73,9 +73,11 @@ class S3CheckpointIO(CheckpointIO):
         config: :class:`S3Config`; default: resolved from the environment (``AWS_ENDPOINT_URL_S3``...).
             It is also what ``s3dcp://`` URLs use in this process (``ckpt_path="last"``).
         async_save: return from ``save_checkpoint`` once the tensors are copied into s3dcp's host
-            pool (with an :class:`S3ModelCheckpoint` in the Trainer, once the copy is planned: the
-            callback waits for the copy before the next optimizer step); the upload runs behind
-            training. A save while the previous one still uploads waits for it. ``teardown`` (the end of ``fit``) waits for the last one and raises its
+            pool; the upload runs behind training. With ``config=S3Config(staging="background")``
+            (opt-in: the loop then must not change a tensor until the copy is complete, the
+            contract of docs/memory.md) it returns once the copy is planned, and the copy overlaps
+            the next step's forward and backward: the optimizer step waits for it after its
+            closure has run, and :class:`S3ModelCheckpoint` waits for it before the step. A save while the previous one still uploads waits for it. ``teardown`` (the end of ``fit``) waits for the last one and raises its
             error; an earlier failure is raised by the next save.
         incremental: a tensor unchanged since the newest checkpoint this plugin committed in the
             same directory is stored as a reference to it, not uploaded again (``last.ckpt`` saved
@@ -114,7 +116,6 @@ class S3CheckpointIO(CheckpointIO):
         self._committed: dict[str, str] = {}  # parent prefix -> newest checkpoint committed there (incremental)
         self._deletions = InFlight()  # removals waiting for a save to commit (they never fail)
         self.last_writer: S3StorageWriter | None = None
-        self.staging_waited = False  # an S3ModelCheckpoint waits for staging before each optimizer step
         lightning_fs.register(self.config)
 
     @property
@@ -142,9 +143,7 @@ class S3CheckpointIO(CheckpointIO):
         base = self._base_for(uri) if self.incremental else None
         to_s3 = self._tier is None or self._tier.goes_to_s3(step)
         copy = None if self._tier is None else self._tier.copy_for(uri, in_s3=to_s3)
-        # staged in the background where a callback waits for it before the optimizer step
-        background = self.async_save and self.staging_waited
-        writer = S3StorageWriter(uri, config=self.config.replace(staging="background") if background else self.config,
+        writer = S3StorageWriter(uri, config=self.config,  # staging="background" only where the config asks
                                  client=self.client, overwrite=True,
                                  incremental_from=base, item_checksum="crc64nvme" if self.incremental else None,
                                  local_copy=copy, upload=to_s3)
@@ -361,8 +360,6 @@ class S3ModelCheckpoint(ModelCheckpoint):
             raise ConfigError(f"S3CheckpointIO(s3_every={plugin.s3_every}) keeps checkpoints on global rank 0's node "
                               f"only, and this job runs on {trainer.num_nodes} nodes: the other nodes could not "
                               "resume from them. Use s3_every=1 (local_dir still serves rank 0's node)")
-        if plugin is not None:  # this callback waits for its staging: it may stage in the background
-            plugin.staging_waited = True
         dirpath = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
         if not is_s3_uri(str(dirpath)):
             return super().setup(trainer, pl_module, stage)

@@ -195,8 +195,12 @@ class CheckpointManager:
         """Save ``state_dict`` as checkpoint ``step`` (all ranks, same step).
 
         Async mode: returns a future that resolves to the DCP ``Metadata`` once the checkpoint
-        is committed and retention has run; the training loop may change ``state_dict`` as
-        soon as this returns. A save while ``max_inflight_checkpoints`` saves still upload waits
+        is committed and retention has run. The training loop may change ``state_dict`` as
+        soon as this returns with ``staging="blocking"`` (the default); with
+        ``staging="background"`` only once staging is complete (:meth:`wait_staged`, or the
+        future's ``staging_completion``): a tensor changed before fails the save with
+        :class:`~s3dcp.errors.TornCheckpointError`, raised by the next ``save()`` (docs/memory.md).
+        A save while ``max_inflight_checkpoints`` saves still upload waits
         (in staging) for the oldest to end its upload.
         Sync mode: returns ``None`` once committed. Raises the error of an earlier failed
         asynchronous save that nobody has seen yet, before starting this one.

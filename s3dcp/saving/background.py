@@ -14,7 +14,9 @@ collective on this rank alone, and the other ranks would wait for it until their
 
 An optimizer step taken while a background stage still copies waits for it: one global step
 pre-hook of ``torch.optim`` (registered at the first background stage, kept for the process)
-holds every ``Optimizer.step`` until the stages in flight have landed. The loop should wait
+holds every ``Optimizer.step`` until the stages in flight have landed (a step given a
+``closure``, as Lightning's, once the closure has run: forward and backward overlap the copy;
+a ``torch.optim`` step calls its closure before it writes). The loop should wait
 itself (``staging_completion``, ``CheckpointManager.wait_staged()``): the hook is the net for
 the step that did not, and it covers what the version counters do not see: a fused optimizer's
 writes, and a foreach one's on DTensors (FSDP2), bump none (saving/guard.py).
@@ -28,6 +30,7 @@ must not choose what is copied when (:mod:`s3dcp.saving.copies`) nor what counts
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -49,13 +52,21 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
     error; ``where`` is the checkpoint."""
     future: Future = Future()
     future.set_running_or_notify_cancel()
-    _hold_optimizer_steps()
-    with _LOCK:
-        _IN_FLIGHT.add(lease)
     args = (copies, guard, lease, staged, future, names, where)
-    if not _WORKER.submit(lambda: _run(*args)):  # no thread to be had (a process at its limit)
-        log.warning("could not start s3dcp's staging thread; staging on the training thread", exc_info=True)
+    failure: BaseException | None = None
+    try:
+        _hold_optimizer_steps()
+        with _LOCK:
+            _IN_FLIGHT.add(lease)
+        queued = _WORKER.submit(lambda: _run(*args))  # False: no thread to be had (a process at its limit)
+    except BaseException as e:  # noqa: BLE001 - the lease must land: one left in _IN_FLIGHT holds every step for ever
+        queued, failure = False, e
+    if not queued:  # _run lands the lease and takes it out of _IN_FLIGHT
+        log.warning("could not start s3dcp's staging thread (%s); staging on the training thread",
+                    "no thread to be had" if failure is None else f"{type(failure).__name__}: {failure}")
         _run(*args)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt, SystemExit: still the caller's, once the stage has landed
     return future
 
 
@@ -63,7 +74,7 @@ class _Worker:
     """The process's staging thread: background stages, one after the other, handed over through
     a queue (``Thread.start`` waits until the new thread runs, milliseconds of the stall on a busy
     machine, so the thread is started once and kept). It holds nothing between two stages. A
-    forked child starts a thread (and a queue) of its own."""
+    forked child starts a thread (and a queue) of its own (:func:`_after_fork_in_child`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -140,15 +151,47 @@ def _hold_optimizer_steps() -> None:
             _HOOKED.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
-def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Every ``torch.optim`` step: wait until the background stages in flight have landed."""
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> tuple | None:
+    """Every ``torch.optim`` step: wait until the background stages in flight have landed.
+
+    A step given a ``closure`` (Lightning's automatic optimization: forward and backward run
+    inside it) waits after the closure instead, so that they overlap the copy: the step gets a
+    closure that runs the caller's, then waits (``torch.optim`` runs the closure before it
+    writes a parameter)."""
+    closure = kwargs.get("closure")
+    if closure is None:
+        _wait_for_stages()
+        return None
+
+    def closure_then_wait() -> Any:
+        loss = closure()
+        _wait_for_stages()
+        return loss
+
+    return args, {**kwargs, "closure": closure_then_wait}
+
+
+def _wait_for_stages() -> None:
     with _LOCK:
         waiting = list(_IN_FLIGHT)
     for lease in waiting:
         if not lease.landed.is_set():
             log.debug("an optimizer step waits for background staging to complete")
             lease.landed.wait()
-    return None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's stages: their jobs run on the parent's staging
+    thread only, so their leases would never land here and hold every optimizer step of the
+    child for ever; a lock another thread of the parent held is held for ever too."""
+    global _LOCK, _WORKER
+    _LOCK = threading.Lock()
+    _IN_FLIGHT.clear()
+    _WORKER = _Worker()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _seam(phase: str) -> Any:

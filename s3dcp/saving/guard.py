@@ -72,11 +72,15 @@ class TornGuard:
 
     def check(self, names: Callable[[], list[str]], where: str) -> TornCheckpointError | None:
         """The error for this save if a watched tensor changed (None if none did); ``names()``
-        gives every source's name, in order (only asked when something changed)."""
+        gives every source's name, in order (only asked when something changed; if it fails, the
+        error names them by index, ``#i``)."""
         changed = self.changed()
         if not changed:
             return None
-        every = names()
+        try:
+            every = names()
+        except Exception:  # noqa: BLE001 - the torn copy is the error to raise; tensors are named by index
+            every = []
         shown = ", ".join(every[i] if i < len(every) else f"#{i}" for i in changed[:_SHOWN])
         more = f" and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
         return TornCheckpointError(

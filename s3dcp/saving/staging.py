@@ -210,6 +210,7 @@ class StagingMixin:
             lease.wait_device_copies()
             error = lease.error
         if error is not None:  # raised on this rank; DCP's collective takes it to every rank
+            self._staging_end(lease)  # write_data's finally does not run for it: nothing uploads from the arena
             raise error
         return lease
 

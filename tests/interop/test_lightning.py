@@ -375,11 +375,14 @@ def test_s3_every_is_refused_on_several_nodes():
 def test_fit_resumed_from_an_s3_path_ends_bitwise_where_an_uninterrupted_fit_ends(s3_config, uri):
     import pytorch_lightning as pl
 
+    plugins = []
+
     def fit(max_epochs: int, ckpt_path=None, callbacks=(), seed: int = 0):
         torch.manual_seed(seed)
         model = _Regressor()
+        plugins.append(S3CheckpointIO(config=s3_config, async_save=True))
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
-                             plugins=[S3CheckpointIO(config=s3_config, async_save=True)], default_root_dir=uri,
+                             plugins=plugins[-1:], default_root_dir=uri,
                              callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(model, ckpt_path=ckpt_path)
@@ -387,6 +390,7 @@ def test_fit_resumed_from_an_s3_path_ends_bitwise_where_an_uninterrupted_fit_end
 
     whole = fit(2)
     fit(1, callbacks=[S3ModelCheckpoint(config=s3_config, save_top_k=-1, every_n_epochs=1)])
+    assert plugins[-1].last_writer.config.staging == "blocking"  # background staging is opt-in, not the callback's
     # another init: only the checkpoint (weights, Adam's moments, the loop's position) can make them meet
     resumed = fit(2, ckpt_path=f"{uri}/checkpoints/epoch=0-step=4.ckpt", seed=7)
     _assert_tree_equal(resumed, whole)
@@ -411,21 +415,22 @@ def test_example_fits_with_ddp_keeps_top_k_and_last_and_resumes_from_last(s3_ser
     assert kept == sorted(["last.ckpt", *eval(top_k)]), (kept, top_k)  # noqa: S307 - our own print of a list
 
 
-def test_with_s3modelcheckpoint_an_async_save_stages_in_the_background_and_no_optimizer_step_runs_during_it(
+def test_an_async_save_opted_into_background_staging_overlaps_forward_and_backward_and_no_optimizer_step(
         s3_config, uri, monkeypatch):
-    """S3ModelCheckpoint waits for the plugin's staging before every optimizer step, so the
-    plugin stages in the background: the staging thread (slowed here) sees no optimizer step
-    while it copies, and every checkpoint loads as the weights of its step."""
+    """With S3Config(staging="background") the plugin stages in the background: the next step's
+    training_step (forward, in Lightning's closure) runs while the staging thread (slowed here)
+    copies, no optimizer step runs during the copy, and every checkpoint loads as the weights of
+    its step."""
     import pytorch_lightning as pl
 
     from s3dcp.saving import background
 
-    steps, seen, saved = [0], [], {}
+    steps, seen, saved, copying = [0], [], {}, []
 
     def seam(phase):
         if phase == "copying":
             seam.at = steps[0]
-            time.sleep(0.2)  # a slow copy: an optimizer step that did not wait would land in it
+            time.sleep(0.5)  # a slow copy: an optimizer step that did not wait would land in it
         else:
             seen.append(steps[0] - seam.at)
 
@@ -437,6 +442,7 @@ def test_with_s3modelcheckpoint_an_async_save_stages_in_the_background_and_no_op
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
 
         def training_step(self, batch, batch_idx):
+            copying.append(any(not lease.landed.is_set() for lease in list(background._IN_FLIGHT)))
             return self.net(batch[0]).square().mean()
 
         def on_train_batch_end(self, outputs, batch, batch_idx):  # before the callback saves this step
@@ -451,13 +457,14 @@ def test_with_s3modelcheckpoint_an_async_save_stages_in_the_background_and_no_op
             x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
 
-    io = S3CheckpointIO(config=s3_config, async_save=True)
+    io = S3CheckpointIO(config=s3_config.replace(staging="background"), async_save=True)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, plugins=[io], default_root_dir=uri,
                          callbacks=[S3ModelCheckpoint(config=s3_config, save_top_k=-1, every_n_train_steps=1)],
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Wide())
     assert io.last_writer.config.staging == "background"
     assert seen == [0, 0, 0]  # three saves, no optimizer step while any of them copied
+    assert copying == [False, True, True]  # steps 2 and 3 ran their forward while the last save copied
     for step in (1, 2, 3):
         loaded = io.load_checkpoint(f"{uri}/checkpoints/epoch=0-step={step}.ckpt")
         _assert_tree_equal(loaded["state_dict"], saved[step])

@@ -203,6 +203,62 @@ def test_an_optimizer_step_that_did_not_wait_is_held_until_staging_completes(buc
     assert not torch.equal(model.weight, expected["model.weight"])  # the step did run, after the copy
 
 
+def test_a_step_given_a_closure_runs_it_while_staging_copies_and_waits_before_it_writes(bucket, config,
+                                                                                        monkeypatch):
+    """optimizer.step(closure=...) (Lightning's automatic optimization): the forward and backward
+    in the closure run while the stage still copies; the step's writes wait for the copy."""
+    hold = _Hold(monkeypatch, "copying")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict()}
+    expected = _snapshot(state)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/closure", config=config))
+    assert hold.reached.wait(30)
+    ran = []
+
+    def closure():
+        optim.zero_grad()
+        loss = model(torch.randn(4, 512)).sum()
+        loss.backward()
+        ran.append(response.staging_completion.done())
+        hold.go()  # the copy goes on only once the closure has run: a wait before it would never end
+        return loss
+
+    stepping = threading.Thread(target=optim.step, kwargs={"closure": closure}, daemon=True)
+    stepping.start()
+    stepping.join(60)
+    assert not stepping.is_alive() and ran == [False]  # the closure ran while staging copied
+    assert response.staging_completion.done()
+    response.upload_completion.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/closure", config, state, expected)
+    assert not torch.equal(model.weight, expected["model.weight"])  # the step did run, after the copy
+
+
+@pytest.mark.parametrize("failure", [ValueError("no queue"), MemoryError()])
+def test_a_staging_thread_that_fails_to_start_stages_on_the_training_thread_and_holds_no_step(config, monkeypatch,
+                                                                                              failure):
+    """Any failure to hand the stage to the staging thread (not only Thread.start's RuntimeError):
+    the stage runs on the caller's thread and lands, and no lease is left for the optimizer's
+    step pre-hook to wait on for ever."""
+    def submit(job):
+        raise failure
+
+    monkeypatch.setattr(background._WORKER, "submit", submit)
+    state = {"w": torch.arange(MiB, dtype=torch.float32)}
+    writer = S3StorageWriter("s3://bucket/no-thread", config=config, pool=HostBufferPool())
+    staged = writer.stage(state).result(timeout=0)  # landed before stage() returned
+    assert torch.equal(staged["w"], state["w"]) and writer._lease.error is None
+    assert not background._IN_FLIGHT
+    model = torch.nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    stepped = threading.Thread(target=torch.optim.SGD(model.parameters(), lr=0.1).step, daemon=True)
+    stepped.start()
+    stepped.join(10)
+    assert not stepped.is_alive()  # the step pre-hook found nothing to wait for
+    writer._lease.release()
+
+
 def test_a_loop_that_waits_for_staging_saves_bitwise_the_state_of_each_save(bucket, config):
     """A training loop (forward, backward, AdamW step) with the manager staging in the
     background and waiting before each optimizer step: every checkpoint is the state of its step."""
@@ -402,3 +458,72 @@ def test_a_forked_child_stages_in_the_background_after_its_parent_did(config):
     writer.stage({"w": torch.randn(MiB)}).result(timeout=30)
     writer._lease.release()
     assert_forked_child_says_true(_stage_in_background_in_child, config, {"w": torch.arange(MiB, dtype=torch.float32)})
+
+
+def _step_in_child(queue):
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    before = model.weight.detach().clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # the parent's stage in flight is not the child's
+    queue.put(not torch.equal(model.weight, before) and not background._IN_FLIGHT)
+
+
+def test_a_child_forked_while_its_parent_stages_takes_optimizer_steps(config, monkeypatch):
+    """A child forked while a background stage of its parent is in flight inherits neither that
+    stage nor the locks of the parent's threads: its optimizer steps do not wait for a copy that
+    runs only in the parent."""
+    hold = _Hold(monkeypatch, "copying")
+    writer = S3StorageWriter("s3://bucket/parent-in-flight", config=config, pool=HostBufferPool())
+    state = {"w": torch.arange(MiB, dtype=torch.float32)}
+    future = writer.stage(state)
+    try:
+        assert hold.reached.wait(30)
+        assert background._IN_FLIGHT  # the parent's stage is in flight when the child is forked
+        assert_forked_child_says_true(_step_in_child)
+    finally:
+        hold.go()
+    assert torch.equal(future.result(timeout=30)["w"], state["w"]) and writer._lease.error is None
+    writer._lease.release()
+
+
+def test_a_torn_save_by_a_writer_driven_outside_dcps_save_gives_its_arena_back(bucket, config, monkeypatch):
+    """write_data raises the torn error before it uploads; a lease attached to no DCP save call
+    (the writer driven by hand) must still end there, or with max_inflight_checkpoints=1 the
+    next stage() waits for its arena for ever."""
+    from s3dcp.saving import lease as lease_module
+
+    monkeypatch.setattr(lease_module._SaveCall, "of_caller", classmethod(lambda cls: None))
+    hold = _Hold(monkeypatch, "copied")
+    pool = HostBufferPool()
+    state = _state()
+    writer = S3StorageWriter(f"s3://{bucket}/by-hand", config=config, pool=pool)
+    stage, kept = writer.stage, []
+    writer.stage = lambda state_dict: kept.append(stage(state_dict)) or kept[-1]  # the staged dict stays alive
+    response = dcp.async_save(state, storage_writer=writer)
+    assert hold.reached.wait(30)
+    state["model"]["layer1.weight"].add_(1)
+    hold.go()
+    with pytest.raises(BaseException) as info:
+        response.upload_completion.result(timeout=60)
+    assert isinstance(s3dcp.unwrap_error(info.value), TornCheckpointError), info.value
+    assert not writer._lease.attached
+    assert kept[0].result(timeout=0) is not None
+    assert pool._in_use == 0  # given back at once, not when the staged dict is collected
+
+
+def test_a_torn_copy_whose_names_cannot_be_given_is_still_the_error_naming_tensors_by_index():
+    """names() fails (a staged tree it cannot walk): the check still returns the torn error,
+    with the changed tensors named by their index, instead of raising names()' error."""
+    from s3dcp.saving.guard import TornGuard
+
+    sources = [torch.zeros(4), torch.zeros(4)]
+    guard = TornGuard(sources, sources, [0, 1])
+    sources[1].add_(1)
+
+    def names():
+        raise KeyError("no path")
+
+    error = guard.check(names, "s3://bucket/ckpt")
+    assert isinstance(error, TornCheckpointError)
+    assert "s3://bucket/ckpt: #1 changed" in str(error) and error.names == []

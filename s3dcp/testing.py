@@ -60,6 +60,10 @@ __all__ = [
 # weed exits with one of these in its log when a port it was given is taken.
 _PORT_CLASH_MARKERS = ("is not available", "address already in use", "reserved for gRPC")
 _START_ATTEMPTS = 3
+# A weed of an earlier run on the same data dir (killed with its parent, dying on its parent-death
+# signal) still holds the filer store's lock: it lets go within moments, so the start waits this long.
+_LOCK_HELD_MARKER = "resource temporarily unavailable"
+_LOCK_WAIT_S = 15.0
 _LOG_TAIL_LINES = 40
 _MAX_VOLUMES = 1000
 
@@ -135,19 +139,24 @@ class SeaweedServer:
         weed = self._weed_path or find_weed()
         self._open_data_dir()
         try:
-            for attempt in range(1, _START_ATTEMPTS + 1):
+            attempt, lock_deadline = 1, time.monotonic() + _LOCK_WAIT_S
+            while True:
                 self.ports = pick_ports(self._s3_port)
                 self._spawn(weed)
                 try:
                     self._wait_ready()
                     break
                 except SeaweedStartError:
-                    clash = self._process.proc.poll() is not None and any(
-                        m in self._log_tail() for m in _PORT_CLASH_MARKERS
-                    )
+                    exited, tail = self._process.proc.poll() is not None, self._log_tail()
+                    clash = exited and any(m in tail for m in _PORT_CLASH_MARKERS)
+                    locked = exited and _LOCK_HELD_MARKER in tail
                     self._stop_process()
+                    if locked and time.monotonic() < lock_deadline:
+                        time.sleep(0.5)
+                        continue
                     if not clash or attempt == _START_ATTEMPTS or self._s3_port:
                         raise
+                    attempt += 1
             for name in self.buckets:
                 self.create_bucket(name)
         except BaseException:

@@ -297,6 +297,21 @@ def test_orphaned_reaper_leaves_no_timer_behind_when_the_server_stops_in_time(tm
             os.kill(weed_pid, signal.SIGKILL)
 
 
+def test_a_start_waits_for_an_earlier_weed_to_let_go_of_the_data_dir(tmp_path):
+    """An example killed with its server, then run again at once on the same --dir: the dying weed
+    still held the filer store's lock, and the new one exited ("resource temporarily unavailable";
+    seen in CI). The start waits for the lock instead."""
+    import threading
+
+    data_dir = str(tmp_path / "weed-data")
+    first = SeaweedServer(data_dir=data_dir).start()
+    threading.Timer(2.0, first.stop).start()  # goes a while after the second asked
+    with SeaweedServer(data_dir=data_dir) as second:
+        assert first._process.proc is None or first._process.proc.poll() is not None
+        second.boto3_client().list_buckets()
+    assert "resource temporarily unavailable" in open(os.path.join(data_dir, "weed.log")).read()
+
+
 def test_port_clash_at_startup_is_retried_with_new_ports(tmp_path):
     # A stand-in for weed that fails like a port clash on its first run, then runs the real one.
     first_run = tmp_path / "first-run-done"

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .._dcp_warning import ours
 from ..config import S3Config
-from ..errors import CheckpointNotFoundError, ConfigError, S3ConnectionError, unwrap_error
+from ..errors import ConfigError, S3ConnectionError, unwrap_error
 from ..format.layout import METADATA_NAME
 from ..format.references import REFERENCE_CHECKSUM, check_base
 from ..s3.client import S3Client
@@ -49,6 +49,7 @@ from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete a
 from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
 from .newest import agreed, refuse_older
+from .restore import from_s3
 from .retention import Doomed, apply_retention, choose_base
 from .tiers import LocalTier
 
@@ -407,29 +408,10 @@ class CheckpointManager:
             with self._lock:  # a rollback may save again the steps kept on the nodes only (docs/restart.md)
                 self._newest = self._newest_in_s3
             return step
-        if step is None:
-            step = self.latest()
-            if step is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint under {self.base} (no directory matching "
-                    f"{self.name_format!r} holds a {METADATA_NAME}); nothing to resume from")
-        else:
-            self._saves.drain()  # no DCP collective of ours may run beside a save's
-        import torch.distributed.checkpoint as dcp
-
-        from ..loading.reader import S3StorageReader
-
-        reader = ours(S3StorageReader(self.uri(step), config=self.config, client=self.client))
-        state_dict = state_dict(step) if callable(state_dict) else state_dict
-        started = time.perf_counter()
         try:
-            dcp.load(state_dict, storage_reader=reader, process_group=self.process_group, no_dist=not _dist_on())
+            return from_s3(self, state_dict, step)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise self._unwrapped(e)
-        if self._is_coordinator():  # the restore's one INFO line (with local_dir: lifecycle/restore.py's)
-            log.info("restored step %d from %s: %d bytes from S3 on this rank in %.2f s", step, self.uri(step),
-                     reader.last_read_bytes or 0, time.perf_counter() - started)
-        return step
 
     def _is_coordinator(self) -> bool:
         if not _dist_on():

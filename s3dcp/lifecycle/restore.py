@@ -34,7 +34,7 @@ from ..loading.cooperative import node_name
 from ..loading.liveness import Watch, attempt, broadcast_bytes, gather_objects
 from .holdings import Choice, S3View, check_copy, choose_save, held, scan
 
-__all__ = ["restore"]
+__all__ = ["from_s3", "restore"]
 
 log = logging.getLogger("s3dcp")
 
@@ -302,6 +302,33 @@ def _check_node(choice: Choice, here: dict, excluded: set, nodes: list[str], me:
                         s, problem)
             bad.add((nodes[me], s, rank))
     return bad
+
+
+def from_s3(manager: Any, state_dict: dict | Callable[[int], dict], step: int | None) -> int:
+    """CheckpointManager.load without a local tier: checkpoint ``step`` (default: the newest
+    committed) read from S3 into ``state_dict`` (or the dict it gives for that step); the step."""
+    import torch.distributed.checkpoint as dcp
+
+    from .._dcp_warning import ours
+    from ..format.layout import METADATA_NAME
+    from ..loading.reader import S3StorageReader
+
+    if step is None:
+        step = manager.latest()
+        if step is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {manager.base} (no directory matching "
+                f"{manager.name_format!r} holds a {METADATA_NAME}); nothing to resume from")
+    else:
+        manager._saves.drain()  # no DCP collective of ours may run beside a save's
+    reader = ours(S3StorageReader(manager.uri(step), config=manager.config, client=manager.client))
+    state_dict = state_dict(step) if callable(state_dict) else state_dict
+    started = time.perf_counter()
+    dcp.load(state_dict, storage_reader=reader, process_group=manager.process_group, no_dist=not _dist_on())
+    if manager._is_coordinator():  # the restore's one INFO line (with local_dir: restore()'s)
+        log.info("restored step %d from %s: %d bytes from S3 on this rank in %.2f s", step, manager.uri(step),
+                 reader.last_read_bytes or 0, time.perf_counter() - started)
+    return step
 
 
 def _dist_on() -> bool:

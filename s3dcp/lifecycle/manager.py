@@ -49,7 +49,6 @@ from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete a
 from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
 from .newest import agreed, refuse_older
-from .restore import from_s3
 from .retention import Doomed, apply_retention, choose_base
 from .tiers import LocalTier
 
@@ -408,6 +407,8 @@ class CheckpointManager:
             with self._lock:  # a rollback may save again the steps kept on the nodes only (docs/restart.md)
                 self._newest = self._newest_in_s3
             return step
+        from .restore import from_s3  # (it imports torch: the light commands import this module)
+
         try:
             return from_s3(self, state_dict, step)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

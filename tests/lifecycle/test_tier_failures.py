@@ -109,6 +109,52 @@ def test_a_rank_raising_mid_transfer_ends_every_rank_s_restore_within_seconds(s3
 
 
 # ---------------------------------------------------------------------------------------------
+# a job whose group carries no CPU tensors (NCCL's), played on gloo
+
+
+_COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "isend", "irecv", "send", "recv")
+
+
+def _no_cpu_tensors_on_the_jobs_group(rank, world, uri, root, cfg):
+    """Every collective s3dcp itself issues with a CPU tensor on the job's group (here the default
+    one) raises, as NCCL's does ("No backend type associated with device type cpu"); DCP's own,
+    and the *_object collectives (which NCCL carries on the GPU), go through."""
+    import sys
+
+    c = _ctx(rank, world, uri, root, cfg)
+    refused = []
+
+    def refusing(name, real):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("s3dcp.") and (group is None or group is dist.group.WORLD):
+                refused.append(f"{caller}: {name}")
+                raise RuntimeError(f"No backend type associated with device type cpu ({name} from {caller})")
+            return real(*args, **kwargs)
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, refusing(name, getattr(dist, name)))
+    out = c.load(c.manager(replicas=0))
+    out["refused"] = refused
+    return out
+
+
+def test_a_job_whose_group_carries_no_cpu_tensors_restores_from_the_nodes(s3_config, bucket, tmp_path):
+    """Before, the restore's survey, broadcasts and peer transfers ran on the job's group with CPU
+    tensors: under NCCL every restore from the nodes failed at its first step. They run on the
+    tier's own gloo group now."""
+    uri, root = f"s3://{bucket}/run", str(tmp_path / "local")
+    run_jobs(tmp_path / "setup", Job("setup", _setup, 4, (uri, root, s3_config)))
+    job = Job("nccl-like", _no_cpu_tensors_on_the_jobs_group, 4, (uri, root, s3_config))
+    run_jobs(tmp_path / "nccl-like", job)
+    for r, out in enumerate(job.results):
+        assert out.get("step") == 20 and out["equal"] and not out["refused"], (r, out)
+    assert {out["stats"]["tier"] for out in job.results} == {"peer"}, job.results  # transfers ran
+
+
+# ---------------------------------------------------------------------------------------------
 # a local commit that fails on one rank
 
 

@@ -20,8 +20,9 @@ and staging refuses a COMMITTED or PLAIN directory, so no save writes into one (
 directory holds objects nobody staged: taking them into a checkpoint would publish them).
 Removal has its own marker, written first and deleted last: a directory being deleted is
 never a visible, partial one, and staging refuses it, so a new save of the name can neither
-join it (and lose its files to the removal's deletes) nor be committed missing them. A directory's *parents* (``Where.guards``) hide it
-the same way: a file of an uncommitted checkpoint does not exist under its final name.
+join it (and lose its files to the removal's deletes) nor be committed missing them. A
+directory's *parents* (``Where.guards``) hide it the same way: a file of an uncommitted
+checkpoint does not exist under its final name.
 
 Owns those states and transitions, and the translation of s3dcp's errors into the contract's
 (``FileNotFoundError``, ``FileExistsError``, ``OSError``; s3dcp's error kept as ``__cause__``

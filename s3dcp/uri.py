@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["S3Uri", "parse_s3_uri", "checkpoint_uri", "is_s3_uri", "object_key", "parent_prefix",
+__all__ = ["S3Uri", "parse_s3_uri", "checkpoint_uri", "is_s3_uri", "natural_order", "object_key", "parent_prefix",
            "directory_bucket_zone"]
 
 # S3's bucket naming rules (general purpose buckets): 3-63 chars, lowercase letters, digits,
@@ -115,3 +115,8 @@ def object_key(uri: S3Uri, object_name: str) -> str:
     raise MetadataFormatError(
         f"{uri}: object name {object_name!r} in the metadata is neither an object of the checkpoint nor "
         "'../<sibling checkpoint>/<object>'; refusing to read or delete outside the run's prefix")
+
+
+def natural_order(name: str) -> list:
+    """Sort key for the names under a prefix that puts ``step-9`` before ``step-10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -30,7 +30,6 @@ import errno
 import io
 import math
 import os
-import re
 from concurrent.futures import Future
 from concurrent.futures import wait as settled
 from dataclasses import dataclass, field, replace
@@ -43,6 +42,7 @@ from ..config import MiB, S3Config
 from ..errors import ConfigError
 from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
+from ..uri import natural_order
 from .torch_checkpointing_dirs import DirectoryNotFoundError, Dirs, State, not_found, wait
 from .torch_checkpointing_paths import COMMIT_MARKER, MARKERS, PathMap
 from .torch_checkpointing_rename import rename
@@ -288,7 +288,7 @@ class S3Storage(Storage):
         _, prefixes = wait(self.client.list(where.bucket, where.prefix, delimiter="/"))
         children = [p[len(where.prefix):].rstrip("/") for p in prefixes]
         found = [self._dirs.has(where.bucket, f"{where.prefix}{c}/{COMMIT_MARKER}") for c in children]
-        return sorted((c for c, f in zip(children, found) if wait(f)), key=_natural)
+        return sorted((c for c, f in zip(children, found) if wait(f)), key=natural_order)
 
     # ------------------------------------------------------------------ internals
     def _writable(self, path: Path):
@@ -342,8 +342,4 @@ def keep_last(storage: S3Storage, path: str | os.PathLike, keep: int) -> list[st
     for name in doomed:
         storage.rmdir(Path(os.path.join(os.fspath(path), name)))
     return doomed
-
-
-def _natural(name: str) -> list:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 

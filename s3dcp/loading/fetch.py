@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 
 from ..errors import (
@@ -28,7 +27,7 @@ from ..errors import (
 )
 from ..format.layout import METADATA_NAME, is_data_object
 from ..s3.client import S3Client
-from ..uri import S3Uri
+from ..uri import S3Uri, natural_order
 
 __all__ = ["fetch_metadata_bytes"]
 
@@ -60,7 +59,7 @@ def _below(client: S3Client, uri: S3Uri, prefixes: list[str]) -> str:
     """What to say of the folders right below a path with no checkpoint (a run, say): the
     committed checkpoints among them (one HEAD of ``.metadata`` each, for the last
     ``_BELOW_CHECKED`` folders in name order), or nothing."""
-    checked = sorted(prefixes, key=_natural)[-_BELOW_CHECKED:]  # the newest, for numbered steps
+    checked = sorted(prefixes, key=natural_order)[-_BELOW_CHECKED:]  # the newest, for numbered steps
     heads = [(p, client.head(uri.bucket, f"{p}{METADATA_NAME}")) for p in checked]
     found = []
     for prefix, head in heads:
@@ -75,11 +74,6 @@ def _below(client: S3Client, uri: S3Uri, prefixes: list[str]) -> str:
     more = f", {len(prefixes) - len(checked)} more folder(s) not looked at" if len(prefixes) > len(checked) else ""
     return (f"; it holds {len(found)} checkpoint(s) right below it: {', '.join(shown)}{more} — load one of them, "
             f"e.g. {uri.child(found[-1])} (s3dcp ls {uri}/ lists them)")
-
-
-def _natural(text: str) -> list:
-    """Sort key that puts ``step-9`` before ``step-10``."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _get_with_retries(client: S3Client, bucket: str, key: str) -> bytes:

@@ -32,6 +32,7 @@ import torch
 
 from ..s3.client import S3Client
 from ..s3.request import abort_and_wait
+from ..s3.streams import SizedReader
 from .torch_checkpointing_dirs import wait
 
 __all__ = ["ReadStream", "MemoryStream", "WriteStream", "tensor_owners"]
@@ -39,26 +40,15 @@ __all__ = ["ReadStream", "MemoryStream", "WriteStream", "tensor_owners"]
 _KEEP_FROM_BYTES = 64 << 10  # writes smaller than this are copied: finding their owner costs more
 
 
-class _Reader(io.RawIOBase):
+class _Reader(SizedReader):
     """A read-only stream of ``size`` bytes at position ``_pos``, seekable anywhere from 0 on
     (what the two streams below share; ``_name`` goes into its errors)."""
 
-    size = 0
-    _pos = 0
     _name = "the stream"
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
-        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.size + offset}[whence]
+        target = self._target(offset, whence)
         if target < 0:
             raise OSError(errno.EINVAL, f"negative seek position {target} in {self._name}")
         self._pos = target

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-__all__ = ["BufferStream", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer", "copy_into"]
+__all__ = ["BufferStream", "SizedReader", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer", "copy_into"]
 
 log = logging.getLogger("s3dcp")
 
@@ -53,7 +53,28 @@ def copy_into(dest: memoryview, dest_offset: int, source, source_offset: int, n:
     dest[dest_offset:dest_offset + n] = memoryview(source)[source_offset:source_offset + n]
 
 
-class BufferStream(io.RawIOBase):
+class SizedReader(io.RawIOBase):
+    """A read-only, seekable stream of ``size`` bytes at position ``_pos``: what the readers
+    here and torch-checkpointing's (interop) share. Each says what a seek past the ends does."""
+
+    size = 0
+    _pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _target(self, offset: int, whence: int) -> int:
+        """Where ``seek(offset, whence)`` points, unbounded."""
+        return {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.size + offset}[whence]
+
+
+class BufferStream(SizedReader):
     """A read-only stream over buffers sent back to back; ``readinto`` copies straight from
     the caller's memory into the CRT's part buffer (the only copy on the upload path)."""
 
@@ -65,18 +86,8 @@ class BufferStream(io.RawIOBase):
         self._offset = 0
         self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.size + offset}[whence]
-        target = max(0, min(target, self.size))
+        target = max(0, min(self._target(offset, whence), self.size))
         self._pos, self._index, self._offset = target, 0, target
         while self._index < len(self._views) and self._offset >= self._views[self._index].nbytes:
             self._offset -= self._views[self._index].nbytes

@@ -13,7 +13,7 @@ Everything here has ended when :meth:`Copies.run_now` (and, on the staging threa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -104,18 +104,11 @@ class Copies:
             # device's sources get that device's side stream, ordered after the work queued
             # on its current stream (the last optimizer step), and an event of their own.
             later_devices = set(self._device[True]) | self._deferred_devices
-            for device, (dsts, srcs) in self._device[False].items():
-                stream = _side_stream(device)
-                with torch.cuda.device(device):
-                    current = torch.cuda.current_stream(device)
-                    stream.wait_stream(current)
-                    with torch.cuda.stream(stream):
-                        torch._foreach_copy_(dsts, srcs, non_blocking=self.arena.pinned)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    if self.background:  # the training loop goes on: its next kernels after these copies
-                        current.wait_event(event)
-                self.events.append((device, event))
+            copied = self._side_copies(self._device[False],
+                                       lambda stream, device: stream.wait_stream(torch.cuda.current_stream(device)))
+            if self.background:  # the training loop goes on: its next kernels after these copies
+                for device, event in copied:
+                    torch.cuda.current_stream(device).wait_event(event)
             for device in later_devices:  # where the later copies (or the rounds) must start
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
@@ -128,17 +121,28 @@ class Copies:
         side stream, after the work the training thread had queued when it staged; then the
         host copy. Their events join :attr:`events`."""
         with torch.no_grad():
-            for device, (dsts, srcs) in self._device[True].items():
-                stream = _side_stream(device)
-                with torch.cuda.device(device):
-                    stream.wait_event(self.training_done[device])
-                    with torch.cuda.stream(stream):
-                        torch._foreach_copy_(dsts, srcs, non_blocking=self.arena.pinned)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                self.events.append((device, event))
+            self._side_copies(self._device[True],
+                              lambda stream, device: stream.wait_event(self.training_done[device]))
             if self._host[True][0]:
                 torch._foreach_copy_(*self._host[True])
+
+    def _side_copies(self, by_device: dict, after: Callable[[Any, int], None]) -> list[tuple[int, Any]]:
+        """Each device's copies of ``by_device`` on its side stream, once ``after(side stream,
+        device)`` has ordered that stream behind what they must follow; an event after each
+        device's copies, returned and put in :attr:`events` at once (a failure on the next
+        device leaves the lease what to wait for)."""
+        made = []
+        for device, (dsts, srcs) in by_device.items():
+            stream = _side_stream(device)
+            with torch.cuda.device(device):
+                after(stream, device)
+                with torch.cuda.stream(stream):
+                    torch._foreach_copy_(dsts, srcs, non_blocking=self.arena.pinned)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self.events.append((device, event))
+            made.append((device, event))
+        return made
 
     def run(self) -> None:
         """Every copy, on the calling thread (a blocking stage)."""

@@ -48,7 +48,7 @@ from ..uri import checkpoint_uri
 from .deletion import delete_checkpoint  # here too: `rm` and Lightning delete as retention does
 from .directories import CheckpointInfo, list_checkpoints, name_pattern
 from .inflight import InFlight
-from .newest import agreed, refuse_older
+from .newest import agreed, later, refuse_older
 from .retention import Doomed, apply_retention, choose_base
 from .tiers import LocalTier
 
@@ -338,9 +338,9 @@ class CheckpointManager:
             if self._is_coordinator():
                 self._tiers.tell(step, self.uri(step), outcome)
         with self._lock:
-            self._newest = step if self._newest is None else max(self._newest, step)
+            self._newest = later(self._newest, step)
             if "s3" in stats.stored_in:
-                self._newest_in_s3 = step if self._newest_in_s3 is None else max(self._newest_in_s3, step)
+                self._newest_in_s3 = later(self._newest_in_s3, step)
         self.last_save_stats = stats
         record_committed(stats)  # s3dcp.last_save_stats()
         return stats.stored_in

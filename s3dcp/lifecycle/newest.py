@@ -10,9 +10,14 @@ from typing import Any, Callable
 
 from ..errors import UNREACHABLE, CheckpointError, CheckpointExistsError
 
-__all__ = ["agreed", "refuse_older"]
+__all__ = ["agreed", "later", "refuse_older"]
 
 log = logging.getLogger("s3dcp")
+
+
+def later(known: int | None, step: int) -> int:
+    """The later of a newest step known so far (None: none) and ``step``."""
+    return step if known is None else max(known, step)
 
 
 def refuse_older(manager: Any, step: int) -> None:
@@ -23,8 +28,7 @@ def refuse_older(manager: Any, step: int) -> None:
         in_s3, problem = manager._agreed_latest(outage_ok=manager._tiers is not None)
         manager._checked = problem is None  # S3 not consulted: the next save asks again
         if in_s3 is not None:
-            manager._newest = in_s3 if manager._newest is None else max(manager._newest, in_s3)
-            manager._newest_in_s3 = in_s3 if manager._newest_in_s3 is None else max(manager._newest_in_s3, in_s3)
+            manager._newest, manager._newest_in_s3 = later(manager._newest, in_s3), later(manager._newest_in_s3, in_s3)
         if problem is not None:
             log.warning("S3 could not be listed (%s): checkpoint step %d is saved without checking for a newer "
                         "committed step of %s; the local tier goes on, and each S3 step is tried in turn",

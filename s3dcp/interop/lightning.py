@@ -77,8 +77,10 @@ class S3CheckpointIO(CheckpointIO):
             (opt-in: the loop then must not change a tensor until the copy is complete, the
             contract of docs/memory.md) it returns once the copy is planned, and the copy overlaps
             the next step's forward and backward: the optimizer step waits for it after its
-            closure has run, and :class:`S3ModelCheckpoint` waits for it before the step. A save while the previous one still uploads waits for it. ``teardown`` (the end of ``fit``) waits for the last one and raises its
-            error; an earlier failure is raised by the next save.
+            closure has run, and :class:`S3ModelCheckpoint` waits for it before the step. A save
+            while the previous one still uploads waits for it. ``teardown`` (the end of ``fit``)
+            waits for the last one and raises its error; an earlier failure is raised by the next
+            save.
         incremental: a tensor unchanged since the newest checkpoint this plugin committed in the
             same directory is stored as a reference to it, not uploaded again (``last.ckpt`` saved
             right after ``epoch=…-step=….ckpt`` uploads nothing but the rest). Deletion keeps what

@@ -118,7 +118,8 @@ def restore(tier: Any, manager: Any, state_dict: dict | Callable[[int], dict],
             for node, report, _ in reports if node == reports[me][0] for key, marker in report.items()}
     if s3_problem is not None:
         log.warning("restoring from the nodes' copies without S3, which could not be consulted (%s): a step "
-                    "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen", s3_problem[1])
+                    "committed to S3 after the nodes' newest copy, or a step deleted from S3, is not seen",
+                    s3_problem[1])
     nodes = [r[0] for r in reports]
     markers = [(r[0], r[1]) for r in reports]
     excluded: set = set()  # (node, step, saving rank) of the copies found corrupt

@@ -14,7 +14,8 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-__all__ = ["BufferStream", "SizedReader", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer", "copy_into"]
+__all__ = ["BufferStream", "SizedReader", "Deadline", "Deadlines", "deadlines", "chain", "gather", "finalizer",
+           "copy_into"]
 
 log = logging.getLogger("s3dcp")
 

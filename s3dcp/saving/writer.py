@@ -293,7 +293,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             body = encode_metadata(metadata)
         except BaseException as e:
             # Nothing was committed: this save's objects are garbage now, delete them.
-            delete_own(self.client, uri, own_names(metadata.storage_data.values()) | ({PENDING_NAME} if marker else set()))
+            own = own_names(metadata.storage_data.values()) | ({PENDING_NAME} if marker else set())
+            delete_own(self.client, uri, own)
             if kept_on_nodes(self.local_copy, metadata, getattr(self, "_upload_error", None) or e, uri):
                 return
             raise

@@ -9,12 +9,15 @@ One cycle of the loop (``c`` = cycle number = checkpoint step):
 
     train step: every tensor of the state changes (so every checkpoint's checksums differ)
     manager.save(c, state)            async, CheckpointManager(keep_last=2): retention deletes c-2
+    every --sync-every:    a synchronous dcp.save of a fresh state of transposed (non-contiguous)
+                           tensors to a directory of its own, then deleted; right after the
+                           async save, so it always runs beside that save's upload (its copies
+                           need an arena of their own: one allocated in cycle 2, whatever the
+                           machine's pace, not later when an upload happens to be slow)
     every --load-every:    dcp.load of checkpoint c-1 into a FRESH state dict through a reader
                            with a config of its own (as when credentials rotate: each config
                            gets a native client), compared with what was saved, then dropped
     every --verify-every:  ``s3dcp verify <checkpoint c-1> --json``, in-process
-    every --sync-every:    a synchronous dcp.save of a fresh state of transposed (non-contiguous)
-                           tensors to a directory of its own, then deleted
     manager.wait()         checkpoint c committed, retention done
     every --gc-every:      s3dcp.gc(run, older_than_s=0): nothing is in flight and no save
                            failed, so it must delete nothing
@@ -402,6 +405,14 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
             attempt("save", lambda: manager.save(c, state))
             cyc.stall_s = time.perf_counter() - t0
             committed = c - 1 if c > 1 and not cycles[-1].errors else None
+            if settings.due(settings.sync_every, c):  # at once: beside the async save's upload, every time
+                def sync_save() -> bool:
+                    uri = f"{base_uri.rstrip('/')}/sync/cycle-{c:08d}"
+                    dcp.save(transposed_state(settings.state_bytes, seed=c),
+                             storage_writer=S3StorageWriter(uri, config=config))
+                    delete_checkpoint(manager.client, parse_s3_uri(uri))
+                    return True
+                cyc.sync_saved = bool(attempt("sync save", sync_save))
 
             if committed is not None and settings.due(settings.load_every, c, first=2):
                 def load() -> bool:
@@ -417,14 +428,6 @@ def run_soak(config, base_uri: str, settings: SoakSettings, *,
                 cyc.verified = bool(report.get("ok")) and report.get("exit") == 0
                 if not cyc.verified and report:
                     cyc.errors.append(f"verify {manager.uri(committed)}: {report}")
-            if settings.due(settings.sync_every, c):
-                def sync_save() -> bool:
-                    uri = f"{base_uri.rstrip('/')}/sync/cycle-{c:08d}"
-                    dcp.save(transposed_state(settings.state_bytes, seed=c),
-                             storage_writer=S3StorageWriter(uri, config=config))
-                    delete_checkpoint(manager.client, parse_s3_uri(uri))
-                    return True
-                cyc.sync_saved = bool(attempt("sync save", sync_save))
 
             attempt("commit", manager.wait)
             if settings.due(settings.gc_every, c):

@@ -2,11 +2,14 @@
 
     training thread: stage() ─► arena, staged dict, small copies, the guard's look ─► start()
                      ─► returns a Future at once (DCP: AsyncSaveResponse.staging_completion)
-    staging thread:  large copies (CUDA: side stream, after the caller's queued work) ─► their
-                     events synchronised ─► the guard compares ─► lease.land(error or None)
-                     ─► the Future gets the staged dict ─► the thread ends
-    DCP's save thread: waits for that Future, then plans and calls write_data, which raises the
-                     lease's error (on every rank, through DCP's collective) or uploads
+    staging thread:  large copies, slab by slab (CUDA: side stream, after the caller's queued
+                     work; each slab's event synchronised) ─► each slab in (lease.slab_in)
+                     ─► the guard compares ─► lease.land(error or None)
+                     ─► the Future is done ─► the thread ends
+    DCP's save thread: gets the staged dict from that Future at once (StagingFuture), plans,
+                     and calls write_data, which sends each slab's object once the slab is in,
+                     and before it returns waits for the landing: the lease's error is raised
+                     (on every rank, through DCP's collective, and this rank's objects deleted)
 
 The Future never fails: a torn copy or a failed copy is the lease's error, raised by
 ``write_data``. A failed staging Future would make DCP's save thread raise before its first
@@ -32,15 +35,18 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
+
+import torch
 
 from .copies import Copies
 from .guard import TornGuard
 from .lease import Lease
 
-__all__ = ["start"]
+__all__ = ["start", "StagingFuture"]
 
 log = logging.getLogger("s3dcp")
 
@@ -50,7 +56,7 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
     """Run ``copies.run_later()`` on the staging thread and check ``guard`` after it; return the
     Future of ``staged`` (set once the lease has landed). ``names()`` names the sources, for an
     error; ``where`` is the checkpoint."""
-    future: Future = Future()
+    future = StagingFuture(staged)
     future.set_running_or_notify_cancel()
     args = (copies, guard, lease, staged, future, names, where)
     failure: BaseException | None = None
@@ -68,6 +74,31 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
         if failure is not None and not isinstance(failure, Exception):
             raise failure  # KeyboardInterrupt, SystemExit: still the caller's, once the stage has landed
     return future
+
+
+class StagingFuture(Future):
+    """The Future of a background stage: done, and its callbacks run (DCP's
+    ``staging_completion``), once every copy has landed and been checked.
+
+    One caller gets its result at once: DCP's thread executor, which plans the save from the
+    staged dict and calls the writer. Planning needs only the dict's structure, and write_data
+    reads a slab's bytes once they are in (:meth:`~s3dcp.saving.lease.Lease.wait_in`), so the
+    plan's collectives and the first objects' uploads run beside the copies of the others.
+    Every other caller of :meth:`result` waits for the copies, as with any Future."""
+
+    def __init__(self, staged: dict) -> None:
+        super().__init__()
+        self._staged = staged
+
+    def result(self, timeout: float | None = None) -> Any:
+        caller = sys._getframe(1)
+        if (caller.f_globals.get("__name__"), caller.f_code.co_name) == _PLANS_THE_SAVE:
+            return self._staged
+        return super().result(timeout)
+
+
+# DCP's thread executor's function that waits for the staged dict, then runs the save with it
+_PLANS_THE_SAVE = ("torch.distributed.checkpoint._async_thread_executor", "save_wrapper")
 
 
 class _Worker:
@@ -117,7 +148,18 @@ def _run(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, future: F
     error: BaseException | None = None
     try:
         _seam("copying")
-        copies.run_later()
+        issued: list = []  # slabs whose device copies are issued, with their events
+
+        def slab_in(slab: int) -> None:
+            lease.slab_in(slab)
+            _seam("slab in")
+
+        copies.run_later(lambda slab, events: issued.append((slab, events)) if events else slab_in(slab))
+        for slab, events in issued:
+            for device, event in events:
+                with torch.cuda.device(device):
+                    event.synchronize()
+            slab_in(slab)
         lease.wait_device_copies()
         _seam("copied")
         error = guard.check(names, where)

@@ -31,7 +31,8 @@ class Copies:
     3. :meth:`run_now` copies on the calling (training) thread: CUDA sources ``non_blocking`` on a
        side stream into the pinned arena (an event in :attr:`events` marking their end), then
        every host source in one ``torch._foreach_copy_``, with the GIL released;
-    4. :meth:`run_later`, on a staging thread (background staging), copies the rest the same way.
+    4. :meth:`run_later`, on a staging thread (background staging), copies the rest the same
+       way, one arena slab after the other, saying when each is in (its object can be sent).
 
     The host copy is torch's own ``copy_``, so it runs on torch's intra-op (OpenMP) threads —
     the threads the training step just used. Copy threads of our own lost to them twice on two
@@ -68,9 +69,11 @@ class Copies:
                 self.pending = True
                 if t.is_cuda:
                     self._deferred_devices.add(t.device.index)
-        # (staged tensors, sources): per CUDA device, and of every other device; now and later
-        self._device: tuple[dict[int, tuple[list, list]], dict[int, tuple[list, list]]] = ({}, {})
-        self._host: tuple[tuple[list, list], tuple[list, list]] = (([], []), ([], []))
+        # (staged tensors, sources) per CUDA device, and of every other device: the copies made
+        # now; and those left for later, by the arena slab they fill (in the order slabs first
+        # appear among the sources), so that each slab lands, and can be sent, on its own
+        self._now: tuple[dict[int, tuple[list, list]], tuple[list, list]] = ({}, ([], []))
+        self._later: dict[int, tuple[dict[int, tuple[list, list]], tuple[list, list]]] = {}
 
     def destinations(self, later_from_bytes: int | None = None) -> list[torch.Tensor]:
         """The staged tensor of each source, in order. Sources of ``later_from_bytes`` or more
@@ -87,10 +90,11 @@ class Copies:
             later = later_from_bytes is not None and t.nbytes >= later_from_bytes and not t.is_inference()
             if later:
                 self.later.append(i)
+            by_device, host = self._later.setdefault(start[0], ({}, ([], []))) if later else self._now
             if t.is_cuda:
-                dsts, srcs = self._device[later].setdefault(t.device.index, ([], []))
+                dsts, srcs = by_device.setdefault(t.device.index, ([], []))
             else:  # strided sources and lazy conjugate or negative views too: copy_ gives their values
-                dsts, srcs = self._host[later]
+                dsts, srcs = host
             dsts.append(dst)
             srcs.append(t)
         return out
@@ -103,8 +107,8 @@ class Copies:
             # A copy from a GPU runs on the current stream of the source's device, so each
             # device's sources get that device's side stream, ordered after the work queued
             # on its current stream (the last optimizer step), and an event of their own.
-            later_devices = set(self._device[True]) | self._deferred_devices
-            copied = self._side_copies(self._device[False],
+            later_devices = {d for by_device, _ in self._later.values() for d in by_device} | self._deferred_devices
+            copied = self._side_copies(self._now[0],
                                        lambda stream, device: stream.wait_stream(torch.cuda.current_stream(device)))
             if self.background:  # the training loop goes on: its next kernels after these copies
                 for device, event in copied:
@@ -113,18 +117,34 @@ class Copies:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
                 self.training_done[device] = event
-            if self._host[False][0]:
-                torch._foreach_copy_(*self._host[False])
+            if self._now[1][0]:
+                torch._foreach_copy_(*self._now[1])
 
-    def run_later(self) -> None:
-        """Copy the sources left for later (on a staging thread): device copies on each device's
-        side stream, after the work the training thread had queued when it staged; then the
-        host copy. Their events join :attr:`events`."""
+    @property
+    def later_slabs(self) -> list[int]:
+        """The arena slabs that :meth:`run_later` fills, in the order it fills them."""
+        return list(self._later)
+
+    def run_later(self, landed: Callable[[int, list[tuple[int, Any]]], None] | None = None) -> None:
+        """Copy the sources left for later (on a staging thread), slab by slab: each slab's
+        device copies on each device's side stream (the first after the work the training
+        thread had queued when it staged), then its host copy; then ``landed(slab, events)``:
+        its host bytes are in, its device bytes once ``events`` (``(device, event)``, also in
+        :attr:`events`) say so."""
         with torch.no_grad():
-            self._side_copies(self._device[True],
-                              lambda stream, device: stream.wait_event(self.training_done[device]))
-            if self._host[True][0]:
-                torch._foreach_copy_(*self._host[True])
+            ordered: set[int] = set()
+
+            def after_training(stream, device: int) -> None:
+                if device not in ordered:  # a stream's later copies stay behind it
+                    ordered.add(device)
+                    stream.wait_event(self.training_done[device])
+
+            for slab, (by_device, host) in self._later.items():
+                made = self._side_copies(by_device, after_training)
+                if host[0]:
+                    torch._foreach_copy_(*host)
+                if landed is not None:
+                    landed(slab, made)
 
     def _side_copies(self, by_device: dict, after: Callable[[Any, int], None]) -> list[tuple[int, Any]]:
         """Each device's copies of ``by_device`` on its side stream, once ``after(side stream,

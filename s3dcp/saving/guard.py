@@ -4,7 +4,8 @@ With ``staging="background"`` the training loop runs on while the large tensors 
 contract is that it changes none of them until staging completes. This module checks that it
 kept it: :class:`TornGuard` records, before any background copy starts, what each watched
 tensor is, and after the last copy landed, compares. Any difference fails the save by name,
-before anything is uploaded (:class:`~s3dcp.errors.TornCheckpointError`).
+before anything is committed (:class:`~s3dcp.errors.TornCheckpointError`; objects already sent
+from slabs that were in are deleted).
 
 What a tensor can undergo, and what sees it::
 

@@ -116,6 +116,8 @@ class Lease:
         # error: why the staged copy must not be saved (it is torn, or a copy failed)
         self.landed = threading.Event()
         self.error: BaseException | None = None
+        # a background stage: per arena slab, its copies are in (write_data sends it then)
+        self.slabs_in: list[threading.Event] = []
         self._save: _SaveCall | None = None
         self._released = False
         self._lock = threading.Lock()
@@ -154,10 +156,36 @@ class Lease:
             with torch.cuda.device(device):  # the waiting thread makes no CUDA context on device 0
                 event.synchronize()
 
+    def stream(self, filled_later: list[int]) -> None:
+        """A background stage: the arena's slabs not in ``filled_later`` are in already; the
+        staging thread says of each of the others when it is (:meth:`slab_in`)."""
+        self.slabs_in = [threading.Event() for _ in self.arena.slabs]
+        later = set(filled_later)
+        for i, event in enumerate(self.slabs_in):
+            if i not in later:
+                event.set()
+
+    def slab_in(self, slab: int) -> None:
+        self.slabs_in[slab].set()
+
+    def wait_in(self, tensor: torch.Tensor) -> None:
+        """Block until the bytes of ``tensor`` (a staged tensor) are in the arena: those of its
+        slab, for a background stage; at once for any other tensor. Raises the stage's error if
+        it failed before they were (then every slab says it is in)."""
+        arena = self.arena
+        for slab, event in zip(arena.slabs if arena is not None else (), self.slabs_in):
+            if slab.holds(tensor):
+                event.wait()
+                if self.error is not None:  # set before land() sets the slabs' events
+                    raise self.error
+                return
+
     def land(self, error: BaseException | None = None) -> None:
         """stage()'s copies are in the arena (``error``: they must not be saved); with no
         rounds pending, every original has been copied."""
         self.error = error
+        for event in self.slabs_in:  # nothing waits on a slab for ever
+            event.set()
         self.landed.set()
         if not self.pending:
             self.copied.set()

@@ -40,6 +40,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ..memory.pool import Arena, HostBufferPool, plan_slabs, release_staging_memory, shared_pool
 from ..s3.streams import finalizer
@@ -162,6 +163,7 @@ class StagingMixin:
             lease.land()
             self._stage_s = time.perf_counter() - self._stage_started
             return result
+        lease.stream(copies.later_slabs)  # before the staged dict goes anywhere
         lease.returned.set()  # nothing waits for the training thread: it returns now
         future = background.start(copies, guard, lease, result, lambda: statetree.paths(result),
                                   getattr(self, "checkpoint_id", None) or "the checkpoint")
@@ -205,7 +207,7 @@ class StagingMixin:
         self._attach()
         lease = self._lease
         error = getattr(self, "_staging_error", None)  # DCP's process executor: the parent's lease's
-        if lease is not None:
+        if lease is not None and not lease.slabs_in:  # a background stage lands as write_data goes
             lease.landed.wait()
             lease.wait_device_copies()
             error = lease.error
@@ -213,6 +215,31 @@ class StagingMixin:
             self._staging_end(lease)  # write_data's finally does not run for it: nothing uploads from the arena
             raise error
         return lease
+
+    @staticmethod
+    def _streams(lease: Lease | None, planner: Any) -> bool:
+        """Whether write_data may send the objects of a background stage as its slabs come in
+        (:meth:`Lease.wait_in`), or must wait for the whole stage first: only DCP's own
+        planner is known to read no tensor's bytes while it resolves the items to write (another
+        may transform them: a cast reads them). Either way it waits before it returns
+        (:meth:`_staging_landed`)."""
+        if lease is None or not lease.slabs_in:
+            return False
+        if type(planner) is DefaultSavePlanner:
+            return True
+        StagingMixin._staging_landed(lease)
+        return False
+
+    @staticmethod
+    def _staging_landed(lease: Lease | None) -> None:
+        """Wait until a background stage has landed; raise its error (torn, or a copy failed):
+        write_data then stops and deletes what this rank sent, and the save fails on every rank."""
+        if lease is None or not lease.slabs_in:
+            return
+        lease.landed.wait()
+        lease.wait_device_copies()
+        if lease.error is not None:
+            raise lease.error
 
     def _staging_end(self, lease: Lease | None) -> None:
         """Last thing in write_data, success or failure: the originals are no longer needed. A

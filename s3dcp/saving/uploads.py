@@ -19,7 +19,7 @@ import logging
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -85,7 +85,8 @@ class Uploads:
     spreads their names; objects are composed in host memory from ``pool`` (at most
     ``window_bytes`` of it at once: None, no bound); ``arena`` is the save's staging arena;
     ``local``, the node-local copy every object also goes to; ``upload=False`` keeps the objects
-    in ``local`` only (a step of the local tier not sent to S3).
+    in ``local`` only (a step of the local tier not sent to S3); ``wait_in(tensor)``, while a
+    background stage still copies into ``arena``, returns once the tensor's bytes are in.
 
     Where an object's bytes come from::
 
@@ -103,7 +104,7 @@ class Uploads:
     def __init__(self, client: S3Client, uri: S3Uri, config: S3Config, *, rank: int, save_id: str,
                  item_checksum: str, base: BaseIndex | None = None, pool: HostBufferPool | None = None,
                  window_bytes: int | None = None, arena: Arena | None = None, local: LocalCopy | None = None,
-                 upload: bool = True) -> None:
+                 upload: bool = True, wait_in: Callable[[torch.Tensor], None] | None = None) -> None:
         self.client = client
         self.uri = uri
         self.config = config
@@ -114,6 +115,8 @@ class Uploads:
         self.pool = pool
         self.window_bytes = window_bytes
         self.arena = arena  # this save's staging arena, whose slabs' free tails may take small items
+        self._own = {slab.address: slab for slab in arena.slabs} if arena is not None else {}
+        self.wait_in = wait_in  # a background stage: returns once a staged tensor's bytes are in
         self.local = local  # the node-local copy each object is also written to (the local tier)
         self.upload = upload  # False: a step kept in the local tier only
         self.objects = 0
@@ -130,81 +133,95 @@ class Uploads:
     def add(self, pairs: list) -> None:
         """Checksum each ``(write item, data)`` pair; with a base, record the unchanged ones as
         references to it; upload the rest as objects of about the configured target size (see
-        the class docstring), each started as soon as its bytes are in place."""
-        entries: list[_Entry] = []
-        for item, data in pairs:
-            view = data if isinstance(data, memoryview) else byte_view(data)
-            sums = integrity.compute(self.item_checksum, view)
-            tensor = isinstance(data, torch.Tensor)
-            dtype = dtype_to_str(data.dtype) if tensor else None
-            shape = tuple(data.shape) if tensor else None
-            if self.base is not None:
-                ref = self.base.reference(item.index, view.nbytes, dtype, shape, sums.whole)
-                if ref is not None:
-                    self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ref))
-                    self.inherited_bytes += view.nbytes
-                    self.inherited_items += 1
-                    continue
-            entries.append(_Entry(item, data, view, sums, dtype, shape))
-        loose = self._send_files(entries)
-        self._compose(loose)
-
-    def _send_files(self, entries: list[_Entry]) -> list[_Entry]:
-        """Upload each shared-memory file whose first bytes these items are as one object (see
-        the class docstring); return the entries left to compose."""
-        by_file: dict[int, tuple[FileSpan, list[tuple[int, _Entry]]]] = {}
+        the class docstring), each started as soon as its bytes are in place: the items of a
+        staging slab still being filled (a background stage) once the slab is in
+        (``wait_in``), one slab after the other, and never read before."""
+        by_file: dict[int, tuple[FileSpan, list]] = {}  # items in a shared-memory file, by file
         loose: list[_Entry] = []
-        for e in entries:
-            span = file_of(e.data) if isinstance(e.data, torch.Tensor) and e.view.nbytes else None
-            if span is None:
+        for item, data in pairs:
+            span = file_of(data) if isinstance(data, torch.Tensor) and data.nbytes else None
+            if span is not None:
+                by_file.setdefault(span.address, (span, []))[1].append((span.offset, item, data))
+                continue
+            if isinstance(data, torch.Tensor) and self.wait_in is not None:
+                self.wait_in(data)  # a slab of ordinary memory (no files here)
+            if (e := self._entry(item, data)) is not None:
                 loose.append(e)
-            else:
-                by_file.setdefault(span.address, (span, []))[1].append((span.offset, e))
-        direct: list[list] = []  # [file, its items by offset, end of the object]
-        own = {slab.address for slab in self.arena.slabs} if self.arena is not None else set()
-        for span, placed in by_file.values():
-            placed.sort(key=lambda p: p[0])
-            named, end = 0, 0  # bytes some item names; where the last one ends
-            for offset, e in placed:
-                stop = offset + e.view.nbytes
-                named += max(0, stop - max(offset, end))
-                end = max(end, stop)
-            if end - named > end * _MAX_UNNAMED_SHARE or (span.address not in own and end < _SEND_ALONE_FROM_BYTES):
-                loose.extend(e for _, e in placed)
-            else:
-                direct.append([span, placed, end])
-        loose = self._fill_tails(direct, loose)
-        for span, placed, end in direct:
-            name = self._next_name()
-            for offset, e in placed:
-                self._record(name, offset, e)
-            buffer = torch.empty(0, dtype=torch.uint8).set_(span.owner)[:end]
-            self._put(name, end, span.path, [buffer], keep=(span.owner, placed))
-        return loose
+        rest: list[_Entry] = []  # items of files not sent as they are
+        for span, items in by_file.values():  # the order of the plan: that of the slabs' filling
+            if self.wait_in is not None:
+                self.wait_in(items[0][2])
+            placed = [(offset, e) for offset, item, data in items if (e := self._entry(item, data)) is not None]
+            end = self._object_end(span, placed)
+            if end is None:
+                rest.extend(e for _, e in placed)
+                continue
+            loose, end = self._fill_tail(span, placed, end, loose)
+            self._send_file(span, placed, end)
+        self._compose(loose + rest)
 
-    def _fill_tails(self, direct: list[list], loose: list[_Entry]) -> list[_Entry]:
+    def _entry(self, item: WriteItem, data: Any) -> _Entry | None:
+        """``data`` checksummed, or None when an incremental base holds the same bytes (the
+        item's result is then a reference to it)."""
+        view = data if isinstance(data, memoryview) else byte_view(data)
+        sums = integrity.compute(self.item_checksum, view)
+        tensor = isinstance(data, torch.Tensor)
+        dtype = dtype_to_str(data.dtype) if tensor else None
+        shape = tuple(data.shape) if tensor else None
+        if self.base is not None:
+            ref = self.base.reference(item.index, view.nbytes, dtype, shape, sums.whole)
+            if ref is not None:
+                self.results.append(WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=ref))
+                self.inherited_bytes += view.nbytes
+                self.inherited_items += 1
+                return None
+        return _Entry(item, data, view, sums, dtype, shape)
+
+    def _object_end(self, span: FileSpan, placed: list[tuple[int, _Entry]]) -> int | None:
+        """Where the object made of the file's first bytes ends (sorting ``placed`` by offset),
+        or None when the items are to be copied into an object of their own instead (see the
+        class docstring)."""
+        if not placed:
+            return None
+        placed.sort(key=lambda p: p[0])
+        named, end = 0, 0  # bytes some item names; where the last one ends
+        for offset, e in placed:
+            stop = offset + e.view.nbytes
+            named += max(0, stop - max(offset, end))
+            end = max(end, stop)
+        if end - named > end * _MAX_UNNAMED_SHARE or (span.address not in self._own and end < _SEND_ALONE_FROM_BYTES):
+            return None
+        return end
+
+    def _fill_tail(self, span: FileSpan, placed: list, end: int, loose: list[_Entry]) -> tuple[list[_Entry], int]:
         """Copy small loose items (serialized values: a step count, a scheduler's state) into
-        the free room after the last tensor of this save's own staging slabs, so that they
-        travel in those objects instead of objects of their own; return the others."""
-        slabs = {slab.address: slab for slab in self.arena.slabs} if self.arena is not None else {}
-        homes = [d for d in direct if d[0].address in slabs]
-        if not homes:
-            return loose
+        the free room after the last item of one of this save's own staging slabs, so that they
+        travel in its object instead of objects of their own; return the others, and where the
+        object now ends."""
+        slab = self._own.get(span.address)
+        if slab is None:
+            return loose, end
         rest: list[_Entry] = []
         for e in loose:
             n = e.view.nbytes
-            home = next((d for d in homes if align(d[2], ALIGN_BYTES) + n
-                         <= slabs[d[0].address].capacity), None) if n < _COMPOSE_FROM_BYTES else None
-            if home is None:
+            start = align(end, ALIGN_BYTES)
+            if n >= _COMPOSE_FROM_BYTES or start + n > slab.capacity:
                 rest.append(e)
                 continue
-            start = align(home[2], ALIGN_BYTES)
             if n:
-                slabs[home[0].address].buffer[start:start + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
+                slab.buffer[start:start + n].copy_(torch.frombuffer(e.view, dtype=torch.uint8))
                 self.copied_bytes += n
-            home[1].append((start, e))
-            home[2] = start + n
-        return rest
+            placed.append((start, e))
+            end = start + n
+        return rest, end
+
+    def _send_file(self, span: FileSpan, placed: list[tuple[int, _Entry]], end: int) -> None:
+        """Upload the first ``end`` bytes of the file as one object holding the ``placed`` items."""
+        name = self._next_name()
+        for offset, e in placed:
+            self._record(name, offset, e)
+        buffer = torch.empty(0, dtype=torch.uint8).set_(span.owner)[:end]
+        self._put(name, end, span.path, [buffer], keep=(span.owner, placed))
 
     def _compose(self, loose: list[_Entry]) -> None:
         """Copy the entries, in order, back to back into objects of about the target size (an

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
@@ -49,6 +50,7 @@ from ..s3.client import S3Client
 from ..s3.location import S3CheckpointPath
 from ..s3.request import abort_all
 from ..uri import parse_s3_uri
+from . import statetree
 from .base import BaseIndex
 from .commit_check import check_objects
 from .local_copy import LocalCopy, kept_on_nodes
@@ -211,15 +213,19 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
         try:
             # in the try: the client may be made here, and a failure must still end the lease
             self._check_not_abandoned()
+            streams = self._streams(lease, planner)
             uploads = self._uploads = Uploads(
                 self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
                 item_checksum=self.item_checksum, base=self._base, pool=self._staging_pool(),
                 window_bytes=self.config.staging_budget_bytes, arena=lease.arena if lease is not None else None,
-                local=self.local_copy, upload=self.upload)
+                local=self.local_copy, upload=self.upload, wait_in=lease.wait_in if streams else None)
             if self.local_copy is not None:
                 self.local_copy.begin(rank)
             ready, deferred = [], []
             for item in plan.items:
+                if streams and item.type == WriteItemType.BYTE_IO and statetree.tensors(
+                        planner.lookup_object(item.index)):
+                    self._staging_landed(lease)  # pickling the value reads its tensors' bytes
                 data = resolve(planner, item)
                 if not isinstance(data, torch.Tensor):
                     ready.append((item, data))
@@ -228,6 +234,7 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
                 else:
                     ready.append((item, to_host_contiguous(data)))
             uploads.add(ready)
+            self._staging_landed(lease)  # a background stage: torn or failed, nothing is committed
             if deferred:
                 self._stage_rounds(deferred, lease, uploads.add, uploads.drain)
             try:

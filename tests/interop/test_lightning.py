@@ -431,7 +431,7 @@ def test_an_async_save_opted_into_background_staging_overlaps_forward_and_backwa
         if phase == "copying":
             seam.at = steps[0]
             time.sleep(0.5)  # a slow copy: an optimizer step that did not wait would land in it
-        else:
+        elif phase == "copied":
             seen.append(steps[0] - seam.at)
 
     monkeypatch.setattr(background, "_seam", seam)

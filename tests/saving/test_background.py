@@ -111,6 +111,130 @@ def test_async_save_returns_before_the_copy_and_saves_the_state_of_the_call(buck
     assert writer.last_stats.copied_bytes < 4096  # uploaded from the slabs, as a blocking stage's
 
 
+def _two_slabs(seed=0):
+    """Two 3 MB tensors, a slab (an object) each with 4 MiB objects, and a small one."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"first": torch.randn(750_000, generator=gen), "second": torch.randn(750_000, generator=gen),
+            "norm": torch.randn(64, generator=gen), "epoch": 3}
+
+
+def _wait_for_keys(boto3_client, bucket, prefix, count, timeout_s=60):
+    """The keys under ``prefix`` once there are ``count`` of them (an AssertionError after
+    ``timeout_s``, which a test that cannot see them there fails on)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (keys := _keys(boto3_client, bucket, prefix)) and len(keys) < count or not keys:
+        assert time.monotonic() < deadline, f"{prefix}: {keys} after {timeout_s} s"
+        time.sleep(0.05)
+    return keys
+
+
+def test_an_object_goes_to_s3_as_soon_as_its_slab_is_in_while_the_next_is_still_copied(bucket, config, monkeypatch,
+                                                                                       boto3_client):
+    """DCP's save thread plans from the staged dict at once, and write_data sends each slab's
+    object once the slab is in: the staging thread, held after the first slab, has not copied
+    the second when the first object is already stored."""
+    hold = _Hold(monkeypatch, "slab in")
+    state = _two_slabs()
+    expected = _snapshot(state)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/early", config=config))
+    try:
+        assert hold.reached.wait(30)
+        keys = _wait_for_keys(boto3_client, bucket, "early/", 1)
+        assert len(keys) == 1 and keys[0].endswith(".distcp"), keys  # the first slab's object, not the second
+        assert not response.staging_completion.done()
+    finally:
+        hold.go()
+    response.staging_completion.result(timeout=60)
+    response.upload_completion.result(timeout=120)
+    _assert_loads_as(f"s3://{bucket}/early", config, state, expected)
+
+
+def test_a_tensor_changed_after_its_slab_was_sent_fails_the_save_and_deletes_what_was_sent(bucket, config,
+                                                                                          monkeypatch, boto3_client):
+    """The first object is in S3 when the loop changes a tensor of the second slab, still to
+    be copied: the save fails by name, nothing is committed, and the object sent is deleted."""
+    hold = _Hold(monkeypatch, "slab in")
+    state = _two_slabs()
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/sent-torn", config=config))
+    try:
+        assert hold.reached.wait(30)
+        _wait_for_keys(boto3_client, bucket, "sent-torn/", 1)
+        state["second"].add_(1)
+    finally:
+        hold.go()
+    response.staging_completion.result(timeout=60)
+    with pytest.raises(BaseException) as info:
+        response.upload_completion.result(timeout=120)
+    error = s3dcp.unwrap_error(info.value)
+    assert isinstance(error, TornCheckpointError) and error.names == ["second"], error
+    assert _keys(boto3_client, bucket, "sent-torn/") == []
+
+
+def _go_once_write_data_waits(monkeypatch, hold):
+    """Let the staging thread (held before its copies) go once write_data waits for it: for the
+    stage to land, or for a slab. Whatever write_data reads before that, it reads unstaged."""
+    from s3dcp.saving.lease import Lease
+    from s3dcp.saving.staging import StagingMixin
+
+    landed, wait_in = StagingMixin._staging_landed, Lease.wait_in
+
+    def staging_landed(lease):
+        hold.go()
+        landed(lease)
+
+    def waits_in(self, tensor):
+        hold.go()
+        wait_in(self, tensor)
+
+    monkeypatch.setattr(StagingMixin, "_staging_landed", staticmethod(staging_landed))
+    monkeypatch.setattr(Lease, "wait_in", waits_in)
+
+
+def test_a_value_pickled_with_its_tensors_waits_for_them_to_be_in(bucket, config, monkeypatch):
+    """DCP pickles a tuple whole (a BYTE_IO item), tensors and all: write_data resolves it only
+    once the stage has landed, or it would pickle slabs still being filled."""
+    hold = _Hold(monkeypatch, "copying")
+    gen = torch.Generator().manual_seed(5)
+    pair = (torch.randn(750_000, generator=gen), torch.randn(750_000, generator=gen))
+    state = {"pair": pair, "w": torch.randn(750_000, generator=gen)}
+    expected = {"pair": tuple(t.clone() for t in pair), "w": state["w"].clone()}
+    _go_once_write_data_waits(monkeypatch, hold)
+    response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/tuple", config=config))
+    response.upload_completion.result(timeout=120)
+    out = {"pair": None, "w": torch.zeros_like(state["w"])}
+    dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/tuple", config=config))
+    assert torch.equal(out["w"], expected["w"])
+    assert all(torch.equal(a, b) for a, b in zip(out["pair"], expected["pair"], strict=True))
+
+
+def test_a_planner_of_its_own_resolves_items_only_once_the_stage_has_landed(bucket, config, monkeypatch):
+    """Another planner may read a tensor's bytes while it resolves it (a copy or a cast does): write_data
+    lets it resolve only once every copy is in."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    hold = _Hold(monkeypatch, "copying")
+    seen = []
+
+    class CopyingPlanner(DefaultSavePlanner):  # hands write_data copies: reads every tensor's bytes
+        def resolve_data(self, write_item):
+            seen.append(writer._lease.landed.is_set())
+            data = super().resolve_data(write_item)
+            return data.clone() if isinstance(data, torch.Tensor) else data
+
+    state = _two_slabs()
+    expected = _snapshot(state)
+    writer = S3StorageWriter(f"s3://{bucket}/planner", config=config)
+    _go_once_write_data_waits(monkeypatch, hold)
+    response = dcp.async_save(state, storage_writer=writer, planner=CopyingPlanner())
+    response.upload_completion.result(timeout=120)
+    assert seen and all(seen)
+    out = {k: torch.zeros_like(v) for k, v in expected.items()} | {"epoch": 0}
+    dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/planner", config=config))
+    assert all(torch.equal(out[k], v) for k, v in expected.items()) and out["epoch"] == 3
+
+
 @pytest.mark.parametrize("change", ["add_", "data=", "set_", "resize_", "swap_tensors"])
 @pytest.mark.parametrize("phase", ["copying", "copied"])
 def test_a_tensor_changed_while_staging_fails_the_save_by_name_and_commits_nothing(bucket, config, monkeypatch,
@@ -369,8 +493,8 @@ def test_cuda_copies_are_ordered_after_the_callers_work_and_before_its_next_kern
     """The CUDA branch of background staging, with recording stand-ins for streams and events
     (no GPU here): small copies on the side stream after the caller's queued work, the caller's
     stream waiting for them before stage() returns; the large copies issued on the staging
-    thread after an event of the caller's stream, and synchronised before the check and before
-    staging completes."""
+    thread after an event of the caller's stream, slab by slab, each slab's synchronised as soon
+    as it is in, and all before the check and before staging completes."""
     import contextlib
 
     from s3dcp.saving import copies as copies_module
@@ -423,8 +547,9 @@ def test_cuda_copies_are_ordered_after_the_callers_work_and_before_its_next_kern
     monkeypatch.setattr(copies_module, "_STREAMS", {})
     hold = _Hold(monkeypatch, "copying")
     gen = torch.Generator().manual_seed(3)
-    big, small = torch.randn(300_000, generator=gen), torch.randn(64, generator=gen)
-    state = {"w": torch.Tensor._make_subclass(_FakeCuda, big), "norm": torch.Tensor._make_subclass(_FakeCuda, small)}
+    big, small, other = (torch.randn(n, generator=gen) for n in (750_000, 64, 750_000))  # 3 MB: a slab each
+    state = {"w": torch.Tensor._make_subclass(_FakeCuda, big), "norm": torch.Tensor._make_subclass(_FakeCuda, small),
+             "v": torch.Tensor._make_subclass(_FakeCuda, other)}
     pool = HostBufferPool(pin_memory=False)
     response = dcp.async_save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/cuda", config=config, pool=pool))
     assert hold.reached.wait(30)
@@ -435,13 +560,17 @@ def test_cuda_copies_are_ordered_after_the_callers_work_and_before_its_next_kern
     hold.go()
     response.staging_completion.result(timeout=60)
     staged_log = list(log)
-    assert staged_log[5:] == [("wait_event", "side", 2), ("copy", "side", [big.nbytes], "s3dcp-staging"),
-                              ("record", 3, "side"), ("synchronize", 1, "s3dcp-staging"),
-                              ("synchronize", 3, "s3dcp-staging")]  # landed before the check and completion
+    thread = "s3dcp-staging"
+    assert staged_log[5:] == [("wait_event", "side", 2),  # the side stream once behind the caller's work
+                              ("copy", "side", [big.nbytes], thread), ("record", 3, "side"),  # a slab...
+                              ("copy", "side", [other.nbytes], thread), ("record", 4, "side"),  # ...then the next
+                              ("synchronize", 3, thread), ("synchronize", 4, thread),  # each slab in: its object goes
+                              ("synchronize", 1, thread), ("synchronize", 3, thread),
+                              ("synchronize", 4, thread)]  # all landed before the check and completion
     response.upload_completion.result(timeout=120)
-    out = {"w": torch.zeros_like(big), "norm": torch.zeros_like(small)}
+    out = {"w": torch.zeros_like(big), "norm": torch.zeros_like(small), "v": torch.zeros_like(other)}
     dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/cuda", config=config))
-    assert torch.equal(out["w"], big) and torch.equal(out["norm"], small)
+    assert torch.equal(out["w"], big) and torch.equal(out["norm"], small) and torch.equal(out["v"], other)
 
 
 def _stage_in_background_in_child(queue, config, state):
@@ -488,7 +617,7 @@ def test_a_child_forked_while_its_parent_stages_takes_optimizer_steps(config, mo
 
 
 def test_a_torn_save_by_a_writer_driven_outside_dcps_save_gives_its_arena_back(bucket, config, monkeypatch):
-    """write_data raises the torn error before it uploads; a lease attached to no DCP save call
+    """write_data raises the torn error before it returns; a lease attached to no DCP save call
     (the writer driven by hand) must still end there, or with max_inflight_checkpoints=1 the
     next stage() waits for its arena for ever."""
     from s3dcp.saving import lease as lease_module

@@ -12,7 +12,10 @@ warms every mode up (arenas, caches, clients) and is not counted.
     none           no checkpoint: the step time without
     blocking       s3dcp, S3Config(staging="blocking"): async_save returns once the state is copied
     background     s3dcp, S3Config(staging="background"): async_save returns once the copy is
-                   planned; the loop waits for staging_completion before its next optimizer step
+                   planned; the loop waits for staging_completion before its next optimizer step;
+                   each object is sent as soon as its slab is in
+    whole-stage    background staging whose objects are sent only once the whole stage is in (what
+                   a planner other than DCP's own gets: write_data waits for every copy first)
     defaultstager  DCP's DefaultStager(use_async_staging=True, use_shared_memory=True) staging for
                    s3dcp's writer; the loop waits for staging_completion before its next optimizer step
     s3tc           s3torchconnector's S3StorageWriter through dcp.async_save as it documents it
@@ -23,9 +26,16 @@ and waiting for staging before the optimizer step. An upload still running when 
 steps are done is waited for and reported apart ("upload wait": what the next checkpoint would
 wait for, back-pressure, when --every steps are shorter than an upload on this machine). Step
 time = the segment's steps (its stall included) / their number, against the "none" segments of
-the same rounds. Goal (issue 40), for background: stall
+the same rounds. Durable after = from the async_save call until the upload is complete (the
+checkpoint committed): where sending each object as its slab comes in shows, with objects
+smaller than the state (--object-mib). Goal (issue 40), for background: stall
 <= 10 ms for 512 MiB and <= 25 ms for the small shape, step time with a checkpoint <= 1.1x
 without. Exits 0 either way (a busy machine misses the goal without anything being wrong).
+
+--split-cores runs the local S3 server on the last core and this process (the training loop,
+torch's threads, the CRT's) on the others, as on a cluster whose S3 is elsewhere: the step
+time ratio then measures what checkpointing costs the training process itself, not the
+server's work on the same cores (6-9 CPU seconds per 512 MiB checkpoint for SeaweedFS here).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 from common import (  # noqa: E402
     MiB, add_common_args, delete_prefix, environment_info, median, print_table, results_path, s3_target,
@@ -47,7 +58,7 @@ from common import (  # noqa: E402
 )
 from compare import s3tc_available, s3tc_note, s3tc_writer  # noqa: E402
 
-MODES = ("none", "blocking", "background", "defaultstager", "s3tc")
+MODES = ("none", "blocking", "background", "whole-stage", "defaultstager", "s3tc")
 GOALS_S = {"large": 0.010, "small": 0.025}  # the visible stall of background staging
 
 
@@ -116,9 +127,13 @@ def _when_staged(response) -> list[float]:
     return stamp
 
 
-def segment(loop: Loop, mode: str, target, every: int, stager) -> dict:
+class OwnPlanner(DefaultSavePlanner):
+    """DCP's planner under another name: s3dcp's writer sends nothing before the stage is whole."""
+
+
+def segment(loop: Loop, mode: str, target, every: int, stager, config) -> dict:
     """A checkpoint in ``mode`` followed by ``every`` steps; what the loop waited for, and how long
-    the segment took."""
+    the segment took. ``config``: s3dcp's, for the s3dcp modes."""
     from s3dcp import S3StorageWriter
 
     prefix = unique_prefix(target, "overlap", mode)
@@ -126,20 +141,25 @@ def segment(loop: Loop, mode: str, target, every: int, stager) -> dict:
     server = psutil.Process(target.server_pid) if target.server_pid else None
     server_cpu = _cpu_s(server)
     start = time.perf_counter()
-    call_s = staged_s = 0.0
+    call_s = staged_s = durable_s = 0.0
     response = None
     if mode != "none":
         state = loop.state()
         if mode in ("blocking", "background"):
-            writer = S3StorageWriter(uri, config=target.config.replace(staging=mode))
+            writer = S3StorageWriter(uri, config=config.replace(staging=mode))
             response = dcp.async_save(state, storage_writer=writer)
+        elif mode == "whole-stage":
+            writer = S3StorageWriter(uri, config=config.replace(staging="background"))
+            response = dcp.async_save(state, storage_writer=writer, planner=OwnPlanner())
         elif mode == "defaultstager":
-            response = dcp.async_save(state, storage_writer=S3StorageWriter(uri, config=target.config),
-                                      async_stager=stager)
+            response = dcp.async_save(state, storage_writer=S3StorageWriter(uri, config=config), async_stager=stager)
         else:
             response = dcp.async_save(state, storage_writer=s3tc_writer(uri, target.config))
         call_s = time.perf_counter() - start
         staged_at = _when_staged(response)
+        durable_at: list[float] = []
+        getattr(response, "upload_completion", response).add_done_callback(
+            lambda _f: durable_at.append(time.perf_counter()))
     waited = [0.0]
 
     def wait_staged() -> float:
@@ -162,11 +182,13 @@ def segment(loop: Loop, mode: str, target, every: int, stager) -> dict:
         getattr(response, "upload_completion", response).result()
         tail_s = time.perf_counter() - steps_end
         staged_s = staged_at[0] - start
+        durable_s = durable_at[0] - start
     server_cpu = _cpu_s(server) - server_cpu  # the local S3 server's share of the cores, upload included
     if response is not None:
         delete_prefix(target.s3_client(), target.bucket, prefix)
     return {"mode": mode, "call_s": call_s, "wait_staged_s": waited[0], "upload_wait_s": tail_s,
-            "stall_s": call_s + waited[0], "staged_after_s": staged_s, "step_s": (steps_end - start) / every,
+            "stall_s": call_s + waited[0], "staged_after_s": staged_s, "durable_after_s": durable_s,
+            "step_s": (steps_end - start) / every,
             "first_step_s": first_s, "rest_step_s": (steps_end - start - call_s - first_s) / max(1, every - 1),
             "server_cpu_s": server_cpu}
 
@@ -193,12 +215,13 @@ def run_shape(args, target, shape: str, modes: list[str]) -> dict:
     del state
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
                                           use_non_blocking_copy=False))
+    config = target.config.replace(object_size_target_bytes=args.object_mib * MiB) if args.object_mib else target.config
     rows: list[dict] = []
     try:
         for r in range(args.rounds + 1):  # round 0 warms every mode up
             order = modes[r % len(modes):] + modes[:r % len(modes)]
             for mode in order:
-                row = segment(loop, mode, target, args.every, stager)
+                row = segment(loop, mode, target, args.every, stager, config)
                 if r:
                     rows.append(row)
                 print(f"# {shape} round {r}{' (warm-up)' if not r else ''} {mode:13s} stall {row['stall_s'] * 1e3:8.1f} ms "
@@ -218,6 +241,7 @@ def run_shape(args, target, shape: str, modes: list[str]) -> dict:
             "wait_staged_median_s": median(r["wait_staged_s"] for r in mine),
             "upload_wait_median_s": median(r["upload_wait_s"] for r in mine),
             "staged_after_median_s": median(r["staged_after_s"] for r in mine),
+            "durable_after_median_s": median(r["durable_after_s"] for r in mine),
             "step_median_s": median(r["step_s"] for r in mine),
             "step_vs_none": median(r["step_s"] for r in mine) / base if base else None,
             "first_step_vs_none": median(r["first_step_s"] for r in mine) / first_base if first_base else None,
@@ -236,6 +260,23 @@ def _leaves(tree):
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             yield from _leaves(v)
+
+
+def split_cores(server_pid: int | None) -> tuple[list[int], int]:
+    """Pin every thread of the server to the last core of this process's, and every thread of
+    this process (later ones inherit it) to the others; torch's threads to as many."""
+    cores = sorted(os.sched_getaffinity(0))
+    if server_pid is None or len(cores) < 2:
+        raise SystemExit("error: --split-cores needs the embedded server (no --endpoint) and two cores or more")
+    mine, theirs = cores[:-1], cores[-1]
+    for pid, where in ((server_pid, {theirs}), (os.getpid(), set(mine))):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), where)
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread that ended meanwhile
+    torch.set_num_threads(len(mine))
+    return mine, theirs
 
 
 def verdict(results: dict) -> tuple[bool, list[str]]:
@@ -264,6 +305,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=64,
                         help="rows per step (default 64: forward and backward outlast the copy, as the goal assumes)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--object-mib", type=int, default=None,
+                        help="s3dcp's object size target (default: S3Config's, 512 MiB)")
+    parser.add_argument("--split-cores", action="store_true",
+                        help="the embedded S3 server on the last core, this process on the others")
     add_common_args(parser, repeats=1)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -275,6 +320,10 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     results = {}
     with s3_target(args) as target:
+        if args.split_cores:
+            cores = split_cores(target.server_pid)
+            print(f"# S3 server (pid {target.server_pid}) on core {cores[1]}; this process on cores {cores[0]}, "
+                  f"{torch.get_num_threads()} torch threads", flush=True)
         for shape in (["large", "small"] if args.shape == "both" else [args.shape]):
             results[shape] = run_shape(args, target, shape, modes)
     load_after = os.getloadavg()
@@ -284,6 +333,7 @@ def main(argv=None) -> int:
                     [("mode", "mode"), ("stall_median_s", "stall s", ".4f"), ("stall_max_s", "max", ".4f"),
                      ("call_median_s", "in async_save", ".4f"), ("wait_staged_median_s", "staging wait", ".4f"),
                      ("upload_wait_median_s", "upload wait", ".4f"), ("staged_after_median_s", "staged after", ".3f"),
+                     ("durable_after_median_s", "durable after", ".3f"),
                      ("step_median_s", "step s", ".3f"), ("step_vs_none", "x none", ".2f"),
                      ("first_step_vs_none", "1st step x", ".2f"), ("rest_step_vs_none", "later steps x", ".2f"),
                      ("server_cpu_median_s", "server CPU s", ".1f")],

@@ -56,7 +56,7 @@ def start(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, names: C
     """Run ``copies.run_later()`` on the staging thread and check ``guard`` after it; return the
     Future of ``staged`` (set once the lease has landed). ``names()`` names the sources, for an
     error; ``where`` is the checkpoint."""
-    future = StagingFuture(staged)
+    future = StagingFuture(staged, lease)
     future.set_running_or_notify_cancel()
     args = (copies, guard, lease, staged, future, names, where)
     failure: BaseException | None = None
@@ -84,11 +84,21 @@ class StagingFuture(Future):
     staged dict and calls the writer. Planning needs only the dict's structure, and write_data
     reads a slab's bytes once they are in (:meth:`~s3dcp.saving.lease.Lease.wait_in`), so the
     plan's collectives and the first objects' uploads run beside the copies of the others.
-    Every other caller of :meth:`result` waits for the copies, as with any Future."""
+    Every other caller of :meth:`result` waits for the copies, as with any Future.
 
-    def __init__(self, staged: dict) -> None:
+    DCP's save thread waits to plan until ``async_save`` is returning (its last step is to take
+    this Future's completion: :meth:`add_done_callback`), or the stage has landed: the planning
+    is Python, and a training thread that needs the GIL back for its last lines waits out
+    switch intervals (5 ms each) behind it (:meth:`~s3dcp.saving.lease.Lease.attach`)."""
+
+    def __init__(self, staged: dict, lease: Lease) -> None:
         super().__init__()
         self._staged = staged
+        self._lease = lease
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        self._lease.returned.set()
+        super().add_done_callback(fn)
 
     def result(self, timeout: float | None = None) -> Any:
         caller = sys._getframe(1)
@@ -174,6 +184,7 @@ def _run(copies: Copies, guard: TornGuard, lease: Lease, staged: dict, future: F
     finally:
         guard.release()
         lease.land(error)
+        lease.returned.set()  # nothing is left for the save's thread to wait for
         with _LOCK:
             _IN_FLIGHT.discard(lease)
         future.set_result(staged)

@@ -111,7 +111,9 @@ class Lease:
         self.training_done: dict[int, Any] = {}  # CUDA device -> event after the work queued before stage()
         self.pending = False  # tensors beyond the budget: write_data copies them in rounds
         self.copied = threading.Event()  # every original is copied: the caller may change them
-        self.returned = threading.Event()  # synchronize_staging is done: async_save returns
+        # async_save returns: synchronize_staging is done (blocking), or DCP is taking the
+        # staging Future's completion (background: StagingFuture.add_done_callback)
+        self.returned = threading.Event()
         # stage()'s own copies have landed (a background stage's too, on its staging thread);
         # error: why the staged copy must not be saved (it is torn, or a copy failed)
         self.landed = threading.Event()
@@ -125,19 +127,17 @@ class Lease:
     def attach(self) -> None:
         """Tie the lease to the DCP save call running on this thread (first call wins).
 
-        A save started by ``dcp.async_save`` first lets the training thread finish
-        ``synchronize_staging`` (the last of async_save's work): the save's planning is pure
-        Python, and a training thread that needs the GIL back for its last lines waits out
-        switch intervals (5 ms each) behind it. Not with rounds pending: the training thread
-        then waits for this thread to copy them."""
+        A save started by ``dcp.async_save`` first lets the training thread finish async_save
+        (:attr:`returned`): the save's planning is pure Python, and a training thread that needs
+        the GIL back for its last lines waits out switch intervals (5 ms each) behind it. Not
+        with rounds pending: the training thread then waits for this thread to copy them."""
         if self._save is None and not self._released:
             self._save = _SaveCall.of_caller()
             if self._save is not None:
                 _this_thread().leases.add(self)
             if self._save is not None and self._save.async_save and not self.pending:
                 if not self.returned.wait(_RETURN_WAIT_S):
-                    log.debug("synchronize_staging was not called within %.1f s; the save goes on",
-                              _RETURN_WAIT_S)
+                    log.debug("async_save did not return within %.1f s; the save goes on", _RETURN_WAIT_S)
 
     @property
     def attached(self) -> bool:

@@ -164,7 +164,6 @@ class StagingMixin:
             self._stage_s = time.perf_counter() - self._stage_started
             return result
         lease.stream(copies.later_slabs)  # before the staged dict goes anywhere
-        lease.returned.set()  # nothing waits for the training thread: it returns now
         future = background.start(copies, guard, lease, result, lambda: statetree.paths(result),
                                   getattr(self, "checkpoint_id", None) or "the checkpoint")
         self._stage_s = time.perf_counter() - self._stage_started

@@ -7,6 +7,7 @@ Mid-staging changes are made deterministic through the staging thread's seam
 after them, before the check) while the test changes a tensor, then goes on."""
 
 import threading
+import time
 import weakref
 
 import pytest
@@ -121,10 +122,8 @@ def _two_slabs(seed=0):
 def _wait_for_keys(boto3_client, bucket, prefix, count, timeout_s=60):
     """The keys under ``prefix`` once there are ``count`` of them (an AssertionError after
     ``timeout_s``, which a test that cannot see them there fails on)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
-    while (keys := _keys(boto3_client, bucket, prefix)) and len(keys) < count or not keys:
+    while len(keys := _keys(boto3_client, bucket, prefix)) < count:
         assert time.monotonic() < deadline, f"{prefix}: {keys} after {timeout_s} s"
         time.sleep(0.05)
     return keys
@@ -149,6 +148,35 @@ def test_an_object_goes_to_s3_as_soon_as_its_slab_is_in_while_the_next_is_still_
     response.staging_completion.result(timeout=60)
     response.upload_completion.result(timeout=120)
     _assert_loads_as(f"s3://{bucket}/early", config, state, expected)
+
+
+def test_the_save_thread_plans_only_once_async_save_is_returning(bucket, config, monkeypatch):
+    """DCP's save thread has the staged dict at once, but its planning is Python that would
+    hold the GIL against the training thread's last lines in async_save: its first writer call
+    waits until async_save takes the staging Future's completion (slowed down here by 0.3 s)."""
+    hold = _Hold(monkeypatch, "copying")  # landing would let the save thread go on too
+    events = []
+    taking = background.StagingFuture.add_done_callback
+
+    def add_done_callback(self, fn):
+        time.sleep(0.3)
+        events.append("training thread done")
+        taking(self, fn)
+
+    monkeypatch.setattr(background.StagingFuture, "add_done_callback", add_done_callback)
+
+    class Writer(S3StorageWriter):
+        def set_up_storage_writer(self, *args, **kwargs):
+            super().set_up_storage_writer(*args, **kwargs)
+            events.append("save thread goes on")
+
+    response = dcp.async_save(_two_slabs(), storage_writer=Writer(f"s3://{bucket}/handoff", config=config))
+    try:
+        assert hold.reached.wait(30)
+    finally:
+        hold.go()
+    response.upload_completion.result(timeout=120)
+    assert events == ["training thread done", "save thread goes on"]
 
 
 def test_a_tensor_changed_after_its_slab_was_sent_fails_the_save_and_deletes_what_was_sent(bucket, config,
@@ -309,8 +337,6 @@ def test_an_optimizer_step_that_did_not_wait_is_held_until_staging_completes(buc
     """The loop calls optimizer.step() right after the save, without waiting (the copy is slowed
     down through the seam): the step waits for staging, and the checkpoint is the state of the
     call — also for a fused optimizer, whose step bumps no version counter for a check to see."""
-    import time
-
     monkeypatch.setattr(background, "_seam", lambda phase: time.sleep(0.3) if phase == "copying" else None)
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 512)
@@ -467,7 +493,6 @@ def test_the_staging_thread_and_the_arena_go_once_each_save_is_over(bucket, conf
 
 def _wait_for(condition, timeout_s=10.0):
     import gc
-    import time
 
     deadline = time.monotonic() + timeout_s
     while not condition():

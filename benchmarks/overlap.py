@@ -27,8 +27,9 @@ steps are done is waited for and reported apart ("upload wait": what the next ch
 wait for, back-pressure, when --every steps are shorter than an upload on this machine). Step
 time = the segment's steps (its stall included) / their number, against the "none" segments of
 the same rounds. Durable after = from the async_save call until the upload is complete (the
-checkpoint committed): where sending each object as its slab comes in shows, with objects
-smaller than the state (--object-mib). Goal (issue 40), for background: stall
+checkpoint committed); 1st object sent after = from that call until s3dcp starts its first
+object's upload (objects sent from files: not s3torchconnector's). Sending each object as its
+slab comes in shows where a rank's state spans several objects (--object-mib). Goal (issue 40), for background: stall
 <= 10 ms for 512 MiB and <= 25 ms for the small shape, step time with a checkpoint <= 1.1x
 without. Exits 0 either way (a busy machine misses the goal without anything being wrong).
 
@@ -127,6 +128,26 @@ def _when_staged(response) -> list[float]:
     return stamp
 
 
+_SENT: list[float] = []  # when each s3dcp object upload started (perf_counter), this segment
+
+
+def _record_sends() -> None:
+    """Note when s3dcp starts each object's upload (every object sent from a file: the
+    staging slabs, DefaultStager's shared memory), for the "1st object sent" column."""
+    from s3dcp.s3.client import S3Client
+
+    put_file = S3Client.put_file
+    if getattr(put_file, "recorded", False):
+        return
+
+    def recorded(self, *args, **kwargs):
+        _SENT.append(time.perf_counter())
+        return put_file(self, *args, **kwargs)
+
+    recorded.recorded = True
+    S3Client.put_file = recorded
+
+
 class OwnPlanner(DefaultSavePlanner):
     """DCP's planner under another name: s3dcp's writer sends nothing before the stage is whole."""
 
@@ -142,7 +163,9 @@ def segment(loop: Loop, mode: str, target, every: int, stager, config) -> dict:
     server_cpu = _cpu_s(server)
     start = time.perf_counter()
     call_s = staged_s = durable_s = 0.0
+    first_sent_s = None
     response = None
+    _SENT.clear()
     if mode != "none":
         state = loop.state()
         if mode in ("blocking", "background"):
@@ -183,11 +206,13 @@ def segment(loop: Loop, mode: str, target, every: int, stager, config) -> dict:
         tail_s = time.perf_counter() - steps_end
         staged_s = staged_at[0] - start
         durable_s = durable_at[0] - start
+        first_sent_s = min(_SENT) - start if _SENT else None
     server_cpu = _cpu_s(server) - server_cpu  # the local S3 server's share of the cores, upload included
     if response is not None:
         delete_prefix(target.s3_client(), target.bucket, prefix)
     return {"mode": mode, "call_s": call_s, "wait_staged_s": waited[0], "upload_wait_s": tail_s,
-            "stall_s": call_s + waited[0], "staged_after_s": staged_s, "durable_after_s": durable_s,
+            "stall_s": call_s + waited[0], "staged_after_s": staged_s, "first_sent_after_s": first_sent_s,
+            "durable_after_s": durable_s,
             "step_s": (steps_end - start) / every,
             "first_step_s": first_s, "rest_step_s": (steps_end - start - call_s - first_s) / max(1, every - 1),
             "server_cpu_s": server_cpu}
@@ -206,6 +231,7 @@ def _cpu_s(proc) -> float:
 def run_shape(args, target, shape: str, modes: list[str]) -> dict:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+    _record_sends()
     model = make_model(args.state_mib, shape)
     loop = Loop(model, args.batch)
     state = loop.state()
@@ -242,6 +268,8 @@ def run_shape(args, target, shape: str, modes: list[str]) -> dict:
             "upload_wait_median_s": median(r["upload_wait_s"] for r in mine),
             "staged_after_median_s": median(r["staged_after_s"] for r in mine),
             "durable_after_median_s": median(r["durable_after_s"] for r in mine),
+            "first_sent_after_median_s": median(sent) if (sent := [r["first_sent_after_s"] for r in mine
+                                                                  if r["first_sent_after_s"] is not None]) else None,
             "step_median_s": median(r["step_s"] for r in mine),
             "step_vs_none": median(r["step_s"] for r in mine) / base if base else None,
             "first_step_vs_none": median(r["first_step_s"] for r in mine) / first_base if first_base else None,
@@ -333,6 +361,7 @@ def main(argv=None) -> int:
                     [("mode", "mode"), ("stall_median_s", "stall s", ".4f"), ("stall_max_s", "max", ".4f"),
                      ("call_median_s", "in async_save", ".4f"), ("wait_staged_median_s", "staging wait", ".4f"),
                      ("upload_wait_median_s", "upload wait", ".4f"), ("staged_after_median_s", "staged after", ".3f"),
+                     ("first_sent_after_median_s", "1st object sent after", ".3f"),
                      ("durable_after_median_s", "durable after", ".3f"),
                      ("step_median_s", "step s", ".3f"), ("step_vs_none", "x none", ".2f"),
                      ("first_step_vs_none", "1st step x", ".2f"), ("rest_step_vs_none", "later steps x", ".2f"),

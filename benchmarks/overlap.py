@@ -42,6 +42,7 @@ server's work on the same cores (6-9 CPU seconds per 512 MiB checkpoint for Seaw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -131,21 +132,24 @@ def _when_staged(response) -> list[float]:
 _SENT: list[float] = []  # when each s3dcp object upload started (perf_counter), this segment
 
 
-def _record_sends() -> None:
+@contextlib.contextmanager
+def _sends_recorded():
     """Note when s3dcp starts each object's upload (every object sent from a file: the
     staging slabs, DefaultStager's shared memory), for the "1st object sent" column."""
     from s3dcp.s3.client import S3Client
 
     put_file = S3Client.put_file
-    if getattr(put_file, "recorded", False):
-        return
 
     def recorded(self, *args, **kwargs):
         _SENT.append(time.perf_counter())
         return put_file(self, *args, **kwargs)
 
-    recorded.recorded = True
     S3Client.put_file = recorded
+    try:
+        yield
+    finally:
+        S3Client.put_file = put_file
+        _SENT.clear()
 
 
 class OwnPlanner(DefaultSavePlanner):
@@ -231,7 +235,6 @@ def _cpu_s(proc) -> float:
 def run_shape(args, target, shape: str, modes: list[str]) -> dict:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    _record_sends()
     model = make_model(args.state_mib, shape)
     loop = Loop(model, args.batch)
     state = loop.state()
@@ -243,7 +246,7 @@ def run_shape(args, target, shape: str, modes: list[str]) -> dict:
                                           use_non_blocking_copy=False))
     config = target.config.replace(object_size_target_bytes=args.object_mib * MiB) if args.object_mib else target.config
     rows: list[dict] = []
-    try:
+    with contextlib.closing(stager), _sends_recorded():
         for r in range(args.rounds + 1):  # round 0 warms every mode up
             order = modes[r % len(modes):] + modes[:r % len(modes)]
             for mode in order:
@@ -253,8 +256,6 @@ def run_shape(args, target, shape: str, modes: list[str]) -> dict:
                 print(f"# {shape} round {r}{' (warm-up)' if not r else ''} {mode:13s} stall {row['stall_s'] * 1e3:8.1f} ms "
                       f"(call {row['call_s'] * 1e3:.1f}, staging wait {row['wait_staged_s'] * 1e3:.1f}, upload wait "
                       f"{row['upload_wait_s'] * 1e3:.1f}); step {row['step_s'] * 1e3:.0f} ms", flush=True)
-    finally:
-        stager.close()
     base = median(r["step_s"] for r in rows if r["mode"] == "none")
     first_base = median(r["first_step_s"] for r in rows if r["mode"] == "none")
     rest_base = median(r["rest_step_s"] for r in rows if r["mode"] == "none")

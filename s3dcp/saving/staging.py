@@ -218,16 +218,11 @@ class StagingMixin:
     @staticmethod
     def _streams(lease: Lease | None, planner: Any) -> bool:
         """Whether write_data may send the objects of a background stage as its slabs come in
-        (:meth:`Lease.wait_in`), or must wait for the whole stage first: only DCP's own
+        (:meth:`Lease.wait_in`), rather than once the whole stage has landed: only DCP's own
         planner is known to read no tensor's bytes while it resolves the items to write (another
-        may transform them: a cast reads them). Either way it waits before it returns
-        (:meth:`_staging_landed`)."""
-        if lease is None or not lease.slabs_in:
-            return False
-        if type(planner) is DefaultSavePlanner:
-            return True
-        StagingMixin._staging_landed(lease)
-        return False
+        may transform them: a cast reads them). Either way write_data waits for the landing
+        before it returns (:meth:`_staging_landed`)."""
+        return lease is not None and bool(lease.slabs_in) and type(planner) is DefaultSavePlanner
 
     @staticmethod
     def _staging_landed(lease: Lease | None) -> None:

@@ -114,7 +114,7 @@ class Uploads:
         self.base = base
         self.pool = pool
         self.window_bytes = window_bytes
-        self.arena = arena  # this save's staging arena, whose slabs' free tails may take small items
+        # this save's staging arena's slabs by address: sent as they are, their free tails take small items
         self._own = {slab.address: slab for slab in arena.slabs} if arena is not None else {}
         self.wait_in = wait_in  # a background stage: returns once a staged tensor's bytes are in
         self.local = local  # the node-local copy each object is also written to (the local tier)

@@ -213,6 +213,8 @@ class S3StorageWriter(S3CheckpointPath, StagingMixin, StorageWriter):
             # in the try: the client may be made here, and a failure must still end the lease
             self._check_not_abandoned()
             streams = self._streams(lease, planner)
+            if not streams:  # another planner may read the bytes while resolving: the whole stage first
+                self._staging_landed(lease)
             uploads = self._uploads = Uploads(
                 self.client, self._uri, self.config, rank=rank, save_id=self._save_id,
                 item_checksum=self.item_checksum, base=self._base, pool=self._staging_pool(),

@@ -220,6 +220,41 @@ def _go_once_write_data_waits(monkeypatch, hold):
     monkeypatch.setattr(Lease, "wait_in", waits_in)
 
 
+def test_an_object_refused_while_the_next_slab_is_copied_fails_the_save_and_leaves_nothing(bucket, config,
+                                                                                           monkeypatch, boto3_client,
+                                                                                           s3_server):
+    """Through the fault proxy: the first slab's object is refused (403) while the staging
+    thread is held before the second slab. The save fails with S3's refusal once the stage has
+    landed, nothing is committed, and the second object, sent after, is deleted too."""
+    from urllib.parse import urlsplit
+
+    from fault_proxy import FaultProxy, Rule
+
+    from s3dcp.errors import AccessDeniedError
+
+    hold = _Hold(monkeypatch, "slab in")
+    u = urlsplit(s3_server.endpoint_url)
+    with FaultProxy(u.hostname, u.port) as proxy:
+        proxy.add_rule(Rule("error", method="PUT", path_regex=r"/__0_0\.[0-9a-f]+\.distcp$", status=403,
+                            code="AccessDenied"))
+        writer = S3StorageWriter(f"s3://{bucket}/refused", config=config.replace(endpoint_url=proxy.endpoint_url))
+        response = dcp.async_save(_two_slabs(), storage_writer=writer)
+        try:
+            assert hold.reached.wait(30)
+            deadline = time.monotonic() + 60
+            while not proxy.counts().get("error"):  # the first object's PUT, refused while the second is held
+                assert time.monotonic() < deadline, proxy.counts()
+                time.sleep(0.05)
+        finally:
+            hold.go()
+        with pytest.raises(BaseException) as info:
+            response.upload_completion.result(timeout=120)
+        assert isinstance(s3dcp.unwrap_error(info.value), AccessDeniedError), info.value
+        assert [r.target for r in proxy.requests if r.method == "PUT" and "__0_1." in r.target]  # the second went
+    assert _keys(boto3_client, bucket, "refused/") == []
+    assert boto3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
 def test_a_value_pickled_with_its_tensors_waits_for_them_to_be_in(bucket, config, monkeypatch):
     """DCP pickles a tuple whole (a BYTE_IO item), tensors and all: write_data resolves it only
     once the stage has landed, or it would pickle slabs still being filled."""
